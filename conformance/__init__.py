@@ -1,0 +1,1 @@
+"""The outboxkit store conformance suite (import name ``outboxkit_conformance``)."""

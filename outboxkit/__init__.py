@@ -1,0 +1,117 @@
+"""outboxkit: a transactional outbox for Python.
+
+Write an event in the same transaction as the data that produced it; pollers deliver it to every
+subscribed handler, at least once, with retries, backoff and dead letters::
+
+    from outboxkit import EventBus, Outbox, open_store
+
+    bus = EventBus()
+
+    @bus.handler("order.placed", name="send-receipt")
+    def send_receipt(event, ctx): ...
+
+    outbox = Outbox(open_store("sqlite:///app.db"), bus)
+"""
+
+from __future__ import annotations
+
+from ._backoff import ExponentialBackoff
+from ._machine import Transition
+from ._model import (
+    Claim,
+    Claimed,
+    DeadLetter,
+    DeadLettered,
+    DeliveryRecord,
+    Event,
+    HandlerFailed,
+    HandlerRejected,
+    HandlerSucceeded,
+    LeaseLost,
+    ObserverEvent,
+    Outcome,
+    Published,
+    RetryScheduled,
+    State,
+    Stats,
+    Unrouted,
+)
+from .bus import DeliveryContext, EventBus, HandlerSpec
+from .clock import Clock, FrozenClock, SystemClock
+from .errors import (
+    ConfigurationError,
+    DrainError,
+    HandlerCrashed,
+    IllegalTransition,
+    InvalidEvent,
+    LeaseLostError,
+    MissingDependency,
+    OutboxError,
+    Reject,
+    SchemaError,
+    StoreError,
+    StoreUnavailable,
+    UnknownStore,
+)
+from .hookspecs import hookimpl
+from .memory import MemoryStore, MemoryTransaction
+from .outbox import Message, Outbox
+from .plugins import open_store
+from .poller import Delivery, Poller, PollReport, ThreadWaiter, Waiter
+from .store import Store
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Claim",
+    "Claimed",
+    "Clock",
+    "ConfigurationError",
+    "DeadLetter",
+    "DeadLettered",
+    "Delivery",
+    "DeliveryContext",
+    "DeliveryRecord",
+    "DrainError",
+    "Event",
+    "EventBus",
+    "ExponentialBackoff",
+    "FrozenClock",
+    "HandlerCrashed",
+    "HandlerFailed",
+    "HandlerRejected",
+    "HandlerSpec",
+    "HandlerSucceeded",
+    "IllegalTransition",
+    "InvalidEvent",
+    "LeaseLost",
+    "LeaseLostError",
+    "MemoryStore",
+    "MemoryTransaction",
+    "Message",
+    "MissingDependency",
+    "ObserverEvent",
+    "Outbox",
+    "OutboxError",
+    "Outcome",
+    "PollReport",
+    "Poller",
+    "Published",
+    "Reject",
+    "RetryScheduled",
+    "SchemaError",
+    "State",
+    "Stats",
+    "Store",
+    "StoreError",
+    "StoreUnavailable",
+    "SystemClock",
+    "ThreadWaiter",
+    "Transition",
+    "Unrouted",
+    "UnknownStore",
+    "Waiter",
+    "__version__",
+    "hookimpl",
+    "open_store",
+]

@@ -1,0 +1,87 @@
+"""Backoff policies (R10).
+
+PURE: no clock, no I/O. A policy maps the retry number (1 for the first retry) to a delay.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+__all__ = ["BackoffPolicy", "ExponentialBackoff", "as_policy", "delay_for"]
+
+BackoffPolicy = Callable[[int], "float | timedelta"]
+"""Any callable ``backoff(retry: int) -> seconds | timedelta``; ``retry`` counts from 1."""
+
+
+@dataclass(frozen=True, slots=True)
+class ExponentialBackoff:
+    """Retry *n* waits ``min(base * 2**(n-1), max)`` seconds; 1 s, 2 s, 4 s, ... 300 s by default.
+
+    ``jitter`` (0..1) spreads each delay uniformly over ``[delay * (1 - jitter), delay]``; it is
+    off by default so schedules are reproducible.
+
+    Raises:
+        ValueError: ``base`` or ``max`` is not > 0, or ``jitter`` is outside 0..1.
+    """
+
+    base: float = 1.0
+    max: float = 300.0
+    jitter: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not _positive(self.base):
+            raise ValueError(f"backoff base must be > 0 seconds, got {self.base!r}")
+        if not _positive(self.max):
+            raise ValueError(f"backoff max must be > 0 seconds, got {self.max!r}")
+        if not (0.0 <= self.jitter <= 1.0):
+            raise ValueError(f"backoff jitter must be between 0 and 1, got {self.jitter!r}")
+
+    def __call__(self, retry: int) -> float:
+        if retry < 1:
+            raise ValueError(f"retry numbers start at 1, got {retry!r}")
+        # Cap the exponent first: 2**retry for a huge retry would overflow a float.
+        exponent = min(retry - 1, 64)
+        delay = min(self.base * 2.0**exponent, self.max)
+        if self.jitter:
+            delay -= delay * self.jitter * random.random()
+        return delay
+
+
+def _positive(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+
+
+def as_policy(backoff: BackoffPolicy | None) -> BackoffPolicy:
+    """The policy to use: the given callable, or the default exponential one.
+
+    Raises:
+        ValueError: ``backoff`` is neither None nor callable.
+    """
+    if backoff is None:
+        return ExponentialBackoff()
+    if not callable(backoff):
+        raise ValueError(f"backoff must be a callable retry -> seconds, got {backoff!r}")
+    return backoff
+
+
+def delay_for(policy: BackoffPolicy, retry: int) -> timedelta:
+    """The policy's delay before retry ``retry`` as a non-negative ``timedelta``.
+
+    Raises:
+        ValueError: the policy returned something that is not a finite, non-negative duration.
+    """
+    value = policy(retry)
+    if isinstance(value, timedelta):
+        delay = value
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError(f"backoff returned {value!r} for retry {retry}; need finite seconds")
+        delay = timedelta(seconds=value)
+    else:
+        raise ValueError(f"backoff returned {value!r} for retry {retry}; need seconds or timedelta")
+    if delay < timedelta(0):
+        raise ValueError(f"backoff returned a negative delay {value!r} for retry {retry}")
+    return delay

@@ -1,0 +1,212 @@
+"""Frozen value types shared by the core, the stores and the observers.
+
+PURE: no I/O, no clock, no driver. Everything here is a plain immutable value.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+__all__ = [
+    "Claim",
+    "Claimed",
+    "DeadLetter",
+    "DeadLettered",
+    "DeliveryRecord",
+    "Event",
+    "HandlerFailed",
+    "HandlerRejected",
+    "HandlerSucceeded",
+    "LeaseLost",
+    "NewEvent",
+    "ObserverEvent",
+    "Outcome",
+    "Published",
+    "RetryScheduled",
+    "State",
+    "Stats",
+    "Unrouted",
+]
+
+JSON = Any
+"""A JSON value: dict, list, str, int, float, bool or None (validated at enqueue)."""
+
+
+class State(enum.Enum):
+    """Where an event is in its lifecycle (see ``_machine`` for the transitions)."""
+
+    PENDING = "pending"
+    CLAIMED = "claimed"
+    PUBLISHED = "published"
+    DEAD = "dead"
+
+
+class Outcome(enum.Enum):
+    """What one delivery of an event to one handler ended with.
+
+    Only ``SUCCEEDED`` and ``REJECTED`` are ever recorded; ``FAILED`` (an exception) and
+    ``CRASHED`` (a ``BaseException`` or a lost process) leave no record, so the handler
+    runs again on the next attempt.
+    """
+
+    SUCCEEDED = "succeeded"
+    REJECTED = "rejected"
+    FAILED = "failed"
+    CRASHED = "crashed"
+
+    @property
+    def recorded(self) -> bool:
+        return self in (Outcome.SUCCEEDED, Outcome.REJECTED)
+
+
+@dataclass(frozen=True, slots=True)
+class NewEvent:
+    """A validated event on its way into a store (see ``outboxkit._payload``)."""
+
+    topic: str
+    payload_json: str
+    headers: Mapping[str, str]
+    key: str | None
+    delay: timedelta
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """An event as handlers see it."""
+
+    id: int
+    topic: str
+    payload: JSON
+    headers: Mapping[str, str] = field(default_factory=dict)
+    key: str | None = None
+    created_at: datetime | None = None
+    available_at: datetime | None = None
+    attempts: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryRecord:
+    """A recorded outcome of one (event, handler) pair: succeeded or rejected."""
+
+    event_id: int
+    handler: str
+    outcome: Outcome
+    attempt: int
+    recorded_at: datetime
+    reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """One event leased to one poller.
+
+    ``token`` fences every later write (delivery, extension, settle): once another poller
+    has re-claimed the event, writes under the old token change nothing. ``done`` maps the
+    handlers that already have a delivery record to their outcome, so they are skipped.
+    ``locked_until`` is the lease end as the store computed it.
+    """
+
+    event: Event
+    token: str
+    locked_until: datetime
+    done: Mapping[str, Outcome] = field(default_factory=dict)
+
+    @property
+    def attempt(self) -> int:
+        return self.event.attempts
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLetter:
+    """A dead-lettered event with why it died and what its handlers recorded."""
+
+    event: Event
+    failed_at: datetime
+    last_error: str | None
+    records: tuple[DeliveryRecord, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """Counts by state (and by topic), as a store reports them."""
+
+    pending: int = 0
+    claimed: int = 0
+    published: int = 0
+    dead: int = 0
+    by_topic: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
+    oldest_due_at: datetime | None = None
+
+    @property
+    def total(self) -> int:
+        return self.pending + self.claimed + self.published + self.dead
+
+
+# -- observer events -------------------------------------------------------------------------
+# Emitted by the poller through the ``outboxkit_on_event`` hook. Small, frozen, no live objects.
+
+
+@dataclass(frozen=True, slots=True)
+class ObserverEvent:
+    event_id: int
+    topic: str
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed(ObserverEvent):
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class HandlerSucceeded(ObserverEvent):
+    handler: str
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class HandlerRejected(ObserverEvent):
+    handler: str
+    attempt: int
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class HandlerFailed(ObserverEvent):
+    handler: str
+    attempt: int
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class RetryScheduled(ObserverEvent):
+    attempt: int
+    delay: timedelta
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Published(ObserverEvent):
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class Unrouted(ObserverEvent):
+    """No handler is subscribed to the topic; the event is published straight away (R9)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeadLettered(ObserverEvent):
+    attempt: int
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseLost(ObserverEvent):
+    """The poller no longer owns the event: its writes under the old token changed nothing."""
+
+    attempt: int
+    handler: str | None = None

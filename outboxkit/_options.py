@@ -1,0 +1,103 @@
+"""Poller options and their validation (R14). PURE: values in, values or ValueError out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Any
+
+from ._backoff import BackoffPolicy, ExponentialBackoff
+from .clock import as_timedelta
+from .errors import ConfigurationError
+
+__all__ = ["PollerOptions"]
+
+_DEFAULT_BACKOFF = ExponentialBackoff()
+
+
+@dataclass(frozen=True, slots=True)
+class PollerOptions:
+    """The options one poller runs with; ``Outbox`` holds the app-wide defaults.
+
+    Attributes:
+        interval: seconds between polls when there is no work (> 0).
+        batch_size: most events claimed at once (>= 1).
+        lease: how long a claim is held before another poller may take the event over (> 0).
+        max_retries: retries after the first attempt before dead-lettering (>= 0).
+        backoff: ``backoff(retry) -> seconds | timedelta``, or a constant delay (seconds or
+            timedelta); default exponential 1 s, 2 s, 4 s ... capped at 300 s.
+    """
+
+    interval: timedelta = timedelta(seconds=0.5)
+    batch_size: int = 100
+    lease: timedelta = timedelta(seconds=30)
+    max_retries: int = 10
+    backoff: BackoffPolicy = _DEFAULT_BACKOFF
+
+    @classmethod
+    def build(cls, base: PollerOptions | None = None, **options: Any) -> PollerOptions:
+        """Validate ``options`` and lay them over ``base`` (or the defaults).
+
+        Raises:
+            ConfigurationError: an unknown option, or a value out of range, naming the option.
+        """
+        unknown = sorted(set(options) - set(cls.__dataclass_fields__))
+        if unknown:
+            known = ", ".join(sorted(cls.__dataclass_fields__))
+            raise ConfigurationError(f"unknown poller option(s) {unknown}; known: {known}")
+        checked: dict[str, Any] = {}
+        for name, value in options.items():
+            if value is None and name in ("max_retries", "backoff"):
+                continue  # None = keep the outbox-wide default
+            checked[name] = _CHECKS[name](value)
+        return replace(base or cls(), **checked)
+
+
+def _duration(name: str) -> Any:
+    def check(value: object) -> timedelta:
+        try:
+            return as_timedelta(value, what=name, allow_zero=False)  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise ConfigurationError(str(exc)) from None
+
+    return check
+
+
+def _count(name: str, minimum: int) -> Any:
+    def check(value: object) -> int:
+        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+            raise ConfigurationError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        return value
+
+    return check
+
+
+def _backoff(value: object) -> BackoffPolicy:
+    if isinstance(value, timedelta | int | float) and not isinstance(value, bool):
+        try:
+            constant = as_timedelta(value, what="backoff")
+        except ValueError as exc:
+            raise ConfigurationError(str(exc)) from None
+        return _Constant(constant)
+    if not callable(value):
+        raise ConfigurationError(
+            f"backoff must be a callable retry -> seconds, or a constant delay, got {value!r}"
+        )
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class _Constant:
+    delay: timedelta
+
+    def __call__(self, retry: int) -> timedelta:
+        return self.delay
+
+
+_CHECKS = {
+    "interval": _duration("interval"),
+    "batch_size": _count("batch_size", 1),
+    "lease": _duration("lease"),
+    "max_retries": _count("max_retries", 0),
+    "backoff": _backoff,
+}

@@ -1,0 +1,128 @@
+"""Clocks. One per outbox, injected; the pure core never reads one.
+
+``SystemClock`` is the production clock. ``FrozenClock`` is the test clock: it stands still until
+told to move, so retries, leases and delays are driven by the test, never by sleeping.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from typing import Protocol, runtime_checkable
+
+__all__ = ["Clock", "FrozenClock", "SystemClock", "as_timedelta", "parse_instant"]
+
+
+@runtime_checkable
+class Clock(Protocol):
+    """Anything with ``now() -> aware datetime``."""
+
+    def now(self) -> datetime: ...
+
+
+class SystemClock:
+    """The wall clock, in UTC."""
+
+    def now(self) -> datetime:
+        return datetime.now(UTC)
+
+    def __repr__(self) -> str:
+        return "SystemClock()"
+
+
+class FrozenClock:
+    """A clock that only moves when told to. Thread-safe.
+
+    Args:
+        start: the first instant (aware datetime or ISO-8601 string); default 2030-01-01 UTC.
+
+    Raises:
+        ValueError: ``start`` is naive or not a valid instant.
+    """
+
+    def __init__(self, start: datetime | str | None = None) -> None:
+        self._lock = threading.Lock()
+        self._now = parse_instant(start) if start is not None else datetime(2030, 1, 1, tzinfo=UTC)
+        self._listeners: list[Callable[[datetime], None]] = []
+
+    def now(self) -> datetime:
+        with self._lock:
+            return self._now
+
+    def advance(self, by: float | timedelta) -> datetime:
+        """Move forward by seconds or a timedelta; returns the new instant.
+
+        Raises:
+            ValueError: ``by`` is negative or not a duration.
+        """
+        delta = as_timedelta(by, what="advance")
+        with self._lock:
+            self._now += delta
+            now = self._now
+        self._notify(now)
+        return now
+
+    def set(self, instant: datetime | str) -> datetime:
+        """Jump to ``instant`` (forwards or backwards); returns it.
+
+        Raises:
+            ValueError: ``instant`` is naive or not a valid instant.
+        """
+        value = parse_instant(instant)
+        with self._lock:
+            self._now = value
+        self._notify(value)
+        return value
+
+    def on_change(self, listener: Callable[[datetime], None]) -> Callable[[], None]:
+        """Call ``listener(now)`` after every move; returns a function that unsubscribes it."""
+        self._listeners.append(listener)
+        return lambda: self._listeners.remove(listener)
+
+    def _notify(self, now: datetime) -> None:
+        for listener in list(self._listeners):
+            listener(now)
+
+    def __repr__(self) -> str:
+        return f"FrozenClock({self.now().isoformat()!r})"
+
+
+def parse_instant(value: datetime | str) -> datetime:
+    """An aware UTC datetime from a datetime or an ISO-8601 string (``Z`` allowed).
+
+    Raises:
+        ValueError: naive, unparsable, or neither a datetime nor a string.
+    """
+    if isinstance(value, str):
+        try:
+            parsed = datetime.fromisoformat(value.replace("Z", "+00:00").replace("z", "+00:00"))
+        except ValueError:
+            raise ValueError(f"not an ISO-8601 instant: {value!r}") from None
+    elif isinstance(value, datetime):
+        parsed = value
+    else:
+        raise ValueError(f"an instant must be a datetime or ISO-8601 string, got {value!r}")
+    if parsed.tzinfo is None or parsed.utcoffset() is None:
+        raise ValueError(f"an instant must carry a time zone (e.g. 'Z'), got {value!r}")
+    return parsed.astimezone(UTC)
+
+
+def as_timedelta(value: float | timedelta, *, what: str, allow_zero: bool = True) -> timedelta:
+    """Seconds or a timedelta as a non-negative timedelta, naming ``what`` when it is not one.
+
+    Raises:
+        ValueError: negative, non-finite, zero when ``allow_zero`` is false, or not a duration.
+    """
+    if isinstance(value, timedelta):
+        delta = value
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError(f"{what} must be a finite duration, got {value!r}")
+        delta = timedelta(seconds=value)
+    else:
+        raise ValueError(f"{what} must be seconds or a timedelta, got {value!r}")
+    if delta < timedelta(0) or (not allow_zero and delta == timedelta(0)):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{what} must be {bound}, got {value!r}")
+    return delta

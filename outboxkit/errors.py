@@ -1,0 +1,104 @@
+"""The errors outboxkit raises.
+
+Every error is an ``OutboxError``; any other exception escaping outboxkit's own code is a bug.
+Driver errors are mapped into this tree at the store boundary (``raise StoreError(...) from exc``)
+so callers never need to import a driver to catch them::
+
+    OutboxError
+    ├── InvalidEvent (also ValueError)         bad topic, payload, headers, key or delay; nothing written
+    ├── ConfigurationError (also ValueError)   bad option, bad store URL, bad name; raised at construction
+    │   ├── UnknownStore                       no store is registered for the URL's scheme
+    │   └── MissingDependency (also ImportError)  a store's driver is not installed ("install outboxkit[pg]")
+    ├── IllegalTransition                      the lifecycle has no such (state, transition) pair
+    ├── StoreError                             the store failed (the database, not a handler)
+    │   ├── StoreUnavailable                   cannot reach the database; pollers retry with backoff
+    │   └── SchemaError                        schema missing, older than this code, or newer than it
+    ├── LeaseLostError                         the claim token is stale: another poller owns the event
+    ├── Reject                                 raised BY a handler: a business rejection, never retried
+    ├── HandlerCrashed                         a handler broke its delivery transaction (committed, closed it)
+    └── DrainError                             the test drain hit max_rounds or unexpected handler errors
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigurationError",
+    "DrainError",
+    "HandlerCrashed",
+    "IllegalTransition",
+    "InvalidEvent",
+    "LeaseLostError",
+    "MissingDependency",
+    "OutboxError",
+    "Reject",
+    "SchemaError",
+    "StoreError",
+    "StoreUnavailable",
+    "UnknownStore",
+]
+
+
+class OutboxError(Exception):
+    """The root of every error outboxkit raises."""
+
+
+class InvalidEvent(OutboxError, ValueError):
+    """An event could not be enqueued as given; nothing was written."""
+
+
+class ConfigurationError(OutboxError, ValueError):
+    """An option, URL or name is invalid. Raised at construction, naming the bad value."""
+
+
+class UnknownStore(ConfigurationError):
+    """No store plugin handles the URL's scheme."""
+
+
+class MissingDependency(ConfigurationError, ImportError):
+    """The store needs a driver that is not installed."""
+
+
+class IllegalTransition(OutboxError):
+    """The lifecycle has no transition ``what`` out of ``state``."""
+
+    def __init__(self, state: object, what: str) -> None:
+        self.state = state
+        self.what = what
+        name = getattr(state, "name", state)
+        super().__init__(f"illegal transition: cannot {what} an event in state {name}")
+
+
+class StoreError(OutboxError):
+    """The store (its database) failed. Never a handler's fault."""
+
+
+class StoreUnavailable(StoreError):
+    """The database cannot be reached right now; retrying later may work."""
+
+
+class SchemaError(StoreError):
+    """The store's schema is missing or at a version this code does not handle."""
+
+
+class LeaseLostError(OutboxError):
+    """The claim token no longer owns the event; the write was refused and nothing changed."""
+
+
+class Reject(OutboxError):
+    """Raise from a handler to reject an event for business reasons.
+
+    The handler's writes are rolled back, a ``rejected`` delivery record is written, and the
+    handler is never called for this event again.
+    """
+
+    def __init__(self, reason: str = "rejected") -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class HandlerCrashed(OutboxError):
+    """A handler broke the delivery transaction it was given (committed or closed it)."""
+
+
+class DrainError(OutboxError):
+    """The test drain could not finish: see the message for the rounds or the errors."""

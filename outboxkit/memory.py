@@ -1,0 +1,495 @@
+"""The in-memory store: a real, transactional implementation of the Store protocol.
+
+It is the reference the conformance suite is written against, and the store to use in unit tests
+of an app that has no database of its own. Writes are buffered in a ``MemoryTransaction`` and
+applied atomically at commit; a rolled-back transaction leaves no trace. A delivery transaction
+holds a row lock on its event, and claims skip locked rows, as ``FOR UPDATE SKIP LOCKED`` does.
+All state sits behind one lock, so pollers in several threads may share a store.
+
+Usage::
+
+    store = MemoryStore()
+    with store.transaction() as tx:          # the "app transaction"
+        outbox.enqueue(tx, "order.placed", {"order_id": 42})
+        tx.insert("orders", {"id": 42})      # app rows, committed together
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from ._machine import DeadLetter as DeadLetterDecision
+from ._machine import Publish, Retry, Settlement, is_due
+from ._model import Claim, DeadLetter, DeliveryRecord, Event, NewEvent, Outcome, Stats
+from ._payload import decode_payload
+from .errors import ConfigurationError, LeaseLostError, StoreError
+from .hookspecs import RegisterStore, hookimpl
+
+__all__ = ["MemoryStore", "MemoryTransaction"]
+
+
+@dataclass(slots=True)
+class _Row:
+    id: int
+    topic: str
+    payload_json: str
+    headers: Mapping[str, str]
+    key: str | None
+    created_at: datetime
+    available_at: datetime
+    attempts: int = 0
+    locked_until: datetime | None = None
+    token: str | None = None
+    published_at: datetime | None = None
+    failed_at: datetime | None = None
+    last_error: str | None = None
+    row_lock: object | None = None  # the delivery transaction holding this row
+
+    def to_event(self) -> Event:
+        return Event(
+            id=self.id,
+            topic=self.topic,
+            payload=decode_payload(self.payload_json),
+            headers=dict(self.headers),
+            key=self.key,
+            created_at=self.created_at,
+            available_at=self.available_at,
+            attempts=self.attempts,
+        )
+
+
+@dataclass(slots=True)
+class _Pending:
+    events: list[_Row] = field(default_factory=list)
+    records: list[DeliveryRecord] = field(default_factory=list)
+    rows: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+
+
+class MemoryTransaction:
+    """An open transaction on a ``MemoryStore``: the "connection" handed to enqueue and handlers.
+
+    Writes (events, delivery records, app rows) become visible to others only at ``commit()``.
+    """
+
+    def __init__(self, store: MemoryStore) -> None:
+        self._store = store
+        self._pending = _Pending()
+        self.open = True
+
+    def insert(self, table: str, row: Mapping[str, Any]) -> None:
+        """Insert an app row into ``table``; it commits or rolls back with the transaction."""
+        self._check_open()
+        self._pending.rows.append((table, dict(row)))
+
+    def rows(self, table: str) -> list[dict[str, Any]]:
+        """Committed rows of ``table`` plus this transaction's own inserts."""
+        self._check_open()
+        own = [dict(r) for t, r in self._pending.rows if t == table]
+        return self._store.rows(table) + own
+
+    def commit(self) -> None:
+        """Apply every buffered write atomically.
+
+        Raises:
+            StoreError: the transaction is already closed.
+        """
+        self._check_open()
+        self._store._apply(self._pending)
+        self.open = False
+
+    def rollback(self) -> None:
+        """Discard every buffered write. Safe to call twice."""
+        self._pending = _Pending()
+        self.open = False
+
+    def _check_open(self) -> None:
+        if not self.open:
+            raise StoreError("this memory transaction is already committed or rolled back")
+
+    def __repr__(self) -> str:
+        return f"<MemoryTransaction {'open' if self.open else 'closed'}>"
+
+
+class _MemoryDelivery:
+    """A delivery transaction: a MemoryTransaction plus the claim it is fenced by."""
+
+    def __init__(self, store: MemoryStore, claim: Claim, now: datetime) -> None:
+        self._store = store
+        self._claim = claim
+        self._now = now
+        self.tx = MemoryTransaction(store)
+
+    @property
+    def connection(self) -> MemoryTransaction:
+        return self.tx
+
+    def enqueue(self, events: Sequence[NewEvent]) -> list[int]:
+        return self._store.enqueue(self.tx, events, now=self._now)
+
+    def record(self, handler: str, outcome: Outcome, *, reason: str | None = None) -> None:
+        if not outcome.recorded:
+            raise ValueError(f"only succeeded/rejected outcomes are recorded, got {outcome}")
+        self.tx._check_open()
+        self.tx._pending.records.append(
+            DeliveryRecord(
+                event_id=self._claim.event.id,
+                handler=handler,
+                outcome=outcome,
+                attempt=self._claim.attempt,
+                recorded_at=self._now,
+                reason=reason,
+            )
+        )
+
+
+class MemoryStore:
+    """A transactional in-memory store (``memory://``). Thread-safe; one process only."""
+
+    capabilities = frozenset({"transactional_handlers", "concurrent_claimers"})
+
+    def __init__(self) -> None:
+        self._lock = threading.Condition(threading.RLock())
+        self._events: dict[int, _Row] = {}
+        self._records: dict[tuple[int, str], DeliveryRecord] = {}
+        self._tables: dict[str, list[dict[str, Any]]] = {}
+        self._next_id = 1
+        self._closed = False
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> MemoryStore:
+        """The factory behind ``open_store("memory://")``; every call gives a new, empty store."""
+        if options:
+            raise ConfigurationError(f"memory:// takes no options, got {sorted(options)}")
+        if url.rstrip("/") != "memory:":
+            raise ConfigurationError(f"the memory store's URL is just 'memory://', got {url!r}")
+        return cls()
+
+    def __repr__(self) -> str:
+        return f"MemoryStore({len(self._events)} events)"
+
+    # -- transactions ---------------------------------------------------------------------------
+
+    def begin(self) -> MemoryTransaction:
+        """A new open transaction; call ``commit()`` or ``rollback()`` on it."""
+        self._check_open()
+        return MemoryTransaction(self)
+
+    @contextmanager
+    def transaction(self) -> Iterator[MemoryTransaction]:
+        """An app transaction: committed when the block ends, rolled back if it raises."""
+        tx = self.begin()
+        try:
+            yield tx
+        except BaseException:
+            tx.rollback()
+            raise
+        tx.commit()
+
+    def rows(self, table: str) -> list[dict[str, Any]]:
+        """Committed app rows of ``table``."""
+        with self._lock:
+            return [dict(r) for r in self._tables.get(table, [])]
+
+    def _apply(self, pending: _Pending) -> None:
+        with self._lock:
+            self._check_open()
+            for row in pending.events:
+                self._events[row.id] = row
+            for rec in pending.records:
+                key = (rec.event_id, rec.handler)
+                if key in self._records:
+                    raise StoreError(
+                        f"event {rec.event_id} already has a record for {rec.handler!r}"
+                    )
+                self._records[key] = rec
+            for table, values in pending.rows:
+                self._tables.setdefault(table, []).append(values)
+            self._lock.notify_all()
+
+    # -- Store protocol -------------------------------------------------------------------------
+
+    def migrate(self) -> None:
+        self._check_open()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+
+    def enqueue(self, conn: Any, events: Sequence[NewEvent], *, now: datetime | None) -> list[int]:
+        if not isinstance(conn, MemoryTransaction) or conn._store is not self:
+            raise ConfigurationError(
+                "the memory store enqueues through a transaction of the same store "
+                f"(store.transaction() or store.begin()), got {conn!r}"
+            )
+        conn._check_open()
+        at = _now(now)
+        ids: list[int] = []
+        with self._lock:
+            for ev in events:
+                row = _Row(
+                    id=self._next_id,
+                    topic=ev.topic,
+                    payload_json=ev.payload_json,
+                    headers=dict(ev.headers),
+                    key=ev.key,
+                    created_at=at,
+                    available_at=at + ev.delay,
+                )
+                self._next_id += 1
+                conn._pending.events.append(row)
+                ids.append(row.id)
+        return ids
+
+    def claim(self, *, batch_size: int, lease: timedelta, now: datetime | None) -> list[Claim]:
+        at = _now(now)
+        with self._lock:
+            self._check_open()
+            due = sorted(
+                (
+                    row
+                    for row in self._events.values()
+                    if row.row_lock is None
+                    and is_due(
+                        published_at=row.published_at,
+                        failed_at=row.failed_at,
+                        available_at=row.available_at,
+                        locked_until=row.locked_until,
+                        now=at,
+                    )
+                ),
+                key=lambda r: (r.available_at, r.id),
+            )[:batch_size]
+            claims = []
+            for row in due:
+                row.attempts += 1
+                row.locked_until = at + lease
+                row.token = uuid.uuid4().hex
+                claims.append(
+                    Claim(
+                        event=row.to_event(),
+                        token=row.token,
+                        locked_until=row.locked_until,
+                        done=self._done(row.id),
+                    )
+                )
+            return claims
+
+    def _done(self, event_id: int) -> dict[str, Outcome]:
+        return {h: r.outcome for (eid, h), r in self._records.items() if eid == event_id}
+
+    @contextmanager
+    def delivery(self, claim: Claim, *, now: datetime | None) -> Iterator[_MemoryDelivery]:
+        at = _now(now)
+        delivery = _MemoryDelivery(self, claim, at)
+        with self._lock:
+            self._check_open()
+            row = self._owned(claim)
+            # Another delivery of this event holds the row: wait for it, as FOR UPDATE would.
+            while row is not None and row.row_lock is not None:
+                self._lock.wait()
+                row = self._owned(claim)
+            if row is None:
+                raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
+            row.row_lock = delivery
+        try:
+            yield delivery
+        except BaseException:
+            delivery.tx.rollback()
+            raise
+        else:
+            with self._lock:
+                if self._owned(claim) is None:  # cannot happen while we hold the row lock
+                    delivery.tx.rollback()
+                    raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
+                delivery.tx.commit()
+        finally:
+            with self._lock:
+                if row.row_lock is delivery:
+                    row.row_lock = None
+                self._lock.notify_all()
+
+    def _owned(self, claim: Claim) -> _Row | None:
+        row = self._events.get(claim.event.id)
+        if row is None or row.token != claim.token:
+            return None
+        return row
+
+    def extend(
+        self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None
+    ) -> list[Claim]:
+        at = _now(now)
+        kept = []
+        with self._lock:
+            for claim in claims:
+                row = self._owned(claim)
+                if row is None or row.published_at is not None or row.failed_at is not None:
+                    continue
+                row.locked_until = at + lease
+                kept.append(replace(claim, locked_until=row.locked_until))
+        return kept
+
+    def settle(
+        self, claim: Claim, settlement: Settlement, *, error: str | None, now: datetime | None
+    ) -> bool:
+        at = _now(now)
+        with self._lock:
+            row = self._owned(claim)
+            if row is None or row.published_at is not None or row.failed_at is not None:
+                return False
+            if isinstance(settlement, Publish):
+                row.published_at = at
+            elif isinstance(settlement, DeadLetterDecision):
+                row.failed_at = at
+                row.last_error = error
+            elif isinstance(settlement, Retry):
+                row.available_at = at + settlement.delay
+                row.last_error = error
+            else:  # pragma: no cover - Settlement is a closed union
+                raise TypeError(f"unknown settlement {settlement!r}")
+            row.locked_until = None
+            row.token = None
+            return True
+
+    def release(self, claims: Sequence[Claim], *, now: datetime | None) -> int:
+        count = 0
+        with self._lock:
+            for claim in claims:
+                row = self._owned(claim)
+                if row is None or row.published_at is not None or row.failed_at is not None:
+                    continue
+                row.locked_until = None
+                row.token = None
+                row.attempts = max(0, row.attempts - 1)
+                count += 1
+        return count
+
+    def requeue(self, ids: Iterable[int], *, now: datetime | None) -> int:
+        at = _now(now)
+        count = 0
+        with self._lock:
+            for event_id in set(ids):
+                row = self._events.get(event_id)
+                if row is None or row.failed_at is None:
+                    continue
+                row.failed_at = None
+                row.attempts = 0
+                row.available_at = at
+                row.locked_until = None
+                row.token = None
+                count += 1
+        return count
+
+    def dead_letters(
+        self, *, topic: str | None = None, since: datetime | None = None, limit: int = 100
+    ) -> list[DeadLetter]:
+        with self._lock:
+            rows = sorted(
+                (
+                    r
+                    for r in self._events.values()
+                    if r.failed_at is not None
+                    and (topic is None or r.topic == topic)
+                    and (since is None or r.failed_at >= since)
+                ),
+                key=lambda r: (r.failed_at, r.id),
+            )[:limit]
+            return [
+                DeadLetter(
+                    event=r.to_event(),
+                    failed_at=r.failed_at,  # type: ignore[arg-type]  # filtered above
+                    last_error=r.last_error,
+                    records=tuple(self._records_of(r.id)),
+                )
+                for r in rows
+            ]
+
+    def get(self, event_id: int) -> Event | None:
+        with self._lock:
+            row = self._events.get(event_id)
+            return row.to_event() if row is not None else None
+
+    def records(self, event_id: int) -> list[DeliveryRecord]:
+        with self._lock:
+            return self._records_of(event_id)
+
+    def _records_of(self, event_id: int) -> list[DeliveryRecord]:
+        return [r for (eid, _), r in self._records.items() if eid == event_id]
+
+    def purge_published(self, *, before: datetime, limit: int) -> int:
+        with self._lock:
+            doomed = sorted(
+                (
+                    r
+                    for r in self._events.values()
+                    if r.published_at is not None and r.published_at < before
+                ),
+                key=lambda r: r.id,
+            )[:limit]
+            return self._delete(r.id for r in doomed)
+
+    def purge_dead(
+        self, *, ids: Iterable[int] | None = None, before: datetime | None = None, limit: int
+    ) -> int:
+        wanted = None if ids is None else set(ids)
+        with self._lock:
+            doomed = sorted(
+                (
+                    r
+                    for r in self._events.values()
+                    if r.failed_at is not None
+                    and (wanted is None or r.id in wanted)
+                    and (before is None or r.failed_at < before)
+                ),
+                key=lambda r: r.id,
+            )[:limit]
+            return self._delete(r.id for r in doomed)
+
+    def _delete(self, ids: Iterable[int]) -> int:
+        doomed = set(ids)
+        for event_id in doomed:
+            del self._events[event_id]
+        for key in [k for k in self._records if k[0] in doomed]:
+            del self._records[key]
+        return len(doomed)
+
+    def stats(self, *, now: datetime | None) -> Stats:
+        at = _now(now)
+        counts = {"pending": 0, "claimed": 0, "published": 0, "dead": 0}
+        by_topic: dict[str, dict[str, int]] = {}
+        oldest: datetime | None = None
+        with self._lock:
+            for r in self._events.values():
+                if r.published_at is not None:
+                    state = "published"
+                elif r.failed_at is not None:
+                    state = "dead"
+                elif r.locked_until is not None and r.locked_until > at:
+                    state = "claimed"
+                else:
+                    state = "pending"
+                    if r.available_at <= at and (oldest is None or r.available_at < oldest):
+                        oldest = r.available_at
+                counts[state] += 1
+                topic_counts = by_topic.setdefault(r.topic, {})
+                topic_counts[state] = topic_counts.get(state, 0) + 1
+        return Stats(**counts, by_topic=by_topic, oldest_due_at=oldest)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError("the memory store is closed")
+
+
+def _now(now: datetime | None) -> datetime:
+    return now if now is not None else datetime.now(UTC)
+
+
+@hookimpl
+def outboxkit_register_stores(register: RegisterStore) -> None:
+    """Register ``memory://``."""
+    register("memory", MemoryStore.from_url, schemes=("memory",))

@@ -1,0 +1,357 @@
+"""``Outbox``: the app-facing object tying a store, a bus, a clock and the plugins together."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+from ._backoff import BackoffPolicy
+from ._model import DeadLetter, NewEvent, ObserverEvent, Stats
+from ._options import PollerOptions
+from ._payload import DEFAULT_MAX_PAYLOAD_BYTES, build_event
+from .bus import EventBus
+from .clock import Clock, SystemClock, as_timedelta
+from .errors import ConfigurationError, InvalidEvent
+from .plugins import make_plugin_manager, notify
+from .store import Store
+
+if TYPE_CHECKING:
+    from .poller import Poller, Waiter
+
+__all__ = ["Message", "Outbox"]
+
+log = logging.getLogger("outboxkit")
+
+PURGE_PAGE_SIZE = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """One event for :meth:`Outbox.enqueue_many`."""
+
+    topic: str
+    payload: Any
+    headers: Mapping[str, str] | None = None
+    key: str | None = None
+    delay: float | timedelta | None = None
+
+
+class Outbox:
+    """An application's outbox.
+
+    Args:
+        store: where events live (``open_store(url)`` or a store object).
+        bus: the handler subscriptions; a fresh empty ``EventBus`` if omitted.
+        clock: the clock; ``None`` means the store's production clock (the database clock on
+            Postgres). Tests pass a ``FrozenClock``.
+        max_retries, backoff, interval, batch_size, lease: app-wide poller defaults (R14);
+            an option given to :meth:`poller` wins.
+        max_payload_bytes: the largest encoded payload ``enqueue`` accepts (default 1 MiB).
+        plugins: observer plugins (objects with ``outboxkit_on_event``) to register.
+        load_entry_points: also load the plugins installed under the ``outboxkit`` entry point.
+
+    Raises:
+        ConfigurationError: an option is invalid (the message names it).
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        bus: EventBus | None = None,
+        *,
+        clock: Clock | None = None,
+        max_retries: int = 10,
+        backoff: BackoffPolicy | float | timedelta | None = None,
+        interval: float | timedelta = 0.5,
+        batch_size: int = 100,
+        lease: float | timedelta = 30.0,
+        max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        plugins: Iterable[object] = (),
+        load_entry_points: bool = True,
+    ) -> None:
+        if not isinstance(store, Store):
+            raise ConfigurationError(
+                f"store must implement the outboxkit Store protocol: {store!r}"
+            )
+        if bus is not None and not isinstance(bus, EventBus):
+            raise ConfigurationError(f"bus must be an EventBus, got {bus!r}")
+        if clock is not None and not isinstance(clock, Clock):
+            raise ConfigurationError(f"clock must have a now() method, got {clock!r}")
+        if (
+            not isinstance(max_payload_bytes, int)
+            or isinstance(max_payload_bytes, bool)
+            or max_payload_bytes < 1
+        ):
+            raise ConfigurationError(
+                f"max_payload_bytes must be an integer >= 1, got {max_payload_bytes!r}"
+            )
+        self.store = store
+        self.bus = bus if bus is not None else EventBus()
+        self.options = PollerOptions.build(
+            max_retries=max_retries,
+            backoff=backoff,
+            interval=interval,
+            batch_size=batch_size,
+            lease=lease,
+        )
+        self.max_payload_bytes = max_payload_bytes
+        # Bind the given clock's instants into every store call; without one, pass None so the
+        # store uses its production clock, and use the wall clock for local lease bookkeeping.
+        self._bind_clock = clock is not None
+        self.clock: Clock = clock if clock is not None else SystemClock()
+        self._plugin_list = list(plugins)
+        self._load_entry_points = load_entry_points
+        self.plugins: pluggy.PluginManager = make_plugin_manager(
+            self._plugin_list, load_entry_points=load_entry_points
+        )
+        self._waiters: list[Waiter] = []
+        self._waiters_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"Outbox({self.store!r}, {self.bus!r}, clock={self.clock!r})"
+
+    # -- time -----------------------------------------------------------------------------------
+
+    def store_now(self) -> datetime | None:
+        """The instant to bind into store calls: the injected clock's, or None (store's clock)."""
+        return self.clock.now() if self._bind_clock else None
+
+    def rebind(self, *, store: Store | None = None, clock: Clock | None = None) -> Outbox:
+        """A copy using another store and/or clock; the same bus, options and plugins.
+
+        The original is untouched (the test kit uses this to point an app's outbox at a test store).
+        """
+        copy = Outbox.__new__(Outbox)
+        copy.__dict__.update(self.__dict__)
+        if store is not None:
+            copy.store = store
+        if clock is not None:
+            copy.clock = clock
+            copy._bind_clock = True
+        copy.plugins = make_plugin_manager(
+            self._plugin_list, load_entry_points=self._load_entry_points
+        )
+        copy._waiters = []
+        copy._waiters_lock = threading.Lock()
+        return copy
+
+    # -- writing --------------------------------------------------------------------------------
+
+    def enqueue(
+        self,
+        conn: Any,
+        topic: str,
+        payload: Any,
+        *,
+        headers: Mapping[str, str] | None = None,
+        key: str | None = None,
+        delay: float | timedelta | None = None,
+    ) -> int:
+        """Write one event through ``conn``, inside the caller's open transaction (R1).
+
+        Never begins, commits or rolls back. The event exists iff the caller's transaction commits.
+
+        Args:
+            conn: the app's connection in its open transaction (sqlite3 / psycopg connection,
+                or a ``MemoryTransaction``).
+            topic: the topic handlers subscribe to.
+            payload: plain JSON (dict, list, str, int, float, bool, None).
+            headers: optional str -> str metadata.
+            key: optional ordering/partition key, stored with the event.
+            delay: seconds or timedelta before the event becomes due.
+
+        Returns:
+            The new event's id.
+
+        Raises:
+            InvalidEvent: the event is invalid; nothing was written, the transaction is usable.
+            StoreError: the store failed to write.
+        """
+        event = build_event(
+            topic,
+            payload,
+            headers=headers,
+            key=key,
+            delay=delay,
+            max_payload_bytes=self.max_payload_bytes,
+        )
+        (event_id,) = self.store.enqueue(conn, [event], now=self.store_now())
+        self.wake()
+        return event_id
+
+    def enqueue_many(self, conn: Any, events: Iterable[Message | tuple[str, Any]]) -> list[int]:
+        """Write several events in one statement, inside the caller's open transaction.
+
+        Every event is validated before anything is written: one bad event writes none.
+
+        Args:
+            conn: as for :meth:`enqueue`.
+            events: ``Message`` objects or ``(topic, payload)`` pairs.
+
+        Returns:
+            The new ids, in order.
+
+        Raises:
+            InvalidEvent: an event is invalid (the message gives its index); nothing was written.
+            StoreError: the store failed to write.
+        """
+        built: list[NewEvent] = []
+        for index, item in enumerate(events):
+            if isinstance(item, tuple) and len(item) == 2:
+                item = Message(item[0], item[1])
+            if not isinstance(item, Message):
+                raise InvalidEvent(
+                    f"event #{index}: expected a Message or a (topic, payload) pair, got {item!r:.80}"
+                )
+            try:
+                built.append(
+                    build_event(
+                        item.topic,
+                        item.payload,
+                        headers=item.headers,
+                        key=item.key,
+                        delay=item.delay,
+                        max_payload_bytes=self.max_payload_bytes,
+                    )
+                )
+            except InvalidEvent as exc:
+                raise InvalidEvent(f"event #{index}: {exc}") from None
+        if not built:
+            return []
+        ids = self.store.enqueue(conn, built, now=self.store_now())
+        self.wake()
+        return ids
+
+    # -- pollers --------------------------------------------------------------------------------
+
+    def poller(self, *, waiter: Waiter | None = None, **options: Any) -> Poller:
+        """A poller with the outbox's defaults overridden by ``options`` (R14).
+
+        Args:
+            waiter: how the poller waits between polls (default: a thread event woken by
+                in-process enqueues). Tests inject one that moves a ``FrozenClock`` instead.
+            **options: ``interval``, ``batch_size``, ``lease``, ``max_retries``, ``backoff``.
+
+        Raises:
+            ConfigurationError: an unknown option or an invalid value, naming the option.
+        """
+        from .poller import Poller
+
+        return Poller(self, PollerOptions.build(self.options, **options), waiter=waiter)
+
+    def add_waiter(self, waiter: Waiter) -> None:
+        with self._waiters_lock:
+            self._waiters.append(waiter)
+
+    def remove_waiter(self, waiter: Waiter) -> None:
+        with self._waiters_lock:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+
+    def wake(self) -> None:
+        """Nudge this process's pollers to poll now instead of at their next interval."""
+        with self._waiters_lock:
+            waiters = list(self._waiters)
+        for waiter in waiters:
+            waiter.wake()
+
+    # -- observers ------------------------------------------------------------------------------
+
+    def add_observer(self, plugin: object) -> None:
+        """Register an object with an ``outboxkit_on_event(event)`` hook implementation."""
+        if not self.plugins.is_registered(plugin):
+            self.plugins.register(plugin)
+            self._plugin_list.append(plugin)
+
+    def emit(self, event: ObserverEvent) -> None:
+        """Send ``event`` to every observer, each on its own (a failing one is logged)."""
+        notify(self.plugins, event)
+
+    # -- operations -----------------------------------------------------------------------------
+
+    def migrate(self) -> None:
+        """Create or upgrade the store's schema. Idempotent.
+
+        Raises:
+            SchemaError: the schema is newer than this version of outboxkit.
+        """
+        self.store.migrate()
+
+    def stats(self) -> Stats:
+        """Counts by state and topic, and the oldest due instant."""
+        return self.store.stats(now=self.store_now())
+
+    def dead_letters(
+        self, *, topic: str | None = None, since: datetime | None = None, limit: int = 100
+    ) -> list[DeadLetter]:
+        """Dead-lettered events, oldest failure first, with their delivery records."""
+        return self.store.dead_letters(topic=topic, since=since, limit=limit)
+
+    def requeue(self, ids: Iterable[int]) -> int:
+        """Make dead events due now with attempts reset (R12); recorded handlers stay done.
+
+        Returns:
+            How many dead events were requeued (ids that are not dead are ignored).
+        """
+        wanted = _ids(ids)
+        return self.store.requeue(wanted, now=self.store_now())
+
+    def purge(
+        self,
+        *,
+        published_older_than: float | timedelta | None = None,
+        dead_ids: Iterable[int] | None = None,
+        dead_older_than: float | timedelta | None = None,
+        page_size: int = PURGE_PAGE_SIZE,
+    ) -> int:
+        """Delete old published events and/or chosen dead letters, in pages of ``page_size``.
+
+        Returns:
+            How many events were deleted (with their delivery records).
+
+        Raises:
+            ConfigurationError: no criterion given, or an invalid duration or page size.
+        """
+        if published_older_than is None and dead_ids is None and dead_older_than is None:
+            raise ConfigurationError(
+                "purge needs published_older_than, dead_ids or dead_older_than"
+            )
+        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+            raise ConfigurationError(f"page_size must be an integer >= 1, got {page_size!r}")
+        now = self.clock.now()
+        deleted = 0
+        if published_older_than is not None:
+            cutoff = now - _duration("published_older_than", published_older_than)
+            while (n := self.store.purge_published(before=cutoff, limit=page_size)) > 0:
+                deleted += n
+        if dead_ids is not None or dead_older_than is not None:
+            ids = None if dead_ids is None else _ids(dead_ids)
+            before = (
+                None
+                if dead_older_than is None
+                else now - _duration("dead_older_than", dead_older_than)
+            )
+            while (n := self.store.purge_dead(ids=ids, before=before, limit=page_size)) > 0:
+                deleted += n
+        return deleted
+
+
+def _duration(name: str, value: float | timedelta) -> timedelta:
+    try:
+        return as_timedelta(value, what=name)
+    except ValueError as exc:
+        raise ConfigurationError(str(exc)) from None
+
+
+def _ids(ids: Iterable[int]) -> list[int]:
+    wanted = list(ids)
+    bad = [i for i in wanted if not isinstance(i, int) or isinstance(i, bool)]
+    if bad:
+        raise ConfigurationError(f"event ids must be integers, got {bad[:5]!r}")
+    return wanted

@@ -1,0 +1,106 @@
+"""Plugin managers and the store registry. One manager per ``Outbox``; no module-level state."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import pluggy
+
+from . import hookspecs
+from ._model import ObserverEvent
+from .errors import ConfigurationError, UnknownStore
+
+__all__ = ["StoreEntry", "make_plugin_manager", "notify", "open_store", "registered_stores"]
+
+log = logging.getLogger("outboxkit")
+
+
+def make_plugin_manager(
+    plugins: Iterable[object] = (), *, load_entry_points: bool = True
+) -> pluggy.PluginManager:
+    """A fresh plugin manager with outboxkit's hook specs, entry points and ``plugins``."""
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    if load_entry_points:
+        pm.load_setuptools_entrypoints(hookspecs.PROJECT)
+    for plugin in plugins:
+        if not pm.is_registered(plugin):
+            pm.register(plugin)
+    return pm
+
+
+@dataclass(frozen=True, slots=True)
+class StoreEntry:
+    name: str
+    factory: hookspecs.StoreFactory
+    schemes: tuple[str, ...]
+
+
+def registered_stores(pm: pluggy.PluginManager) -> dict[str, StoreEntry]:
+    """Every scheme the plugins registered, mapped to its store.
+
+    Raises:
+        ConfigurationError: two stores claim the same scheme, or a registration is malformed.
+    """
+    by_scheme: dict[str, StoreEntry] = {}
+
+    def register(name: str, factory: hookspecs.StoreFactory, *, schemes: Iterable[str]) -> None:
+        if not callable(factory):
+            raise ConfigurationError(f"store {name!r} registered a factory that is not callable")
+        entry = StoreEntry(name, factory, tuple(schemes))
+        for scheme in entry.schemes:
+            scheme = scheme.lower()
+            if scheme in by_scheme and by_scheme[scheme].factory is not factory:
+                raise ConfigurationError(
+                    f"URL scheme {scheme!r} is registered twice: by store "
+                    f"{by_scheme[scheme].name!r} and by store {name!r}"
+                )
+            by_scheme[scheme] = entry
+
+    pm.hook.outboxkit_register_stores(register=register)
+    return by_scheme
+
+
+def open_store(url: str, *, plugins: Iterable[object] = (), **options: Any) -> Any:
+    """Open the store for ``url``, chosen by its scheme among the registered store plugins.
+
+    ``sqlite:///path/app.db``, ``postgresql://user@host/db``, ``memory://`` ship with outboxkit;
+    third-party stores register more schemes through the ``outboxkit`` entry-point group.
+
+    Args:
+        url: the store URL.
+        plugins: extra plugin objects to consult besides the installed entry points.
+        **options: passed to the store's factory (e.g. table names).
+
+    Raises:
+        UnknownStore: no store handles the scheme (the message lists the known ones).
+        ConfigurationError: the URL is malformed or a scheme is registered twice.
+        MissingDependency: the store's driver is not installed.
+    """
+    if not isinstance(url, str) or "://" not in url:
+        raise ConfigurationError(f"a store URL looks like 'scheme://...', got {url!r}")
+    scheme = urlsplit(url).scheme.lower()
+    stores = registered_stores(make_plugin_manager(plugins))
+    entry = stores.get(scheme)
+    if entry is None:
+        known = ", ".join(f"{s}://" for s in sorted(stores)) or "none"
+        raise UnknownStore(f"no store is registered for {scheme + '://'!r}; known: {known}")
+    return entry.factory(url, **options)
+
+
+def notify(pm: pluggy.PluginManager, event: ObserverEvent) -> None:
+    """Call every ``outboxkit_on_event`` implementation on its own.
+
+    A failing observer is logged and skipped: it can neither silence the others nor break delivery.
+    """
+    for impl in pm.hook.outboxkit_on_event.get_hookimpls():
+        try:
+            impl.function(event=event)
+        except Exception:
+            log.exception(
+                "observer %s failed on %s; delivery goes on", impl.plugin_name, type(event).__name__
+            )

@@ -1,0 +1,461 @@
+"""The poller: claim -> deliver -> settle, once (``run_once``) or in a loop (``run_forever``).
+
+The poller is the shell around the pure core: it reads the clock, talks to the store, runs the
+handlers, and asks ``_machine`` what each outcome means. The same code path runs in production and
+inside ``outbox_drain`` in a test.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ._machine import DeadLetter, Publish, Retry, decide_settlement, lease_is_low
+from ._model import (
+    Claim,
+    Claimed,
+    DeadLettered,
+    Event,
+    HandlerFailed,
+    HandlerRejected,
+    HandlerSucceeded,
+    LeaseLost,
+    NewEvent,
+    Outcome,
+    Published,
+    RetryScheduled,
+    Unrouted,
+)
+from ._options import PollerOptions
+from ._payload import build_event
+from .bus import HandlerSpec
+from .errors import (
+    HandlerCrashed,
+    LeaseLostError,
+    Reject,
+    SchemaError,
+    StoreError,
+)
+
+if TYPE_CHECKING:
+    from .outbox import Outbox
+    from .store import DeliveryTransaction
+
+__all__ = ["Delivery", "PollReport", "Poller", "ThreadWaiter", "Waiter"]
+
+log = logging.getLogger("outboxkit")
+
+MAX_OUTAGE_WAIT = 30.0
+
+
+class Waiter(Protocol):
+    """How a poller waits between polls. ``wait`` returns early when ``wake`` is called."""
+
+    def wait(self, timeout: float) -> None: ...
+
+    def wake(self) -> None: ...
+
+
+class ThreadWaiter:
+    """The default waiter: a ``threading.Event`` that in-process enqueues set."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+
+    def wait(self, timeout: float) -> None:
+        self._event.wait(timeout)
+        self._event.clear()
+
+    def wake(self) -> None:
+        self._event.set()
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One handler run: what happened, when, on which attempt."""
+
+    event_id: int
+    topic: str
+    handler: str
+    attempt: int
+    outcome: Outcome
+    at: datetime
+    error: str | None = None
+    exception: BaseException | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(slots=True)
+class PollReport:
+    """What one ``run_once`` did. Event ids per result; every handler run in ``deliveries``."""
+
+    claimed: list[int] = field(default_factory=list)
+    published: list[int] = field(default_factory=list)
+    retried: list[int] = field(default_factory=list)
+    dead_lettered: list[int] = field(default_factory=list)
+    lease_lost: list[int] = field(default_factory=list)
+    released: list[int] = field(default_factory=list)
+    deliveries: list[Delivery] = field(default_factory=list)
+
+    @property
+    def rejected(self) -> list[Delivery]:
+        return [d for d in self.deliveries if d.outcome is Outcome.REJECTED]
+
+    @property
+    def failed(self) -> list[Delivery]:
+        return [d for d in self.deliveries if d.outcome is Outcome.FAILED]
+
+    def __bool__(self) -> bool:
+        return bool(self.claimed)
+
+
+class _Context:
+    """The ``ctx`` a handler receives (see ``outboxkit.bus.DeliveryContext``)."""
+
+    __slots__ = ("_buffer", "_max_payload_bytes", "_tx", "attempt", "handler")
+
+    def __init__(self, handler: str, attempt: int, max_payload_bytes: int) -> None:
+        self.handler = handler
+        self.attempt = attempt
+        self._max_payload_bytes = max_payload_bytes
+        self._tx: DeliveryTransaction | None = None
+        self._buffer: list[NewEvent] = []
+
+    @property
+    def connection(self) -> Any:
+        return self._tx.connection if self._tx is not None else None
+
+    def enqueue(
+        self,
+        topic: str,
+        payload: Any,
+        *,
+        headers: Mapping[str, str] | None = None,
+        key: str | None = None,
+        delay: float | timedelta | None = None,
+    ) -> None:
+        event = build_event(
+            topic,
+            payload,
+            headers=headers,
+            key=key,
+            delay=delay,
+            max_payload_bytes=self._max_payload_bytes,
+        )
+        if self._tx is not None:
+            self._tx.enqueue([event])
+        else:
+            # Non-transactional handler: the follow-up commits with its delivery record.
+            self._buffer.append(event)
+
+
+class _HandlerError(Exception):
+    """Wraps an exception a handler raised, to keep it apart from the store's own errors."""
+
+    def __init__(self, exc: Exception) -> None:
+        super().__init__(exc)
+        self.exc = exc
+
+
+class Poller:
+    """Claims due events and delivers them. Make one with ``Outbox.poller(**options)``.
+
+    Thread-safe to ``stop()`` from another thread or a signal handler.
+    """
+
+    def __init__(self, outbox: Outbox, options: PollerOptions, *, waiter: Waiter | None) -> None:
+        self.outbox = outbox
+        self.options = options
+        self.waiter: Waiter = waiter if waiter is not None else ThreadWaiter()
+        self._stop = threading.Event()
+
+    def __repr__(self) -> str:
+        o = self.options
+        return (
+            f"Poller(batch_size={o.batch_size}, lease={o.lease.total_seconds()}s, "
+            f"interval={o.interval.total_seconds()}s, max_retries={o.max_retries})"
+        )
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def stop(self) -> None:
+        """Stop gracefully: finish the event in hand, release the leases of the rest."""
+        self._stop.set()
+        self.waiter.wake()
+
+    # -- one round --------------------------------------------------------------------------------
+
+    def run_once(self) -> PollReport:
+        """Claim one batch, deliver every event in claim order, settle each (R3-R13).
+
+        Returns:
+            What happened, event by event and handler by handler.
+
+        Raises:
+            StoreError: the store failed (a database failure is never blamed on a handler).
+            BaseException: re-raised from a handler (KeyboardInterrupt, SystemExit) after
+                releasing the events not yet started; the event in hand recovers by its lease.
+        """
+        report = PollReport()
+        outbox = self.outbox
+        lease = self.options.lease
+        started_at = outbox.clock.now()
+        claims = outbox.store.claim(
+            batch_size=self.options.batch_size, lease=lease, now=outbox.store_now()
+        )
+        if not claims:
+            return report
+        # The local lease deadline: from just before the claim, so never later than the store's.
+        deadlines = {c.token: started_at + lease for c in claims}
+        for claim in claims:
+            report.claimed.append(claim.event.id)
+            outbox.emit(Claimed(claim.event.id, claim.event.topic, claim.attempt))
+        remaining = list(claims)
+        try:
+            while remaining:
+                if self._stop.is_set():
+                    released = outbox.store.release(remaining, now=outbox.store_now())
+                    report.released.extend(c.event.id for c in remaining)
+                    log.info("poller stopping: released %d unstarted claim(s)", released)
+                    remaining = []
+                    break
+                claim = remaining.pop(0)
+                self._process(claim, remaining, deadlines, report)
+        except BaseException:
+            if remaining:
+                outbox.store.release(remaining, now=outbox.store_now())
+                report.released.extend(c.event.id for c in remaining)
+            raise
+        return report
+
+    def _process(
+        self,
+        claim: Claim,
+        rest: list[Claim],
+        deadlines: dict[str, datetime],
+        report: PollReport,
+    ) -> None:
+        outbox = self.outbox
+        event = claim.event
+        specs = outbox.bus.handlers_for(event.topic)
+        outcomes: dict[str, Outcome] = dict(claim.done)
+        errors: list[str] = []
+        if not specs:
+            log.info("event %d: no handler subscribed to %r; publishing it", event.id, event.topic)
+            outbox.emit(Unrouted(event.id, event.topic))
+        for spec in specs:
+            if spec.name in outcomes:
+                continue  # R5: recorded earlier (succeeded or rejected)
+            # R13: keep the batch's leases alive; never start a handler once ours is gone.
+            if not self._keep_lease(claim, rest, deadlines, report):
+                return
+            delivery = self._deliver(claim, spec)
+            report.deliveries.append(delivery)
+            if delivery.outcome is Outcome.CRASHED:  # lease lost mid-delivery
+                self._lease_lost(claim, report, spec.name)
+                return
+            outcomes[spec.name] = delivery.outcome
+            if delivery.outcome is Outcome.FAILED:
+                errors.append(f"{spec.name}: {delivery.error}")
+        self._settle(claim, [s.name for s in specs], outcomes, errors, report)
+
+    def _keep_lease(
+        self, claim: Claim, rest: list[Claim], deadlines: dict[str, datetime], report: PollReport
+    ) -> bool:
+        outbox = self.outbox
+        now = outbox.clock.now()
+        lease = self.options.lease
+        if not lease_is_low(remaining=deadlines[claim.token] - now, lease=lease):
+            return True
+        if now >= deadlines[claim.token]:
+            self._lease_lost(claim, report, None)
+            return False
+        batch = [claim, *rest]
+        kept = {c.token for c in outbox.store.extend(batch, lease=lease, now=outbox.store_now())}
+        for c in batch:
+            if c.token in kept:
+                deadlines[c.token] = now + lease
+        lost = [c for c in rest if c.token not in kept]
+        for c in lost:
+            rest.remove(c)
+            self._lease_lost(c, report, None)
+        if claim.token not in kept:
+            self._lease_lost(claim, report, None)
+            return False
+        return True
+
+    def _deliver(self, claim: Claim, spec: HandlerSpec) -> Delivery:
+        """Run one handler for one claimed event, with its record (R6, R7)."""
+        outbox = self.outbox
+        event = claim.event
+        now = outbox.store_now()
+        ctx = _Context(spec.name, claim.attempt, outbox.max_payload_bytes)
+        at = outbox.clock.now()
+        try:
+            if spec.transactional:
+                with outbox.store.delivery(claim, now=now) as tx:
+                    ctx._tx = tx
+                    _call(spec, event, ctx)
+                    tx.record(spec.name, Outcome.SUCCEEDED)
+            else:
+                _call(spec, event, ctx)
+                with outbox.store.delivery(claim, now=now) as tx:
+                    if ctx._buffer:
+                        tx.enqueue(ctx._buffer)
+                    tx.record(spec.name, Outcome.SUCCEEDED)
+        except Reject as rejection:
+            reason = rejection.reason
+            try:
+                with outbox.store.delivery(claim, now=outbox.store_now()) as tx:
+                    tx.record(spec.name, Outcome.REJECTED, reason=reason)
+            except LeaseLostError:
+                return self._delivery(claim, spec, Outcome.CRASHED, at, "lease lost")
+            log.info("event %d: %s rejected it: %s", event.id, spec.name, reason)
+            outbox.emit(HandlerRejected(event.id, event.topic, spec.name, claim.attempt, reason))
+            return self._delivery(claim, spec, Outcome.REJECTED, at, reason)
+        except LeaseLostError:
+            return self._delivery(claim, spec, Outcome.CRASHED, at, "lease lost")
+        except (_HandlerError, HandlerCrashed) as failure:
+            exc: Exception = failure.exc if isinstance(failure, _HandlerError) else failure
+            error = f"{type(exc).__name__}: {exc}"
+            log.warning(
+                "event %d (%s): handler %s failed on attempt %d: %s",
+                event.id,
+                event.topic,
+                spec.name,
+                claim.attempt,
+                error,
+                exc_info=exc,
+            )
+            outbox.emit(HandlerFailed(event.id, event.topic, spec.name, claim.attempt, error))
+            return self._delivery(claim, spec, Outcome.FAILED, at, error, exc)
+        outbox.emit(HandlerSucceeded(event.id, event.topic, spec.name, claim.attempt))
+        return self._delivery(claim, spec, Outcome.SUCCEEDED, at)
+
+    @staticmethod
+    def _delivery(
+        claim: Claim,
+        spec: HandlerSpec,
+        outcome: Outcome,
+        at: datetime,
+        error: str | None = None,
+        exc: BaseException | None = None,
+    ) -> Delivery:
+        return Delivery(
+            event_id=claim.event.id,
+            topic=claim.event.topic,
+            handler=spec.name,
+            attempt=claim.attempt,
+            outcome=outcome,
+            at=at,
+            error=error,
+            exception=exc,
+        )
+
+    def _settle(
+        self,
+        claim: Claim,
+        subscribed: Sequence[str],
+        outcomes: Mapping[str, Outcome],
+        errors: list[str],
+        report: PollReport,
+    ) -> None:
+        outbox = self.outbox
+        event = claim.event
+        settlement = decide_settlement(
+            subscribed=subscribed,
+            outcomes=outcomes,
+            attempts=claim.attempt,
+            max_retries=self.options.max_retries,
+            backoff=self.options.backoff,
+        )
+        error = "; ".join(errors) or None
+        if not outbox.store.settle(claim, settlement, error=error, now=outbox.store_now()):
+            self._lease_lost(claim, report, None)
+            return
+        if isinstance(settlement, Publish):
+            report.published.append(event.id)
+            outbox.emit(Published(event.id, event.topic, claim.attempt))
+        elif isinstance(settlement, Retry):
+            report.retried.append(event.id)
+            log.info(
+                "event %d (%s): retry %d in %ss",
+                event.id,
+                event.topic,
+                settlement.retry,
+                settlement.delay.total_seconds(),
+            )
+            outbox.emit(
+                RetryScheduled(event.id, event.topic, claim.attempt, settlement.delay, error)
+            )
+        elif isinstance(settlement, DeadLetter):
+            report.dead_lettered.append(event.id)
+            log.warning(
+                "event %d (%s): dead-lettered after %d attempt(s): %s",
+                event.id,
+                event.topic,
+                claim.attempt,
+                error,
+            )
+            outbox.emit(DeadLettered(event.id, event.topic, claim.attempt, error))
+
+    def _lease_lost(self, claim: Claim, report: PollReport, handler: str | None) -> None:
+        log.warning(
+            "event %d (%s): lease lost on attempt %d; another poller may own it",
+            claim.event.id,
+            claim.event.topic,
+            claim.attempt,
+        )
+        report.lease_lost.append(claim.event.id)
+        self.outbox.emit(LeaseLost(claim.event.id, claim.event.topic, claim.attempt, handler))
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def run_forever(self) -> None:
+        """Poll until :meth:`stop` is called: at ``interval`` when idle, at once when busy.
+
+        A database outage is logged once, waited out with backoff, and its end logged; the
+        loop goes on. A ``SchemaError`` (missing or incompatible schema) is raised at once.
+
+        Raises:
+            SchemaError: the store's schema is missing or incompatible.
+        """
+        interval = self.options.interval.total_seconds()
+        outage_since: int | None = None
+        failures = 0
+        self.outbox.add_waiter(self.waiter)
+        try:
+            while not self._stop.is_set():
+                try:
+                    report = self.run_once()
+                except SchemaError:
+                    raise
+                except StoreError as exc:
+                    failures += 1
+                    if outage_since is None:
+                        outage_since = failures
+                        log.error("store unavailable, retrying with backoff: %s", exc)
+                    self.waiter.wait(min(interval * 2.0 ** min(failures, 16), MAX_OUTAGE_WAIT))
+                    continue
+                if outage_since is not None:
+                    log.warning("store available again after %d failed poll(s)", failures)
+                    outage_since = None
+                    failures = 0
+                if len(report.claimed) < self.options.batch_size and not self._stop.is_set():
+                    self.waiter.wait(interval)
+        finally:
+            self.outbox.remove_waiter(self.waiter)
+
+
+def _call(spec: HandlerSpec, event: Event, ctx: _Context) -> None:
+    try:
+        spec.fn(event, ctx)
+    except Reject:
+        raise
+    except Exception as exc:
+        raise _HandlerError(exc) from exc

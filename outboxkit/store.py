@@ -1,0 +1,153 @@
+"""The Store protocol: what a backend must provide, and nothing more.
+
+A store keeps events, leases and delivery records and applies the core's decisions atomically.
+It makes no lifecycle decisions itself: *what* happens is decided by ``outboxkit._machine``; the
+store only knows *how* to write it. Every method that writes takes ``now``: the instant from the
+outbox's clock, or ``None`` for "use your own production clock" (Postgres: the database clock).
+
+Every store proves itself with the conformance suite (``outboxkit conformance``). Driver errors
+must be mapped at the boundary into ``outboxkit.errors`` (``StoreError``/``StoreUnavailable``,
+``raise ... from exc``); the poller relies on that to tell a database failure from a handler's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager
+from datetime import datetime, timedelta
+from typing import Any, Protocol, runtime_checkable
+
+from ._machine import Settlement
+from ._model import Claim, DeadLetter, DeliveryRecord, Event, NewEvent, Outcome, Stats
+
+__all__ = ["CAPABILITIES", "DeliveryTransaction", "Store"]
+
+CAPABILITIES: dict[str, str] = {
+    "transactional_handlers": "handlers can write in the delivery transaction",
+    "concurrent_claimers": "several pollers in several threads may claim at once",
+    "multiprocess": "several processes may share the store",
+    "database_clock": "now=None means the database's own clock",
+    "listen_notify": "the store can wake pollers when an enqueue commits",
+}
+"""The capabilities a store may declare, with what each promises."""
+
+
+class DeliveryTransaction(Protocol):
+    """One open delivery transaction for one claimed event, its token already checked."""
+
+    @property
+    def connection(self) -> Any:
+        """What a transactional handler gets as ``ctx.connection``."""
+        ...
+
+    def enqueue(self, events: Sequence[NewEvent]) -> list[int]:
+        """Enqueue follow-up events inside this transaction."""
+        ...
+
+    def record(self, handler: str, outcome: Outcome, *, reason: str | None = None) -> None:
+        """Write the delivery record for ``handler``; it commits with the transaction."""
+        ...
+
+
+@runtime_checkable
+class Store(Protocol):
+    """A place where events live. See the module docstring for the contract."""
+
+    @property
+    def capabilities(self) -> frozenset[str]:
+        """Names from ``CAPABILITIES`` this store supports."""
+        ...
+
+    def migrate(self) -> None:
+        """Create or upgrade the schema. Idempotent.
+
+        Raises:
+            SchemaError: the schema is newer than this code.
+        """
+        ...
+
+    def close(self) -> None:
+        """Release connections. The store is unusable afterwards."""
+        ...
+
+    def enqueue(self, conn: Any, events: Sequence[NewEvent], *, now: datetime | None) -> list[int]:
+        """Insert ``events`` through the caller's connection, inside its open transaction.
+
+        Never begins, commits or rolls back the caller's transaction. Returns the new ids.
+        """
+        ...
+
+    def claim(self, *, batch_size: int, lease: timedelta, now: datetime | None) -> list[Claim]:
+        """R3: lease at most ``batch_size`` due events, oldest ``(available_at, id)`` first.
+
+        One atomic step, committed before returning: lease set, attempts + 1, a fresh token.
+        """
+        ...
+
+    def delivery(
+        self, claim: Claim, *, now: datetime | None
+    ) -> AbstractContextManager[DeliveryTransaction]:
+        """Open a delivery transaction after checking ``claim.token`` still owns the event.
+
+        Commits on a normal exit, rolls back and re-raises on an exception.
+
+        Raises:
+            LeaseLostError: on entry if the token is stale (nothing is run or written).
+        """
+        ...
+
+    def extend(
+        self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None
+    ) -> list[Claim]:
+        """R13: push the leases of ``claims`` to ``now + lease``; returns those still owned."""
+        ...
+
+    def settle(
+        self,
+        claim: Claim,
+        settlement: Settlement,
+        *,
+        error: str | None,
+        now: datetime | None,
+    ) -> bool:
+        """R8: apply the settlement, fenced by the token; clears the lease.
+
+        Returns False (and changes nothing) if the token is stale.
+        """
+        ...
+
+    def release(self, claims: Sequence[Claim], *, now: datetime | None) -> int:
+        """Hand back unstarted claims: lease cleared, the attempt refunded. Fenced by token."""
+        ...
+
+    def requeue(self, ids: Iterable[int], *, now: datetime | None) -> int:
+        """R12: make dead events due again with attempts reset; records stay. Returns the count."""
+        ...
+
+    def dead_letters(
+        self, *, topic: str | None = None, since: datetime | None = None, limit: int = 100
+    ) -> list[DeadLetter]:
+        """Dead events, oldest failure first."""
+        ...
+
+    def get(self, event_id: int) -> Event | None:
+        """One event by id (any state), or None."""
+        ...
+
+    def records(self, event_id: int) -> list[DeliveryRecord]:
+        """The delivery records of one event, in the order they were written."""
+        ...
+
+    def purge_published(self, *, before: datetime, limit: int) -> int:
+        """Delete at most ``limit`` events published before ``before``, with their records."""
+        ...
+
+    def purge_dead(
+        self, *, ids: Iterable[int] | None = None, before: datetime | None = None, limit: int
+    ) -> int:
+        """Delete at most ``limit`` dead events (the given ids, or failed before ``before``)."""
+        ...
+
+    def stats(self, *, now: datetime | None) -> Stats:
+        """Counts by state and topic, and the oldest due instant (backoff-parked ones excluded)."""
+        ...

@@ -1,0 +1,1 @@
+"""The SQLite store for outboxkit: the embedded default."""

@@ -1,0 +1,1 @@
+"""Registers the SQLite store's URL scheme."""

@@ -1,0 +1,52 @@
+"""Shared fixtures for outboxkit's own tests (the public pytest plugin is separate)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from outboxkit import EventBus, FrozenClock, MemoryStore, ObserverEvent, Outbox, hookimpl
+
+
+@dataclass
+class Recorder:
+    """An observer plugin that keeps every event it sees."""
+
+    events: list[ObserverEvent] = field(default_factory=list)
+
+    @hookimpl
+    def outboxkit_on_event(self, event: ObserverEvent) -> None:
+        self.events.append(event)
+
+    def of(self, kind: type[Any]) -> list[Any]:
+        return [e for e in self.events if isinstance(e, kind)]
+
+
+@pytest.fixture
+def clock() -> FrozenClock:
+    return FrozenClock("2030-01-01T00:00:00Z")
+
+
+@pytest.fixture
+def store() -> Iterator[MemoryStore]:
+    s = MemoryStore()
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def bus() -> EventBus:
+    return EventBus()
+
+
+@pytest.fixture
+def recorder() -> Recorder:
+    return Recorder()
+
+
+@pytest.fixture
+def outbox(store: MemoryStore, bus: EventBus, clock: FrozenClock, recorder: Recorder) -> Outbox:
+    return Outbox(store, bus, clock=clock, plugins=[recorder])
