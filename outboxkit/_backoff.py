@@ -5,10 +5,12 @@ PURE: no clock, no I/O. A policy maps the retry number (1 for the first retry) t
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeGuard
 
 __all__ = ["BackoffPolicy", "ExponentialBackoff", "as_policy", "delay_for"]
 
@@ -36,7 +38,7 @@ class ExponentialBackoff:
             raise ValueError(f"backoff base must be > 0 seconds, got {self.base!r}")
         if not _positive(self.max):
             raise ValueError(f"backoff max must be > 0 seconds, got {self.max!r}")
-        if not (0.0 <= self.jitter <= 1.0):
+        if not (_number(self.jitter) and 0.0 <= self.jitter <= 1.0):
             raise ValueError(f"backoff jitter must be between 0 and 1, got {self.jitter!r}")
 
     def __call__(self, retry: int) -> float:
@@ -50,8 +52,13 @@ class ExponentialBackoff:
         return delay
 
 
+def _number(value: object) -> TypeGuard[int | float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _positive(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and value > 0
+    # Finite too: an infinite base or cap would make every delay infinite (or overflow timedelta).
+    return _number(value) and math.isfinite(value) and value > 0
 
 
 def as_policy(backoff: BackoffPolicy | None) -> BackoffPolicy:
@@ -79,7 +86,10 @@ def delay_for(policy: BackoffPolicy, retry: int) -> timedelta:
     elif isinstance(value, int | float) and not isinstance(value, bool):
         if value != value or value in (float("inf"), float("-inf")):
             raise ValueError(f"backoff returned {value!r} for retry {retry}; need finite seconds")
-        delay = timedelta(seconds=value)
+        try:
+            delay = timedelta(seconds=value)
+        except OverflowError:
+            raise ValueError(f"backoff returned {value!r} for retry {retry}; too large") from None
     else:
         raise ValueError(f"backoff returned {value!r} for retry {retry}; need seconds or timedelta")
     if delay < timedelta(0):

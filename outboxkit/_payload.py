@@ -107,13 +107,22 @@ def _check_delay(delay: object) -> timedelta:
         raise InvalidEvent(f"delay must be seconds or a timedelta, got {type(delay).__name__}")
     if not math.isfinite(seconds) or seconds < 0:
         raise InvalidEvent(f"delay must be a finite, non-negative duration, got {delay!r}")
-    return delay if isinstance(delay, timedelta) else timedelta(seconds=seconds)
+    if isinstance(delay, timedelta):
+        return delay
+    try:
+        return timedelta(seconds=seconds)
+    except OverflowError:
+        raise InvalidEvent(f"delay {delay!r} is too large for a duration") from None
 
 
 def _encode_payload(payload: object, max_bytes: int) -> str:
     _check_json(payload, "payload", 0, set())
-    # The walk above already refused NaN, cycles and foreign types; dumps cannot fail now.
-    text = json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    # The walk above already refused NaN, cycles and foreign types; what is left to fail is an
+    # int longer than Python's int-to-str digit limit (sys.get_int_max_str_digits).
+    try:
+        text = json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except ValueError as exc:
+        raise InvalidEvent(f"payload cannot be encoded as JSON: {exc}") from None
     size = len(text.encode("utf-8"))
     if size > max_bytes:
         raise InvalidEvent(f"payload is {size} bytes encoded; max_payload_bytes is {max_bytes}")

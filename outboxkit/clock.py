@@ -119,7 +119,10 @@ def as_timedelta(value: float | timedelta, *, what: str, allow_zero: bool = True
     elif isinstance(value, int | float) and not isinstance(value, bool):
         if value != value or value in (float("inf"), float("-inf")):
             raise ValueError(f"{what} must be a finite duration, got {value!r}")
-        delta = timedelta(seconds=value)
+        try:
+            delta = timedelta(seconds=value)
+        except OverflowError:
+            raise ValueError(f"{what} is too large for a duration, got {value!r}") from None
     else:
         raise ValueError(f"{what} must be seconds or a timedelta, got {value!r}")
     if delta < timedelta(0) or (not allow_zero and delta == timedelta(0)):

@@ -134,8 +134,10 @@ class Outbox:
         if clock is not None:
             copy.clock = clock
             copy._bind_clock = True
+        # Its own list too: an observer added to the copy must not leak into the original.
+        copy._plugin_list = list(self._plugin_list)
         copy.plugins = make_plugin_manager(
-            self._plugin_list, load_entry_points=self._load_entry_points
+            copy._plugin_list, load_entry_points=self._load_entry_points
         )
         copy._waiters = []
         copy._waiters_lock = threading.Lock()

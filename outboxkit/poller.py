@@ -248,6 +248,13 @@ class Poller:
         if not specs:
             log.info("event %d: no handler subscribed to %r; publishing it", event.id, event.topic)
             outbox.emit(Unrouted(event.id, event.topic))
+        if claim.attempt > self.options.max_retries + 1:
+            # R4 + R11: earlier attempts crashed or lost their lease without settling and used
+            # every attempt up. Run nothing (a poison event must not crash pollers forever);
+            # settle it as it stands: published if every handler is recorded, else dead.
+            error = f"attempts used up: attempt {claim.attempt - 1} crashed or lost its lease"
+            self._settle(claim, [s.name for s in specs], outcomes, [error], report)
+            return
         for spec in specs:
             if spec.name in outcomes:
                 continue  # R5: recorded earlier (succeeded or rejected)
@@ -304,7 +311,9 @@ class Poller:
                     tx.record(spec.name, Outcome.SUCCEEDED)
             else:
                 _call(spec, event, ctx)
-                with outbox.store.delivery(claim, now=now) as tx:
+                # The record's transaction opens after the handler ran: stamp it (and the
+                # follow-ups' delays) with that instant, as a database clock would.
+                with outbox.store.delivery(claim, now=outbox.store_now()) as tx:
                     if ctx._buffer:
                         tx.enqueue(ctx._buffer)
                     tx.record(spec.name, Outcome.SUCCEEDED)

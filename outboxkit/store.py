@@ -29,7 +29,11 @@ CAPABILITIES: dict[str, str] = {
     "database_clock": "now=None means the database's own clock",
     "listen_notify": "the store can wake pollers when an enqueue commits",
 }
-"""The capabilities a store may declare, with what each promises."""
+"""The capabilities a store may declare, with what each promises.
+
+A store declaring ``multiprocess`` also has ``url`` and ``options`` attributes such that
+``open_store(store.url, **store.options)`` in another process opens the same store.
+"""
 
 
 class DeliveryTransaction(Protocol):
@@ -68,6 +72,13 @@ class Store(Protocol):
 
     def close(self) -> None:
         """Release connections. The store is unusable afterwards."""
+        ...
+
+    def transaction(self) -> AbstractContextManager[Any]:
+        """A connection of the store's own in an open transaction: committed when the block
+        ends, rolled back if it raises. For apps without a connection of their own, and for
+        the conformance suite; ``enqueue`` accepts what it yields.
+        """
         ...
 
     def enqueue(self, conn: Any, events: Sequence[NewEvent], *, now: datetime | None) -> list[int]:

@@ -1,1 +1,0 @@
-"""The outboxkit store conformance suite (import name ``outboxkit_conformance``)."""

@@ -1,0 +1,311 @@
+"""Lifecycle checks: rules R1-R14 end to end through ``Outbox`` and ``Poller`` on the store.
+
+A handler's "write in the store's database" is a follow-up event (``ctx.enqueue``): it is the one
+write every store can make inside a delivery transaction, so exactly-once is checked with it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from outboxkit import (
+    DeadLettered,
+    Event,
+    EventBus,
+    FrozenClock,
+    HandlerFailed,
+    HandlerRejected,
+    LeaseLost,
+    Outbox,
+    Outcome,
+    Published,
+    Reject,
+    RetryScheduled,
+    Store,
+    Unrouted,
+)
+
+from ._base import ConformanceBase, Recorder
+
+__all__ = ["LifecycleTests"]
+
+S = timedelta(seconds=1)
+
+
+class LifecycleTests(ConformanceBase):
+    def enqueue(self, store: Store, outbox: Outbox, topic: str, payload: Any, **kw: Any) -> int:
+        with store.transaction() as conn:
+            return outbox.enqueue(conn, topic, payload, **kw)
+
+    def follow_ups(self, store: Store, clock: FrozenClock, topic: str) -> int:
+        return store.stats(now=clock.now()).by_topic.get(topic, {}).get("pending", 0)
+
+    def test_r1_event_exists_iff_the_transaction_commits(
+        self, store: Store, outbox: Outbox, clock: FrozenClock
+    ) -> None:
+        with pytest.raises(RuntimeError), store.transaction() as conn:
+            outbox.enqueue(conn, "t", {"n": 1})
+            raise RuntimeError("app failed after enqueue")
+        assert store.stats(now=clock.now()).total == 0
+        with store.transaction() as conn:
+            outbox.enqueue_many(conn, [("t", 1), ("t", 2)])
+        assert store.stats(now=clock.now()).pending == 2
+
+    def test_r5_handlers_run_in_order_and_recorded_ones_are_skipped(
+        self, store: Store, outbox: Outbox, bus: EventBus, clock: FrozenClock
+    ) -> None:
+        calls: list[tuple[str, int]] = []
+
+        def make(name: str, fail_until: int) -> None:
+            def handler(event: Event, ctx: Any) -> None:
+                calls.append((name, ctx.attempt))
+                if ctx.attempt < fail_until:
+                    raise RuntimeError(f"{name} not yet")
+
+            bus.subscribe("t", handler, name=name)
+
+        make("first", 0)
+        make("second", 2)  # fails on attempt 1 only
+        make("third", 0)
+        event_id = self.enqueue(store, outbox, "t", {})
+        poller = outbox.poller()
+        report = poller.run_once()
+        assert report.retried == [event_id]
+        assert calls == [("first", 1), ("second", 1), ("third", 1)]
+        clock.advance(1)
+        report = poller.run_once()
+        assert report.published == [event_id]
+        assert calls[3:] == [("second", 2)]  # first and third recorded: not re-run
+        assert {r.handler: r.attempt for r in store.records(event_id)} == {
+            "first": 1,
+            "third": 1,
+            "second": 2,
+        }
+
+    def test_r6_transactional_handler_writes_exactly_once(
+        self, store: Store, outbox: Outbox, bus: EventBus, clock: FrozenClock
+    ) -> None:
+        @bus.handler("order", name="ledger")
+        def ledger(event: Event, ctx: Any) -> None:
+            ctx.enqueue("ledger.row", {"order": event.payload["id"]})
+
+        @bus.handler("order", name="flaky")
+        def flaky(event: Event, ctx: Any) -> None:
+            if ctx.attempt < 3:
+                raise RuntimeError("flaky")
+
+        self.enqueue(store, outbox, "order", {"id": 7})
+        self.drain(outbox, clock)
+        assert (
+            self.follow_ups(store, clock, "ledger.row")
+            + store.stats(now=clock.now()).by_topic.get("ledger.row", {}).get("published", 0)
+            == 1
+        )
+
+    def test_r6_reject_rolls_back_and_is_never_retried(
+        self, store: Store, outbox: Outbox, bus: EventBus, clock: FrozenClock, recorder: Recorder
+    ) -> None:
+        calls = []
+
+        @bus.handler("t", name="picky")
+        def picky(event: Event, ctx: Any) -> None:
+            calls.append(ctx.attempt)
+            ctx.enqueue("side.effect", {})
+            raise Reject("not today")
+
+        event_id = self.enqueue(store, outbox, "t", {})
+        report = outbox.poller().run_once()
+        assert report.published == [event_id]
+        assert [d.outcome for d in report.deliveries] == [Outcome.REJECTED]
+        (record,) = store.records(event_id)
+        assert (record.handler, record.outcome, record.reason) == (
+            "picky",
+            Outcome.REJECTED,
+            "not today",
+        )
+        assert "side.effect" not in store.stats(now=clock.now()).by_topic  # rolled back
+        assert [e.reason for e in recorder.of(HandlerRejected)] == ["not today"]
+        clock.advance(timedelta(days=1))
+        assert outbox.poller().run_once().claimed == []
+        assert calls == [1]
+
+    def test_r6_failure_rolls_back_and_records_nothing(
+        self, store: Store, outbox: Outbox, bus: EventBus, clock: FrozenClock, recorder: Recorder
+    ) -> None:
+        @bus.handler("t", name="broken")
+        def broken(event: Event, ctx: Any) -> None:
+            ctx.enqueue("side.effect", {})
+            raise ValueError("bad data")
+
+        event_id = self.enqueue(store, outbox, "t", {})
+        report = outbox.poller().run_once()
+        assert report.retried == [event_id]
+        assert store.records(event_id) == []
+        assert "side.effect" not in store.stats(now=clock.now()).by_topic
+        (failed,) = recorder.of(HandlerFailed)
+        assert failed.error == "ValueError: bad data"
+        (retry,) = recorder.of(RetryScheduled)
+        assert retry.delay == S and retry.error == "broken: ValueError: bad data"
+
+    def test_r6_base_exception_rolls_back_and_reraises(
+        self, store: Store, outbox: Outbox, bus: EventBus, clock: FrozenClock
+    ) -> None:
+        interrupt = [True]
+
+        @bus.handler("t", name="h")
+        def handler(event: Event, ctx: Any) -> None:
+            ctx.enqueue("side.effect", {})
+            if interrupt[0]:
+                raise KeyboardInterrupt
+
+        first = self.enqueue(store, outbox, "t", {"n": 1})
+        second = self.enqueue(store, outbox, "t", {"n": 2})
+        with pytest.raises(KeyboardInterrupt):
+            outbox.poller(lease=30).run_once()
+        assert store.records(first) == []
+        assert "side.effect" not in store.stats(now=clock.now()).by_topic
+        interrupt[0] = False
+        # The unstarted event was released at once; the interrupted one waits for its lease.
+        assert outbox.poller().run_once().published == [second]
+        clock.advance(30)
+        report = outbox.poller().run_once()
+        assert report.claimed[0] == first  # then the follow-ups the deliveries enqueued
+        assert first in report.published
+        assert store.get(first).attempts == 2  # type: ignore[union-attr]
+
+    def test_r7_non_transactional_handler(
+        self, store: Store, outbox: Outbox, bus: EventBus, clock: FrozenClock
+    ) -> None:
+        seen: list[Any] = []
+
+        @bus.handler("t", name="mailer", transactional=False)
+        def mailer(event: Event, ctx: Any) -> None:
+            seen.append(ctx.connection)
+            ctx.enqueue("mail.sent", {"to": event.payload["to"]})
+
+        event_id = self.enqueue(store, outbox, "t", {"to": "a@example.com"})
+        assert outbox.poller().run_once().published == [event_id]
+        assert seen == [None]
+        (record,) = store.records(event_id)
+        assert record.outcome is Outcome.SUCCEEDED
+        assert self.follow_ups(store, clock, "mail.sent") == 1
+
+    def test_r8_r11_dead_letter_after_max_retries(
+        self, store: Store, outbox: Outbox, bus: EventBus, clock: FrozenClock, recorder: Recorder
+    ) -> None:
+        calls = []
+
+        @bus.handler("t", name="always-fails")
+        def always_fails(event: Event, ctx: Any) -> None:
+            calls.append(clock.now())
+            raise RuntimeError("down")
+
+        event_id = self.enqueue(store, outbox, "t", {})
+        poller = outbox.poller(max_retries=2)
+        for _ in range(10):
+            poller.run_once()
+            clock.advance(1)
+        assert len(calls) == 3
+        assert [b - a for a, b in itertools.pairwise(calls)] == [S, 2 * S]
+        (dead,) = store.dead_letters()
+        assert dead.event.id == event_id and dead.event.attempts == 3
+        assert dead.last_error == "always-fails: RuntimeError: down"
+        (event,) = recorder.of(DeadLettered)
+        assert (event.event_id, event.attempt) == (event_id, 3)
+
+    def test_r9_unrouted_topic_is_published(
+        self, store: Store, outbox: Outbox, clock: FrozenClock, recorder: Recorder
+    ) -> None:
+        event_id = self.enqueue(store, outbox, "nobody.listens", {})
+        assert outbox.poller().run_once().published == [event_id]
+        assert [e.event_id for e in recorder.of(Unrouted)] == [event_id]
+        assert [e.event_id for e in recorder.of(Published)] == [event_id]
+
+    def test_r10_backoff_schedule(
+        self, store: Store, outbox: Outbox, bus: EventBus, clock: FrozenClock
+    ) -> None:
+        bus.subscribe("t", _fail, name="fails")
+        event_id = self.enqueue(store, outbox, "t", {})
+        poller = outbox.poller(max_retries=4, backoff=lambda n: 10 * n)
+        gaps = []
+        for _ in range(4):
+            settled_at = clock.now()
+            poller.run_once()
+            event = store.get(event_id)
+            assert event is not None and event.available_at is not None
+            gaps.append(event.available_at - settled_at)
+            clock.set(event.available_at)
+        assert gaps == [10 * S, 20 * S, 30 * S, 40 * S]
+
+    def test_r12_requeue_keeps_recorded_handlers_done(
+        self, store: Store, outbox: Outbox, bus: EventBus, clock: FrozenClock
+    ) -> None:
+        calls: list[str] = []
+        broken = [True]
+
+        @bus.handler("t", name="ok")
+        def ok(event: Event, ctx: Any) -> None:
+            calls.append("ok")
+
+        @bus.handler("t", name="fixed-later")
+        def fixed_later(event: Event, ctx: Any) -> None:
+            calls.append("fixed-later")
+            if broken[0]:
+                raise RuntimeError("bug")
+
+        event_id = self.enqueue(store, outbox, "t", {})
+        outbox.poller(max_retries=0).run_once()
+        assert [d.event.id for d in outbox.dead_letters()] == [event_id]
+        clock.advance(timedelta(days=1))
+        assert outbox.poller().run_once().claimed == []  # dead: never claimed
+        broken[0] = False
+        assert outbox.requeue([event_id]) == 1
+        assert outbox.poller().run_once().published == [event_id]
+        assert calls == ["ok", "fixed-later", "fixed-later"]
+
+    def test_r13_lease_lost_mid_batch_fences_the_zombie(
+        self, store: Store, outbox: Outbox, bus: EventBus, clock: FrozenClock, recorder: Recorder
+    ) -> None:
+        calls: list[int] = []
+
+        @bus.handler("t", name="slow", transactional=False)
+        def slow(event: Event, ctx: Any) -> None:
+            calls.append(event.id)
+            if len(calls) == 1:
+                # A pause longer than the lease: another poller takes both events over.
+                clock.advance(31)
+                other = outbox.poller().run_once()
+                assert other.published == [first, second]
+
+        first = self.enqueue(store, outbox, "t", {"n": 1})
+        second = self.enqueue(store, outbox, "t", {"n": 2})
+        report = outbox.poller(lease=30).run_once()
+        # The zombie's record for the first event is fenced, and it never starts the second.
+        assert report.lease_lost == [first, second]
+        assert report.published == []
+        assert calls == [first, first, second]  # the outside effect ran twice: a lost lease
+        assert len(recorder.of(LeaseLost)) == 2
+        assert [r.attempt for r in store.records(first)] == [2]
+        assert [r.attempt for r in store.records(second)] == [2]
+        assert store.stats(now=clock.now()).published == 2
+
+    def test_r13_long_batch_extends_its_leases(
+        self, store: Store, outbox: Outbox, bus: EventBus, clock: FrozenClock
+    ) -> None:
+        @bus.handler("t", name="slowish")
+        def slowish(event: Event, ctx: Any) -> None:
+            clock.advance(8)  # three of these outlast one 20 s lease
+
+        ids = [self.enqueue(store, outbox, "t", {"n": n}) for n in range(4)]
+        report = outbox.poller(lease=20).run_once()
+        assert report.published == ids
+        assert report.lease_lost == []
+        assert all(store.get(i).attempts == 1 for i in ids)  # type: ignore[union-attr]
+
+
+def _fail(event: Event, ctx: Any) -> None:
+    raise RuntimeError("always")
