@@ -29,6 +29,7 @@ __all__ = [
     "RetryScheduled",
     "State",
     "Stats",
+    "UndecodablePayload",
     "Unrouted",
 ]
 
@@ -72,6 +73,17 @@ class NewEvent:
     headers: Mapping[str, str]
     key: str | None
     delay: timedelta
+
+
+@dataclass(frozen=True, slots=True)
+class UndecodablePayload:
+    """Stands for a stored payload that is not JSON (written behind outboxkit's back).
+
+    The poller dead-letters such an event at once with ``error``; no handler sees it.
+    """
+
+    raw: str
+    error: str
 
 
 @dataclass(frozen=True, slots=True)

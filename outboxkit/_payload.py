@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-from ._model import NewEvent
+from ._model import NewEvent, UndecodablePayload
 from .errors import InvalidEvent
 
 __all__ = ["DEFAULT_MAX_PAYLOAD_BYTES", "MAX_TOPIC_LENGTH", "build_event", "decode_payload"]
@@ -54,12 +54,14 @@ def build_event(
     )
 
 
-def decode_payload(text: str) -> Any:
-    """Parse a stored payload. Raises ``InvalidEvent`` if it is not JSON (written behind our back)."""
+def decode_payload(text: str | bytes) -> Any:
+    """Parse a stored payload; one that is not JSON (written behind outboxkit's back) comes back
+    as an ``UndecodablePayload`` carrying the error, so the event can be dead-lettered."""
     try:
         return json.loads(text)
     except (TypeError, ValueError) as exc:
-        raise InvalidEvent(f"stored payload is not valid JSON: {exc}") from exc
+        raw = text.decode("utf-8", "replace") if isinstance(text, bytes) else str(text)
+        return UndecodablePayload(raw=raw, error=f"stored payload is not valid JSON: {exc}")
 
 
 def _check_text(what: str, value: object, max_length: int, *, allow_empty: bool) -> None:

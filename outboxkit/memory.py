@@ -28,7 +28,7 @@ from ._machine import DeadLetter as DeadLetterDecision
 from ._machine import Publish, Retry, Settlement, is_due
 from ._model import Claim, DeadLetter, DeliveryRecord, Event, NewEvent, Outcome, Stats
 from ._payload import decode_payload
-from .errors import ConfigurationError, LeaseLostError, StoreError
+from .errors import ConfigurationError, HandlerCrashed, LeaseLostError, StoreError
 from .hookspecs import RegisterStore, hookimpl
 
 __all__ = ["MemoryStore", "MemoryTransaction"]
@@ -77,9 +77,10 @@ class MemoryTransaction:
     Writes (events, delivery records, app rows) become visible to others only at ``commit()``.
     """
 
-    def __init__(self, store: MemoryStore) -> None:
+    def __init__(self, store: MemoryStore, *, managed: bool = False) -> None:
         self._store = store
         self._pending = _Pending()
+        self._managed = managed
         self.open = True
 
     def insert(self, table: str, row: Mapping[str, Any]) -> None:
@@ -98,15 +99,36 @@ class MemoryTransaction:
 
         Raises:
             StoreError: the transaction is already closed.
+            HandlerCrashed: called by a handler on its delivery transaction (outboxkit commits
+                it together with the delivery record).
         """
+        self._refuse_if_managed("commit")
+        self._commit()
+
+    def rollback(self) -> None:
+        """Discard every buffered write. Safe to call twice.
+
+        Raises:
+            HandlerCrashed: called by a handler on its delivery transaction.
+        """
+        self._refuse_if_managed("roll back")
+        self._rollback()
+
+    def _commit(self) -> None:
         self._check_open()
         self._store._apply(self._pending)
         self.open = False
 
-    def rollback(self) -> None:
-        """Discard every buffered write. Safe to call twice."""
+    def _rollback(self) -> None:
         self._pending = _Pending()
         self.open = False
+
+    def _refuse_if_managed(self, what: str) -> None:
+        if self._managed:
+            raise HandlerCrashed(
+                f"a handler may not {what} its delivery transaction: outboxkit commits it "
+                "together with the delivery record"
+            )
 
     def _check_open(self) -> None:
         if not self.open:
@@ -123,7 +145,7 @@ class _MemoryDelivery:
         self._store = store
         self._claim = claim
         self._now = now
-        self.tx = MemoryTransaction(store)
+        self.tx = MemoryTransaction(store, managed=True)
 
     @property
     def connection(self) -> MemoryTransaction:
@@ -187,9 +209,9 @@ class MemoryStore:
         try:
             yield tx
         except BaseException:
-            tx.rollback()
+            tx._rollback()
             raise
-        tx.commit()
+        tx._commit()
 
     def rows(self, table: str) -> list[dict[str, Any]]:
         """Committed app rows of ``table``."""
@@ -300,14 +322,14 @@ class MemoryStore:
         try:
             yield delivery
         except BaseException:
-            delivery.tx.rollback()
+            delivery.tx._rollback()
             raise
         else:
             with self._lock:
                 if self._owned(claim) is None:  # cannot happen while we hold the row lock
-                    delivery.tx.rollback()
+                    delivery.tx._rollback()
                     raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
-                delivery.tx.commit()
+                delivery.tx._commit()
         finally:
             with self._lock:
                 if row.row_lock is delivery:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ._machine import DeadLetter, Publish, Retry, decide_settlement, lease_is_low
+from ._machine import DeadLetter, Publish, Retry, Settlement, decide_settlement, lease_is_low
 from ._model import (
     Claim,
     Claimed,
@@ -28,6 +28,7 @@ from ._model import (
     Outcome,
     Published,
     RetryScheduled,
+    UndecodablePayload,
     Unrouted,
 )
 from ._options import PollerOptions
@@ -248,6 +249,10 @@ class Poller:
         if not specs:
             log.info("event %d: no handler subscribed to %r; publishing it", event.id, event.topic)
             outbox.emit(Unrouted(event.id, event.topic))
+        if isinstance(event.payload, UndecodablePayload):
+            # Retrying cannot fix a payload that is not JSON: dead-letter it at once.
+            self._apply(claim, DeadLetter(), event.payload.error, report)
+            return
         if claim.attempt > self.options.max_retries + 1:
             # R4 + R11: earlier attempts crashed or lost their lease without settling and used
             # every attempt up. Run nothing (a poison event must not crash pollers forever);
@@ -374,8 +379,6 @@ class Poller:
         errors: list[str],
         report: PollReport,
     ) -> None:
-        outbox = self.outbox
-        event = claim.event
         settlement = decide_settlement(
             subscribed=subscribed,
             outcomes=outcomes,
@@ -383,7 +386,13 @@ class Poller:
             max_retries=self.options.max_retries,
             backoff=self.options.backoff,
         )
-        error = "; ".join(errors) or None
+        self._apply(claim, settlement, "; ".join(errors) or None, report)
+
+    def _apply(
+        self, claim: Claim, settlement: Settlement, error: str | None, report: PollReport
+    ) -> None:
+        outbox = self.outbox
+        event = claim.event
         if not outbox.store.settle(claim, settlement, error=error, now=outbox.store_now()):
             self._lease_lost(claim, report, None)
             return

@@ -1,0 +1,118 @@
+"""Acceptance for the conformance suite as a third party meets it: built wheel, fresh venv."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import venv
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+THIRD_PARTY_STORE = '''
+"""A third party's store: the memory store wrapped, plus a broken variant."""
+from outboxkit import MemoryStore
+
+
+class WrappedStore:
+    """Delegates everything to a MemoryStore, as a user's adapter would."""
+
+    def __init__(self):
+        self._inner = MemoryStore()
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    @property
+    def capabilities(self):
+        return self._inner.capabilities
+
+
+class LeaseIgnoringStore(WrappedStore):
+    """Broken on purpose: its claim ignores leases, so leased events are claimed again."""
+
+    def claim(self, *, batch_size, lease, now):
+        with self._inner._lock:
+            for row in self._inner._events.values():
+                row.locked_until = None
+        return self._inner.claim(batch_size=batch_size, lease=lease, now=now)
+
+
+def make_store():
+    return WrappedStore()
+
+
+def make_broken_store(tmp_path):
+    return LeaseIgnoringStore()
+'''
+
+
+@pytest.fixture(scope="module")
+def venv_with_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    work = tmp_path_factory.mktemp("wheel")
+    dist = work / "dist"
+    subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--outdir", str(dist), str(ROOT)],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = dist.glob("outboxkit-*.whl")
+    env_dir = work / "venv"
+    venv.EnvBuilder(with_pip=True).create(env_dir)
+    python = env_dir / "bin" / "python"
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", str(wheel), "pytest"],
+        check=True,
+        capture_output=True,
+    )
+    package = work / "thirdparty"
+    package.mkdir()
+    (package / "mystore.py").write_text(textwrap.dedent(THIRD_PARTY_STORE))
+    return env_dir
+
+
+def run_conformance(env_dir: Path, factory: str) -> subprocess.CompletedProcess[str]:
+    cwd = env_dir.parent / "thirdparty"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "PYTEST"))}
+    env["PYTHONPATH"] = str(cwd)
+    return subprocess.run(
+        [str(env_dir / "bin" / "outboxkit"), "conformance", factory],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.mark.slow
+def test_wheel_ships_the_suite_and_a_third_party_store_passes(venv_with_wheel: Path) -> None:
+    result = run_conformance(venv_with_wheel, "mystore:make_store")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "outboxkit conformance suite 1.0.0 against mystore:make_store" in result.stdout
+    assert "declared capabilities: concurrent_claimers, transactional_handlers" in result.stdout
+    summary = [line for line in result.stdout.splitlines() if line.startswith("conformance: ")]
+    assert summary, result.stdout
+    assert " 0 failed" in summary[0]
+    passed = int(summary[0].split()[1])
+    assert passed >= 40
+
+
+@pytest.mark.slow
+def test_a_broken_store_fails_naming_the_tests(venv_with_wheel: Path) -> None:
+    result = run_conformance(venv_with_wheel, "mystore:make_broken_store")
+    assert result.returncode == 1, result.stdout + result.stderr
+    failed = [line for line in result.stdout.splitlines() if line.startswith("FAILED ")]
+    assert any("test_leased_event_is_not_claimed_again" in line for line in failed), result.stdout
+    assert any("test_batch_limit_holds" in line for line in failed), result.stdout
+
+
+@pytest.mark.slow
+def test_a_bad_factory_is_a_usage_error(venv_with_wheel: Path) -> None:
+    result = run_conformance(venv_with_wheel, "nosuchmodule:make")
+    assert result.returncode == 2
+    assert "cannot import 'nosuchmodule'" in result.stderr
