@@ -320,8 +320,3 @@ def test_enqueue_many_validates_everything_before_writing(
     event = store.get(good[0])
     assert event is not None
     assert event.topic == "ok"
-
-
-def test_stored_payload_that_is_not_json_is_an_invalid_event() -> None:
-    with pytest.raises(InvalidEvent, match="stored payload is not valid JSON"):
-        decode_payload("{not json")
