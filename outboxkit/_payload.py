@@ -21,6 +21,7 @@ DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024
 MAX_TOPIC_LENGTH = 255
 MAX_KEY_LENGTH = 255
 _MAX_DEPTH = 200
+MAX_DELAY = timedelta(days=3660)  # ten years; keeps now + delay far from datetime's limits
 
 
 def build_event(
@@ -109,12 +110,9 @@ def _check_delay(delay: object) -> timedelta:
         raise InvalidEvent(f"delay must be seconds or a timedelta, got {type(delay).__name__}")
     if not math.isfinite(seconds) or seconds < 0:
         raise InvalidEvent(f"delay must be a finite, non-negative duration, got {delay!r}")
-    if isinstance(delay, timedelta):
-        return delay
-    try:
-        return timedelta(seconds=seconds)
-    except OverflowError:
-        raise InvalidEvent(f"delay {delay!r} is too large for a duration") from None
+    if seconds > MAX_DELAY.total_seconds():
+        raise InvalidEvent(f"delay {delay!r} is longer than the limit of {MAX_DELAY.days} days")
+    return delay if isinstance(delay, timedelta) else timedelta(seconds=seconds)
 
 
 def _encode_payload(payload: object, max_bytes: int) -> str:

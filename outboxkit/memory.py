@@ -27,7 +27,7 @@ from typing import Any
 from ._machine import DeadLetter as DeadLetterDecision
 from ._machine import Publish, Retry, Settlement, is_due
 from ._model import Claim, DeadLetter, DeliveryRecord, Event, NewEvent, Outcome, Stats
-from ._payload import decode_payload
+from ._storekit import event_from_row
 from .errors import ConfigurationError, HandlerCrashed, LeaseLostError, StoreError
 from .hookspecs import RegisterStore, hookimpl
 
@@ -52,11 +52,11 @@ class _Row:
     row_lock: object | None = None  # the delivery transaction holding this row
 
     def to_event(self) -> Event:
-        return Event(
+        return event_from_row(
             id=self.id,
             topic=self.topic,
-            payload=decode_payload(self.payload_json),
-            headers=dict(self.headers),
+            payload=self.payload_json,
+            headers=self.headers,
             key=self.key,
             created_at=self.created_at,
             available_at=self.available_at,
@@ -188,7 +188,7 @@ class MemoryStore:
         """The factory behind ``open_store("memory://")``; every call gives a new, empty store."""
         if options:
             raise ConfigurationError(f"memory:// takes no options, got {sorted(options)}")
-        if url.rstrip("/") != "memory:":
+        if url.rstrip("/").lower() != "memory:":
             raise ConfigurationError(f"the memory store's URL is just 'memory://', got {url!r}")
         return cls()
 

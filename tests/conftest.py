@@ -11,7 +11,7 @@ import pytest
 from outboxkit import EventBus, FrozenClock, MemoryStore, ObserverEvent, Outbox, hookimpl
 
 
-@dataclass
+@dataclass(eq=False)
 class Recorder:
     """An observer plugin that keeps every event it sees."""
 

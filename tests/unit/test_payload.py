@@ -109,7 +109,8 @@ BAD = [
     Bad("delay-negative-timedelta", r"non-negative duration", delay=timedelta(seconds=-1)),
     Bad("delay-nan", r"delay must be a finite.*nan", delay=float("nan")),
     Bad("delay-inf", r"delay must be a finite.*inf", delay=float("inf")),
-    Bad("delay-too-large", r"delay 1e\+300 is too large", delay=1e300),
+    Bad("delay-too-large", r"delay 1e\+300 is longer than the limit", delay=1e300),
+    Bad("delay-timedelta-max", r"longer than the limit of 3660 days", delay=timedelta.max),
     Bad("delay-str", r"delay must be seconds or a timedelta, got str", delay="5"),
     Bad("delay-bool", r"delay must be seconds or a timedelta, got bool", delay=True),
 ]

@@ -1,0 +1,133 @@
+"""Helpers every SQL store shares, so that the stores differ only in SQL and transactions.
+
+No driver is imported here: values in, values out.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from ._machine import DeadLetter, Publish, Retry, Settlement
+from ._model import Claim, DeliveryRecord, Event, Outcome
+from ._payload import decode_payload
+from .errors import ConfigurationError
+
+__all__ = [
+    "IDENTIFIER",
+    "SettleValues",
+    "decode_headers",
+    "event_from_row",
+    "record_from_row",
+    "settle_values",
+    "sort_claims",
+    "validate_identifier",
+]
+
+IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}\Z")
+
+
+def validate_identifier(value: object, what: str) -> str:
+    """``value`` if it is a safe SQL identifier (``^[A-Za-z_][A-Za-z0-9_]{0,62}$``).
+
+    Raises:
+        ConfigurationError: naming ``what`` and the bad value (shortened).
+    """
+    if not isinstance(value, str) or not IDENTIFIER.match(value):
+        raise ConfigurationError(
+            f"{what} must match ^[A-Za-z_][A-Za-z0-9_]{{0,62}}$, got {value!r:.80}"
+        )
+    return value
+
+
+def decode_headers(raw: str | bytes | Mapping[str, str] | None) -> dict[str, str]:
+    if raw is None:
+        return {}
+    if isinstance(raw, Mapping):
+        return dict(raw)
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return {}
+    return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else {}
+
+
+def event_from_row(
+    *,
+    id: int,
+    topic: str,
+    payload: Any,
+    headers: Any,
+    key: str | None,
+    created_at: datetime,
+    available_at: datetime,
+    attempts: int,
+) -> Event:
+    """An ``Event`` from stored columns; ``payload`` may be JSON text or an already-parsed value."""
+    return Event(
+        id=id,
+        topic=topic,
+        payload=decode_payload(payload) if isinstance(payload, str | bytes) else payload,
+        headers=decode_headers(headers),
+        key=key,
+        created_at=created_at,
+        available_at=available_at,
+        attempts=attempts,
+    )
+
+
+def record_from_row(
+    *,
+    event_id: int,
+    handler: str,
+    outcome: str,
+    attempt: int,
+    recorded_at: datetime,
+    reason: str | None,
+) -> DeliveryRecord:
+    return DeliveryRecord(
+        event_id=event_id,
+        handler=handler,
+        outcome=Outcome(outcome),
+        attempt=attempt,
+        recorded_at=recorded_at,
+        reason=reason,
+    )
+
+
+def done_from_pairs(pairs: Iterable[tuple[str, str]]) -> dict[str, Outcome]:
+    """The ``Claim.done`` mapping from (handler, outcome) pairs."""
+    return {handler: Outcome(outcome) for handler, outcome in pairs}
+
+
+@dataclass(frozen=True, slots=True)
+class SettleValues:
+    """What settling writes, besides clearing the lease: which column gets ``now``, and the
+    retry delay (``available_at = now + retry_after``) where there is one."""
+
+    publish: bool
+    dead: bool
+    retry_after: timedelta | None
+    keeps_error: bool
+
+
+def settle_values(settlement: Settlement) -> SettleValues:
+    """Map a settlement decision to column updates (one UPDATE in every SQL store)."""
+    if isinstance(settlement, Publish):
+        return SettleValues(publish=True, dead=False, retry_after=None, keeps_error=False)
+    if isinstance(settlement, DeadLetter):
+        return SettleValues(publish=False, dead=True, retry_after=None, keeps_error=True)
+    if isinstance(settlement, Retry):
+        return SettleValues(
+            publish=False, dead=False, retry_after=settlement.delay, keeps_error=True
+        )
+    raise TypeError(f"unknown settlement {settlement!r}")  # pragma: no cover - closed union
+
+
+def sort_claims(claims: Iterable[Claim]) -> list[Claim]:
+    """Claim order (R3/R5): oldest ``(available_at, id)`` first; RETURNING has no order."""
+    return sorted(claims, key=lambda c: (c.event.available_at, c.event.id))
