@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import threading
 from datetime import timedelta
 
@@ -19,6 +20,7 @@ from outboxkit._machine import DeadLetter, Publish, Retry
 from outboxkit._payload import build_event
 
 from ._base import LEASE, ConformanceBase
+from ._procs import claim_until_empty
 
 __all__ = ["StoreLevelTests"]
 
@@ -441,4 +443,24 @@ class StoreLevelTests(ConformanceBase):
         assert len(both) == total
         assert len(set(both)) == total
         assert set(seen[0]).isdisjoint(seen[1])
+        assert store.stats(now=clock.now()).published == total
+
+    def test_two_processes_never_claim_the_same_event(
+        self, store: Store, clock: FrozenClock
+    ) -> None:
+        self.require(store, "multiprocess")
+        total = 1000
+        for start in range(0, total, 250):
+            self.put(store, clock.now(), *[("t", i) for i in range(start, start + 250)])
+        url, options = store.url, dict(store.options)  # type: ignore[attr-defined]
+        context = multiprocessing.get_context("spawn")
+        with context.Pool(2) as pool:
+            jobs = [
+                pool.apply_async(claim_until_empty, (url, options, clock.now().isoformat(), 7))
+                for _ in range(2)
+            ]
+            seen = [job.get(timeout=300) for job in jobs]
+        both = seen[0] + seen[1]
+        assert len(both) == total
+        assert len(set(both)) == total
         assert store.stats(now=clock.now()).published == total
