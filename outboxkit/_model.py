@@ -88,7 +88,11 @@ class UndecodablePayload:
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """An event as handlers see it."""
+    """An event as handlers (and operators) see it.
+
+    ``published_at``, ``failed_at``, ``locked_until`` and ``last_error`` describe where the
+    event stands; stores fill them in for ``get``/``events``, and they are ``None`` otherwise.
+    """
 
     id: int
     topic: str
@@ -98,6 +102,19 @@ class Event:
     created_at: datetime | None = None
     available_at: datetime | None = None
     attempts: int = 0
+    published_at: datetime | None = None
+    failed_at: datetime | None = None
+    locked_until: datetime | None = None
+    last_error: str | None = None
+
+    @property
+    def state(self) -> State:
+        """PUBLISHED, DEAD, or PENDING (a lease is not a state here: it needs ``now``)."""
+        if self.published_at is not None:
+            return State.PUBLISHED
+        if self.failed_at is not None:
+            return State.DEAD
+        return State.PENDING
 
 
 @dataclass(frozen=True, slots=True)

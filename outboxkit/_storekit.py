@@ -66,9 +66,17 @@ def event_from_row(
     created_at: datetime,
     available_at: datetime,
     attempts: int,
+    published_at: datetime | None = None,
+    failed_at: datetime | None = None,
+    locked_until: datetime | None = None,
+    last_error: str | None = None,
 ) -> Event:
     """An ``Event`` from stored columns; ``payload`` may be JSON text or an already-parsed value."""
     return Event(
+        published_at=published_at,
+        failed_at=failed_at,
+        locked_until=locked_until,
+        last_error=last_error,
         id=id,
         topic=topic,
         payload=decode_payload(payload) if isinstance(payload, str | bytes) else payload,

@@ -61,6 +61,10 @@ class _Row:
             created_at=self.created_at,
             available_at=self.available_at,
             attempts=self.attempts,
+            published_at=self.published_at,
+            failed_at=self.failed_at,
+            locked_until=self.locked_until,
+            last_error=self.last_error,
         )
 
 
@@ -435,6 +439,20 @@ class MemoryStore:
         with self._lock:
             row = self._events.get(event_id)
             return row.to_event() if row is not None else None
+
+    def events(
+        self, *, after_id: int = 0, topic: str | None = None, limit: int = 1000
+    ) -> list[Event]:
+        with self._lock:
+            rows = sorted(
+                (
+                    r
+                    for r in self._events.values()
+                    if r.id > after_id and (topic is None or r.topic == topic)
+                ),
+                key=lambda r: r.id,
+            )[:limit]
+            return [r.to_event() for r in rows]
 
     def records(self, event_id: int) -> list[DeliveryRecord]:
         with self._lock:

@@ -145,6 +145,13 @@ class Store(Protocol):
         """One event by id (any state), or None."""
         ...
 
+    def events(
+        self, *, after_id: int = 0, topic: str | None = None, limit: int = 1000
+    ) -> list[Event]:
+        """Events of any state with ``id > after_id`` (and the topic), in id order, at most
+        ``limit``; for the test kit and operators. Page with ``after_id``."""
+        ...
+
     def records(self, event_id: int) -> list[DeliveryRecord]:
         """The delivery records of one event, in the order they were written."""
         ...

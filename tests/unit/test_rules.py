@@ -777,7 +777,18 @@ def test_r8_settle_dead_letters_when_retries_are_used_up(store, bus, outbox, clo
     assert (r.failed_at, r.published_at, r.locked_until, r.token) == (T0 + s(2), None, None, None)
     assert store.dead_letters() == [
         DeadLetter(
-            event=Event(event_id, "t", {"n": 1}, {}, None, T0, T0, 1),
+            event=Event(
+                event_id,
+                "t",
+                {"n": 1},
+                {},
+                None,
+                T0,
+                T0,
+                1,
+                failed_at=T0 + s(2),
+                last_error="broken: RuntimeError: down",
+            ),
             failed_at=T0 + s(2),
             last_error="broken: RuntimeError: down",
             records=(DeliveryRecord(event_id, "fine", Outcome.SUCCEEDED, 1, T0),),
