@@ -202,15 +202,26 @@ class Poller:
             BaseException: re-raised from a handler (KeyboardInterrupt, SystemExit) after
                 releasing the events not yet started; the event in hand recovers by its lease.
         """
+        outbox = self.outbox
+        started_at = outbox.clock.now()
+        claims = outbox.store.claim(
+            batch_size=self.options.batch_size, lease=self.options.lease, now=outbox.store_now()
+        )
+        return self.process(claims, claimed_at=started_at)
+
+    def process(self, claims: Sequence[Claim], *, claimed_at: datetime) -> PollReport:
+        """Deliver and settle claims this poller just made (``run_once`` without the claim).
+
+        Args:
+            claims: fresh claims, in claim order.
+            claimed_at: the clock's instant just before the claim (lease deadlines count from it).
+        """
         report = PollReport()
         outbox = self.outbox
         lease = self.options.lease
-        started_at = outbox.clock.now()
-        claims = outbox.store.claim(
-            batch_size=self.options.batch_size, lease=lease, now=outbox.store_now()
-        )
         if not claims:
             return report
+        started_at = claimed_at
         # The local lease deadline: from just before the claim, so never later than the store's.
         deadlines = {c.token: started_at + lease for c in claims}
         for claim in claims:
