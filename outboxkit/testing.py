@@ -523,6 +523,11 @@ class FreezegunClock(FrozenClock):
         )
         self._frozen = frozen
 
+    @property
+    def freezer(self) -> Any:
+        """freezegun's time factory (``tick``, ``move_to``) behind this clock."""
+        return self._frozen
+
     def now(self) -> datetime:
         fake = self._frozen()  # freezegun's current (naive UTC) instant
         return datetime(
