@@ -39,3 +39,13 @@ def test_py_typed_markers_ship() -> None:
         "conformance/outboxkit_conformance",
     ):
         assert (ROOT / package / "py.typed").is_file(), package
+
+
+def test_readme_testing_example_passes(pytester) -> None:
+    section = README.split("## Testing with outboxkit", 1)[1]
+    example = python_blocks(section)[0]
+    pytester.makepyfile(test_checkout=example)
+    result = pytester.runpytest_inprocess(
+        "-q", "-p", "no:cacheprovider", "--outbox-store=memory://"
+    )
+    result.assert_outcomes(passed=2)
