@@ -529,7 +529,17 @@ def _now(now: datetime | None) -> datetime:
     return now if now is not None else datetime.now(UTC)
 
 
-@hookimpl
-def outboxkit_register_stores(register: RegisterStore) -> None:
-    """Register ``memory://``."""
-    register("memory", MemoryStore.from_url, schemes=("memory",))
+class _MemoryPlugin:
+    """The memory store's registration; the ``outboxkit`` entry point names ``plugin``.
+
+    A small object rather than this module, so registering it scans a handful of names.
+    """
+
+    @staticmethod
+    @hookimpl
+    def outboxkit_register_stores(register: RegisterStore) -> None:
+        """Register ``memory://``."""
+        register("memory", MemoryStore.from_url, schemes=("memory",))
+
+
+plugin = _MemoryPlugin()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -26,11 +28,24 @@ def make_plugin_manager(
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
     if load_entry_points:
-        pm.load_setuptools_entrypoints(hookspecs.PROJECT)
+        for name, plugin in _entry_point_plugins():
+            if pm.get_plugin(name) is None and not pm.is_registered(plugin):
+                pm.register(plugin, name=name)
     for plugin in plugins:
         if not pm.is_registered(plugin):
             pm.register(plugin)
     return pm
+
+
+@functools.cache
+def _entry_point_plugins() -> tuple[tuple[str, object], ...]:
+    """The objects the ``outboxkit`` entry points name, loaded once per process.
+
+    Scanning installed distributions costs milliseconds; the plugin *managers* stay one per
+    ``Outbox`` (a test's observers never leak into another's), only the import is shared.
+    """
+    found = importlib.metadata.entry_points(group=hookspecs.PROJECT)
+    return tuple((ep.name, ep.load()) for ep in sorted(found, key=lambda ep: ep.name))
 
 
 @dataclass(frozen=True, slots=True)
