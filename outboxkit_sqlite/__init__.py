@@ -1,1 +1,10 @@
-"""The SQLite store for outboxkit: the embedded default."""
+"""The SQLite store for outboxkit: the embedded default (``sqlite:///path/to/app.db``).
+
+One file, no server; several poller processes on one machine may share it. See ``SQLiteStore``.
+"""
+
+from __future__ import annotations
+
+from .store import SQLiteStore
+
+__all__ = ["SQLiteStore"]
