@@ -34,7 +34,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 from outboxkit._machine import Settlement
 from outboxkit._model import Claim, DeadLetter, DeliveryRecord, Event, NewEvent, Outcome, Stats
@@ -329,7 +329,7 @@ class SQLiteStore:
             raise
 
     @classmethod
-    def from_url(cls, url: str, **options: Any) -> SQLiteStore:
+    def from_url(cls, url: str, **options: Any) -> Self:
         """The factory behind ``open_store("sqlite:///path")``.
 
         ``sqlite:///relative/path.db``, ``sqlite:////absolute/path.db`` (four slashes),
