@@ -64,7 +64,7 @@ T = TypeVar("T")
 
 MEMORY = ":memory:"
 DEFAULT_BUSY_TIMEOUT = 30.0
-_BEGIN_RETRIES = 6
+_BUSY_RETRIES = 8
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _MICROSECOND = timedelta(microseconds=1)
 _OPTIONS = frozenset(
@@ -118,20 +118,22 @@ def _in_transaction(conn: sqlite3.Connection) -> bool:
         return False
 
 
-def _retry_busy(action: Callable[[], T]) -> T:
-    """Run ``action``, retrying a few times with backoff while SQLite reports busy/locked.
+def _retry_busy(action: Callable[[], T], *, busy_timeout: float) -> T:
+    """Run ``action``, retrying with backoff while SQLite reports busy, for ``busy_timeout`` at most.
 
-    ``busy_timeout`` already waits inside SQLite; this covers the cases where SQLite returns
-    busy at once without calling its busy handler (e.g. during WAL recovery).
+    SQLite's own busy handler already waits up to ``busy_timeout``; this covers the cases where
+    SQLite answers busy at once without calling it (e.g. while another connection recovers the
+    WAL). An answer that came after the full wait is final.
     """
+    deadline = time.monotonic() + busy_timeout
     delay = 0.005
-    for attempt in range(_BEGIN_RETRIES + 1):
+    for attempt in range(_BUSY_RETRIES + 1):
         try:
             return action()
         except sqlite3.OperationalError as exc:
-            if attempt == _BEGIN_RETRIES or not _is_busy(exc):
+            if attempt == _BUSY_RETRIES or not _is_busy(exc) or time.monotonic() >= deadline:
                 raise
-            time.sleep(delay)
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 3, 1.0)
     raise AssertionError("unreachable")  # pragma: no cover
 
@@ -367,7 +369,8 @@ class SQLiteStore:
             try:
                 with connections.acquire() as conn:
                     (mode,) = _retry_busy(
-                        lambda: conn.execute("PRAGMA journal_mode=WAL").fetchone()
+                        lambda: conn.execute("PRAGMA journal_mode=WAL").fetchone(),
+                        busy_timeout=self.busy_timeout,
                     )
             except sqlite3.Error as exc:
                 connections.close()
@@ -424,10 +427,10 @@ class SQLiteStore:
             raise self._store_error(exc, what) from exc
 
     def _begin(self, conn: sqlite3.Connection) -> None:
-        _retry_busy(lambda: conn.execute("BEGIN IMMEDIATE"))
+        _retry_busy(lambda: conn.execute("BEGIN IMMEDIATE"), busy_timeout=self.busy_timeout)
 
     def _commit(self, conn: sqlite3.Connection) -> None:
-        _retry_busy(lambda: conn.execute("COMMIT"))
+        _retry_busy(lambda: conn.execute("COMMIT"), busy_timeout=self.busy_timeout)
 
     @staticmethod
     def _rollback_quietly(conn: sqlite3.Connection) -> None:
@@ -617,9 +620,8 @@ class SQLiteStore:
                 try:
                     yield tx
                 finally:
-                    if tx.conn is conn:
-                        with suppress(sqlite3.ProgrammingError):  # closed by the handler
-                            conn.set_authorizer(None)
+                    with suppress(sqlite3.ProgrammingError):  # closed by the handler
+                        conn.set_authorizer(None)
                 tx.check_open()
                 with self._mapped(f"commit the delivery of event {claim.event.id}"):
                     self._commit(conn)

@@ -23,6 +23,8 @@ from outboxkit import (
     InvalidEvent,
     Outbox,
     SchemaError,
+    StoreError,
+    StoreUnavailable,
     open_store,
 )
 from outboxkit._machine import Publish
@@ -365,3 +367,30 @@ def test_a_handler_cannot_end_its_delivery_transaction(tmp_path: Path, how: str)
         assert outbox.poller().run_once().published == [event_id]
         with closing(sqlite3.connect(path)) as check:
             assert check.execute("SELECT count(*) FROM ledger").fetchone() == (1,)
+
+
+# -- driver errors are mapped at the boundary -----------------------------------------------------
+
+
+def test_a_lock_held_past_busy_timeout_is_store_unavailable(tmp_path: Path) -> None:
+    path = tmp_path / "app.db"
+    with (
+        SQLiteStore(path, busy_timeout=0.05) as store,
+        closing(sqlite3.connect(path, isolation_level=None)) as other,
+    ):
+        other.execute("BEGIN IMMEDIATE")  # another process holding the write lock
+        with pytest.raises(StoreUnavailable, match="locked") as info:
+            store.claim(batch_size=10, lease=LEASE, now=None)
+        assert isinstance(info.value.__cause__, sqlite3.OperationalError)
+        assert str(path) in str(info.value)
+        assert store.stats(now=None).total == 0  # reads are not blocked (WAL)
+        other.execute("ROLLBACK")
+        assert store.claim(batch_size=10, lease=LEASE, now=None) == []
+
+
+def test_a_closed_store_says_so(tmp_path: Path) -> None:
+    store = SQLiteStore(tmp_path / "app.db")
+    store.close()
+    store.close()
+    with pytest.raises(StoreError, match="closed"):
+        store.stats(now=None)
