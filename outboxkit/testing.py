@@ -17,9 +17,13 @@ finishes at once while every recorded time keeps the real schedule.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
 import hashlib
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -565,7 +569,9 @@ def open_test_store(url: str | None, tmp_path: Path, name: str = "test") -> Iter
     from .plugins import open_store
 
     if url is None:
-        url = f"sqlite:///{tmp_path / 'outbox.db'}"
+        path = tmp_path / "outbox.db"
+        shutil.copyfile(_sqlite_template(), path)  # a migrated empty file: no DDL per test
+        url = f"sqlite:///{path}"
     scheme = url.split("://", 1)[0].lower()
     options: dict[str, Any] = {}
     if scheme in ("postgresql", "postgres"):
@@ -581,6 +587,22 @@ def open_test_store(url: str | None, tmp_path: Path, name: str = "test") -> Iter
                 drop()
         finally:
             store.close()
+
+
+@functools.cache
+def _sqlite_template() -> Path:
+    """An empty, migrated SQLite outbox file, made once per process and copied for each test."""
+    from .plugins import open_store
+
+    folder = Path(tempfile.mkdtemp(prefix="outboxkit-template-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    path = folder / "template.db"
+    store: Store = open_store(f"sqlite:///{path}")
+    try:
+        store.migrate()
+    finally:
+        store.close()
+    return path
 
 
 def _schema_name(name: str) -> str:
