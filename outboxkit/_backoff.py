@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TypeGuard
 
+from ._duration import as_timedelta
+
 __all__ = ["BackoffPolicy", "ExponentialBackoff", "as_policy", "delay_for"]
 
 BackoffPolicy = Callable[[int], "float | timedelta"]
@@ -81,17 +83,7 @@ def delay_for(policy: BackoffPolicy, retry: int) -> timedelta:
         ValueError: the policy returned something that is not a finite, non-negative duration.
     """
     value = policy(retry)
-    if isinstance(value, timedelta):
-        delay = value
-    elif isinstance(value, int | float) and not isinstance(value, bool):
-        if value != value or value in (float("inf"), float("-inf")):
-            raise ValueError(f"backoff returned {value!r} for retry {retry}; need finite seconds")
-        try:
-            delay = timedelta(seconds=value)
-        except OverflowError:
-            raise ValueError(f"backoff returned {value!r} for retry {retry}; too large") from None
-    else:
-        raise ValueError(f"backoff returned {value!r} for retry {retry}; need seconds or timedelta")
-    if delay < timedelta(0):
-        raise ValueError(f"backoff returned a negative delay {value!r} for retry {retry}")
-    return delay
+    try:
+        return as_timedelta(value, what="the delay")
+    except ValueError as exc:
+        raise ValueError(f"backoff returned {value!r} for retry {retry}: {exc}") from None

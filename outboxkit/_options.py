@@ -7,7 +7,7 @@ from datetime import timedelta
 from typing import Any
 
 from ._backoff import BackoffPolicy, ExponentialBackoff
-from .clock import as_timedelta
+from ._duration import as_timedelta
 from .errors import ConfigurationError
 
 __all__ = ["PollerOptions"]
@@ -56,7 +56,7 @@ class PollerOptions:
 def _duration(name: str) -> Any:
     def check(value: object) -> timedelta:
         try:
-            return as_timedelta(value, what=name, allow_zero=False)  # type: ignore[arg-type]
+            return as_timedelta(value, what=name, allow_zero=False)
         except ValueError as exc:
             raise ConfigurationError(str(exc)) from None
 

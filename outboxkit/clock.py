@@ -11,6 +11,8 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Protocol, runtime_checkable
 
+from ._duration import as_timedelta
+
 __all__ = ["Clock", "FrozenClock", "SystemClock", "as_timedelta", "parse_instant"]
 
 
@@ -106,26 +108,3 @@ def parse_instant(value: datetime | str) -> datetime:
     if parsed.tzinfo is None or parsed.utcoffset() is None:
         raise ValueError(f"an instant must carry a time zone (e.g. 'Z'), got {value!r}")
     return parsed.astimezone(UTC)
-
-
-def as_timedelta(value: float | timedelta, *, what: str, allow_zero: bool = True) -> timedelta:
-    """Seconds or a timedelta as a non-negative timedelta, naming ``what`` when it is not one.
-
-    Raises:
-        ValueError: negative, non-finite, zero when ``allow_zero`` is false, or not a duration.
-    """
-    if isinstance(value, timedelta):
-        delta = value
-    elif isinstance(value, int | float) and not isinstance(value, bool):
-        if value != value or value in (float("inf"), float("-inf")):
-            raise ValueError(f"{what} must be a finite duration, got {value!r}")
-        try:
-            delta = timedelta(seconds=value)
-        except OverflowError:
-            raise ValueError(f"{what} is too large for a duration, got {value!r}") from None
-    else:
-        raise ValueError(f"{what} must be seconds or a timedelta, got {value!r}")
-    if delta < timedelta(0) or (not allow_zero and delta == timedelta(0)):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ValueError(f"{what} must be {bound}, got {value!r}")
-    return delta

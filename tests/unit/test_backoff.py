@@ -134,10 +134,10 @@ def test_delay_for_accepts_seconds_and_timedeltas(value: object, expected: timed
         (float("inf"), "finite"),
         (float("-inf"), "finite"),
         (1e300, "too large"),
-        (True, "seconds or timedelta"),
-        ("5", "seconds or timedelta"),
-        (None, "seconds or timedelta"),
-        ([1], "seconds or timedelta"),
+        (True, "seconds or a timedelta"),
+        ("5", "seconds or a timedelta"),
+        (None, "seconds or a timedelta"),
+        ([1], "seconds or a timedelta"),
     ],
 )
 def test_delay_for_rejects_bad_policy_values(value: object, message: str) -> None:

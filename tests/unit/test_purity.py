@@ -13,8 +13,8 @@ import pytest
 import outboxkit
 
 PACKAGE_DIR = Path(outboxkit.__file__).parent
-PURE_MODULES = ["_machine", "_backoff", "_model", "_payload"]
-ALLOWED_OUTBOXKIT = {"_model", "_backoff", "errors", "_payload"}
+PURE_MODULES = ["_machine", "_backoff", "_model", "_payload", "_duration"]
+ALLOWED_OUTBOXKIT = {"_model", "_backoff", "errors", "_payload", "_duration"}
 FORBIDDEN_ROOTS = {
     "time",
     "logging",
