@@ -225,15 +225,15 @@ class MemoryStore:
     def _apply(self, pending: _Pending) -> None:
         with self._lock:
             self._check_open()
-            for row in pending.events:
-                self._events[row.id] = row
-            for rec in pending.records:
-                key = (rec.event_id, rec.handler)
-                if key in self._records:
+            for rec in pending.records:  # check first: a commit applies all or nothing
+                if (rec.event_id, rec.handler) in self._records:
                     raise StoreError(
                         f"event {rec.event_id} already has a record for {rec.handler!r}"
                     )
-                self._records[key] = rec
+            for row in pending.events:
+                self._events[row.id] = row
+            for rec in pending.records:
+                self._records[(rec.event_id, rec.handler)] = rec
             for table, values in pending.rows:
                 self._tables.setdefault(table, []).append(values)
             self._lock.notify_all()
