@@ -138,6 +138,46 @@ def _retry_busy(action: Callable[[], T], *, busy_timeout: float) -> T:
     raise AssertionError("unreachable")  # pragma: no cover
 
 
+# The store's own transaction statements, the only ones its connections run (see
+# _StoreConnection). Spelled apart from a plain "COMMIT": sqlite3 caches prepared statements by
+# their text, and anyone else's COMMIT must be freshly prepared, so the authorizer sees it.
+_BEGIN = "BEGIN IMMEDIATE -- outboxkit"
+_COMMIT = "COMMIT -- outboxkit"
+_ROLLBACK = "ROLLBACK -- outboxkit"
+_BEGIN_READ = "BEGIN DEFERRED -- outboxkit"
+
+
+class _StoreConnection(sqlite3.Connection):
+    """A store connection: only the store begins, commits and rolls back its transactions.
+
+    An authorizer refuses BEGIN/COMMIT/ROLLBACK prepared by anyone else: a handler given the
+    connection in its delivery transaction, or an app inside ``store.transaction()``, cannot end
+    the transaction the store commits (with the delivery record) or rolls back. Savepoints stay
+    allowed. The authorizer is installed once: installing one expires every prepared statement.
+    """
+
+    delivery: _Delivery | None = None
+    _controlling = False
+
+    def guard(self) -> None:
+        self.set_authorizer(self._authorize)
+
+    def control(self, statement: str) -> None:
+        """Run one of the store's own transaction statements (``_BEGIN``, ``_COMMIT`` ...)."""
+        self._controlling = True
+        try:
+            self.execute(statement)
+        finally:
+            self._controlling = False
+
+    def _authorize(self, action: int, *_: object) -> int:
+        if action == sqlite3.SQLITE_TRANSACTION and not self._controlling:
+            if self.delivery is not None:
+                self.delivery.ended_by_handler = True
+            return sqlite3.SQLITE_DENY
+        return sqlite3.SQLITE_OK
+
+
 class _Connections:
     """The store's own connections.
 
@@ -146,16 +186,16 @@ class _Connections:
     under a re-entrant lock, since every connection would otherwise see its own empty database.
     """
 
-    def __init__(self, connect: Callable[[], sqlite3.Connection], *, shared: bool) -> None:
+    def __init__(self, connect: Callable[[], _StoreConnection], *, shared: bool) -> None:
         self._connect = connect
         self._lock = threading.Lock()
-        self._idle: list[sqlite3.Connection] = []
+        self._idle: list[_StoreConnection] = []
         self._closed = False
         self._shared_lock = threading.RLock()
         self._shared = connect() if shared else None
 
     @contextmanager
-    def acquire(self) -> Iterator[sqlite3.Connection]:
+    def acquire(self) -> Iterator[_StoreConnection]:
         if self._shared is not None:
             with self._shared_lock:
                 if self._closed:
@@ -173,7 +213,7 @@ class _Connections:
         finally:
             self._give_back(conn)
 
-    def _give_back(self, conn: sqlite3.Connection) -> None:
+    def _give_back(self, conn: _StoreConnection) -> None:
         try:
             usable = not conn.in_transaction
         except sqlite3.ProgrammingError:  # closed by a misbehaving handler
@@ -241,13 +281,6 @@ class _Delivery:
                 f"event {self._claim.event.id}: the delivery transaction was ended by a handler "
                 "(committed, rolled back or closed); outboxkit commits it with the delivery record"
             )
-
-    def authorize(self, action: int, *_: object) -> int:
-        """sqlite3 authorizer: while the handler runs, refuse anything that ends the transaction."""
-        if action == sqlite3.SQLITE_TRANSACTION:
-            self.ended_by_handler = True
-            return sqlite3.SQLITE_DENY
-        return sqlite3.SQLITE_OK
 
 
 class SQLiteStore:
@@ -383,14 +416,16 @@ class SQLiteStore:
                 raise StoreError(f"SQLite database {self._where}: cannot use WAL mode ({mode})")
         return connections
 
-    def _connect(self) -> sqlite3.Connection:
+    def _connect(self) -> _StoreConnection:
         try:
             conn = sqlite3.connect(
                 self._where,
                 isolation_level=None,
                 check_same_thread=False,
                 timeout=self.busy_timeout,
+                factory=_StoreConnection,
             )
+            conn.guard()
         except sqlite3.Error as exc:
             raise self._open_error(exc) from exc
         try:
@@ -426,21 +461,21 @@ class SQLiteStore:
         except sqlite3.Error as exc:
             raise self._store_error(exc, what) from exc
 
-    def _begin(self, conn: sqlite3.Connection) -> None:
-        _retry_busy(lambda: conn.execute("BEGIN IMMEDIATE"), busy_timeout=self.busy_timeout)
+    def _begin(self, conn: _StoreConnection) -> None:
+        _retry_busy(lambda: conn.control(_BEGIN), busy_timeout=self.busy_timeout)
 
-    def _commit(self, conn: sqlite3.Connection) -> None:
-        _retry_busy(lambda: conn.execute("COMMIT"), busy_timeout=self.busy_timeout)
+    def _commit(self, conn: _StoreConnection) -> None:
+        _retry_busy(lambda: conn.control(_COMMIT), busy_timeout=self.busy_timeout)
 
     @staticmethod
-    def _rollback_quietly(conn: sqlite3.Connection) -> None:
+    def _rollback_quietly(conn: _StoreConnection) -> None:
         if _in_transaction(conn):
             # If even ROLLBACK fails, the pool closes the connection (it is left in a transaction).
             with suppress(sqlite3.Error):
-                conn.execute("ROLLBACK")
+                conn.control(_ROLLBACK)
 
     @contextmanager
-    def _write(self, what: str) -> Iterator[sqlite3.Connection]:
+    def _write(self, what: str) -> Iterator[_StoreConnection]:
         """A short write transaction on a store connection: BEGIN IMMEDIATE ... COMMIT."""
         with self._connections.acquire() as conn:
             try:
@@ -453,7 +488,7 @@ class SQLiteStore:
                 raise
 
     @contextmanager
-    def _read(self, what: str) -> Iterator[sqlite3.Connection]:
+    def _read(self, what: str) -> Iterator[_StoreConnection]:
         """A read transaction (one consistent snapshot across several statements)."""
         with self._connections.acquire() as conn:
             if _in_transaction(conn):  # :memory:, inside the same thread's transaction()
@@ -462,9 +497,9 @@ class SQLiteStore:
                 return
             try:
                 with self._mapped(what):
-                    conn.execute("BEGIN")
+                    conn.control(_BEGIN_READ)
                     yield conn
-                    conn.execute("COMMIT")
+                    conn.control(_COMMIT)
             except BaseException:
                 self._rollback_quietly(conn)
                 raise
@@ -472,7 +507,8 @@ class SQLiteStore:
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
         """A store connection inside ``BEGIN IMMEDIATE``: committed when the block ends, rolled
-        back if it raises. ``enqueue`` accepts it; the app may run its own SQL on it too.
+        back if it raises. ``enqueue`` accepts it; the app may run its own SQL on it too (and
+        savepoints), but not commit, roll back or close it: the store does that.
 
         Raises:
             StoreError: the transaction could not begin or commit.
@@ -616,12 +652,11 @@ class SQLiteStore:
                 if owned is None:
                     raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
                 tx = _Delivery(self, conn, claim, at)
-                conn.set_authorizer(tx.authorize)
+                conn.delivery = tx
                 try:
                     yield tx
                 finally:
-                    with suppress(sqlite3.ProgrammingError):  # closed by the handler
-                        conn.set_authorizer(None)
+                    conn.delivery = None
                 tx.check_open()
                 with self._mapped(f"commit the delivery of event {claim.event.id}"):
                     self._commit(conn)

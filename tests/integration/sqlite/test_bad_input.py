@@ -394,3 +394,31 @@ def test_a_closed_store_says_so(tmp_path: Path) -> None:
     store.close()
     with pytest.raises(StoreError, match="closed"):
         store.stats(now=None)
+
+
+def test_only_the_store_ends_its_own_transactions(tmp_path: Path) -> None:
+    # Even after the app's COMMIT text was tried on a store connection, a handler's COMMIT on
+    # that connection is refused (no prepared statement is reused past the guard).
+    clock = FrozenClock()
+    bus = EventBus()
+    tried: list[str] = []
+
+    @bus.handler("t", name="h")
+    def handler(event: Event, ctx: Any) -> None:
+        for statement in ("COMMIT", "ROLLBACK", "END", "BEGIN"):
+            with pytest.raises(sqlite3.DatabaseError, match="not authorized"):
+                ctx.connection.execute(statement)
+            tried.append(statement)
+        ctx.connection.execute("SAVEPOINT inner")  # savepoints are the handler's own
+        ctx.connection.execute("RELEASE inner")
+
+    with SQLiteStore(tmp_path / "app.db") as store:
+        with store.transaction() as conn:
+            with pytest.raises(sqlite3.DatabaseError, match="not authorized"):
+                conn.execute("COMMIT")
+            with pytest.raises(sqlite3.DatabaseError, match="not authorized"):
+                conn.commit()
+            event_id = Outbox(store, bus, clock=clock).enqueue(conn, "t", {})
+        report = Outbox(store, bus, clock=clock).poller().run_once()
+    assert report.published == [event_id]
+    assert tried == ["COMMIT", "ROLLBACK", "END", "BEGIN"]
