@@ -170,6 +170,12 @@ class Poller:
     def __init__(self, outbox: Outbox, options: PollerOptions, *, waiter: Waiter | None) -> None:
         self.outbox = outbox
         self.options = options
+        # Without a waiter given, the store may offer one that also wakes on commits in other
+        # processes (``make_waiter``, see ``outboxkit.store``); this poller then closes it.
+        self._owns_waiter = waiter is None
+        if waiter is None:
+            make_waiter = getattr(outbox.store, "make_waiter", None)
+            waiter = make_waiter() if callable(make_waiter) else None
         self.waiter: Waiter = waiter if waiter is not None else ThreadWaiter()
         self._stop = threading.Event()
 
@@ -479,6 +485,9 @@ class Poller:
                     self.waiter.wait(interval)
         finally:
             self.outbox.remove_waiter(self.waiter)
+            close = getattr(self.waiter, "close", None)
+            if self._owns_waiter and callable(close):
+                close()
 
 
 def _call(spec: HandlerSpec, event: Event, ctx: _Context) -> None:

@@ -33,6 +33,11 @@ CAPABILITIES: dict[str, str] = {
 
 A store declaring ``multiprocess`` also has ``url`` and ``options`` attributes such that
 ``open_store(store.url, **store.options)`` in another process opens the same store.
+
+A store declaring ``listen_notify`` also has ``make_waiter() -> Waiter | None``: a waiter (see
+``outboxkit.poller.Waiter``) whose ``wait`` also returns when an enqueue commits, in any process.
+A poller given no waiter uses it, and calls its ``close()`` (if it has one) when ``run_forever``
+ends. Polling stays the source of truth: the waiter only makes the next poll come sooner.
 """
 
 

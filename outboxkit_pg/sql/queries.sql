@@ -1,0 +1,270 @@
+-- The Postgres store's SQL, one named statement per block (see outboxkit_pg/_queries.py).
+--
+-- Identifiers are slots: {schema}, {events}, {deliveries}, {versions} (schema-qualified tables),
+-- {due_index} and friends (index names) and {channel}; outboxkit_pg fills them with
+-- psycopg.sql.Identifier, after validate_identifier. Values are always bound parameters,
+-- %(name)s. Comment lines (starting with two dashes) are dropped by the loader, so they may
+-- say anything.
+--
+-- Time: every statement that needs "now" takes it as %(now)s and falls back to the database
+-- clock, coalesce(%(now)s::timestamptz, now()) (River style): NULL means the server's clock, so
+-- pollers on many machines never disagree; a test clock's instant is bound instead.
+
+
+-- name: find_schema
+SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = %(schema)s
+
+-- name: create_schema
+CREATE SCHEMA {schema}
+
+-- name: find_table
+SELECT 1
+  FROM pg_catalog.pg_class AS c
+  JOIN pg_catalog.pg_namespace AS n ON n.oid = c.relnamespace
+ WHERE n.nspname = %(schema)s AND c.relname = %(table)s
+
+-- name: lock_migrations
+-- Transaction-scoped: released at COMMIT/ROLLBACK, so a crashed migrator never holds it.
+SELECT pg_advisory_xact_lock(%(lock_space)s::integer, %(lock_key)s::integer)
+
+-- name: create_versions
+CREATE TABLE {versions} (
+    version integer PRIMARY KEY,
+    description text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+)
+
+-- name: schema_version
+SELECT coalesce(max(version), 0) FROM {versions}
+
+-- name: record_version
+INSERT INTO {versions} (version, description) VALUES (%(version)s, %(description)s)
+
+-- name: migration_1
+-- The events table is a queue: rows are inserted, updated two or three times (claim, maybe
+-- extend, settle) and purged later. fillfactor 80 leaves room on each page so the claim,
+-- extend and release updates, which touch no indexed column, stay HOT (no index writes, the
+-- old version pruned in place). Autovacuum runs at 2 % dead rows instead of 20 %, so the due
+-- index the claim walks does not fill up with dead entries.
+CREATE TABLE {events} (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    topic text NOT NULL,
+    payload jsonb NOT NULL,
+    headers jsonb NOT NULL,
+    key text,
+    created_at timestamptz NOT NULL,
+    available_at timestamptz NOT NULL,
+    attempts integer NOT NULL DEFAULT 0,
+    locked_until timestamptz,
+    claim_token uuid,
+    published_at timestamptz,
+    failed_at timestamptz,
+    last_error text
+) WITH (
+    fillfactor = 80,
+    autovacuum_vacuum_scale_factor = 0.02,
+    autovacuum_analyze_scale_factor = 0.02
+);
+-- R2/R3: the claim walks this index in (available_at, id) order; it holds only the events
+-- that are neither published nor dead, so it stays small however many are kept.
+CREATE INDEX {due_index} ON {events} (available_at, id)
+    WHERE published_at IS NULL AND failed_at IS NULL;
+CREATE INDEX {published_index} ON {events} (published_at) WHERE published_at IS NOT NULL;
+CREATE INDEX {dead_index} ON {events} (failed_at, id) WHERE failed_at IS NOT NULL;
+CREATE TABLE {deliveries} (
+    event_id bigint NOT NULL REFERENCES {events} (id) ON DELETE CASCADE,
+    handler text NOT NULL,
+    outcome text NOT NULL CHECK (outcome IN ('succeeded', 'rejected')),
+    attempt integer NOT NULL,
+    recorded_at timestamptz NOT NULL,
+    reason text,
+    seq bigint GENERATED ALWAYS AS IDENTITY,
+    PRIMARY KEY (event_id, handler)
+);
+
+
+-- name: enqueue
+-- R1: one statement for the whole batch, through the caller's connection. The arrays are
+-- zipped by unnest; ids follow the batch order. The notification (no event data in it) is
+-- queued by the same statement and delivered by PostgreSQL only when the caller commits; the
+-- scalar subquery runs once per statement.
+INSERT INTO {events} (topic, payload, headers, key, created_at, available_at)
+SELECT n.topic, n.payload::jsonb, n.headers::jsonb, n.key,
+       coalesce(%(now)s::timestamptz, now()),
+       coalesce(%(now)s::timestamptz, now()) + n.delay
+  FROM unnest(%(topics)s::text[], %(payloads)s::text[], %(headers)s::text[],
+              %(keys)s::text[], %(delays)s::interval[])
+       WITH ORDINALITY AS n (topic, payload, headers, key, delay, position)
+ ORDER BY n.position
+RETURNING id, (SELECT pg_notify(%(channel)s, '') WHERE %(notify)s::boolean)
+
+-- name: claim
+-- R3: one statement. The MATERIALIZED CTE picks and locks at most batch_size due rows, oldest
+-- first, skipping rows another claimer or a delivery transaction holds; the LIMIT applies
+-- there, so the UPDATE can never touch more rows than the batch. The subselect brings back
+-- the handlers already recorded, so Claim.done needs no second round trip.
+WITH due AS MATERIALIZED (
+    SELECT id
+      FROM {events}
+     WHERE published_at IS NULL
+       AND failed_at IS NULL
+       AND available_at <= coalesce(%(now)s::timestamptz, now())
+       AND (locked_until IS NULL OR locked_until <= coalesce(%(now)s::timestamptz, now()))
+     ORDER BY available_at, id
+     LIMIT %(batch_size)s
+       FOR UPDATE SKIP LOCKED
+)
+UPDATE {events} AS e
+   SET locked_until = coalesce(%(now)s::timestamptz, now()) + %(lease)s::interval,
+       attempts = e.attempts + 1,
+       claim_token = gen_random_uuid()
+  FROM due
+ WHERE e.id = due.id
+RETURNING e.id, e.topic, e.payload::text, e.headers::text, e.key, e.created_at,
+          e.available_at, e.attempts, e.claim_token::text, e.locked_until, e.last_error,
+          ARRAY(SELECT ARRAY[r.handler, r.outcome]
+                  FROM {deliveries} AS r
+                 WHERE r.event_id = e.id
+                 ORDER BY r.seq) AS done
+
+-- name: lock_for_delivery
+-- R6: the delivery transaction's first statement. Blocks while another transaction holds the
+-- row, then re-checks the token on the row's newest version.
+SELECT id
+  FROM {events}
+ WHERE id = %(id)s
+   AND claim_token = %(token)s::uuid
+   AND published_at IS NULL
+   AND failed_at IS NULL
+   FOR UPDATE
+
+-- name: insert_record
+INSERT INTO {deliveries} (event_id, handler, outcome, attempt, recorded_at, reason)
+VALUES (%(event_id)s, %(handler)s, %(outcome)s, %(attempt)s,
+        coalesce(%(now)s::timestamptz, now()), %(reason)s)
+
+-- name: extend
+-- R13: every claim of the batch in one statement, fenced by its token.
+UPDATE {events} AS e
+   SET locked_until = coalesce(%(now)s::timestamptz, now()) + %(lease)s::interval
+  FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS c (id, token)
+ WHERE e.id = c.id
+   AND e.claim_token = c.token
+   AND e.published_at IS NULL
+   AND e.failed_at IS NULL
+RETURNING e.claim_token::text, e.locked_until
+
+-- name: settle
+-- R8, fenced by the token; the flags come from outboxkit._storekit.settle_values.
+UPDATE {events}
+   SET published_at = CASE WHEN %(publish)s::boolean
+                           THEN coalesce(%(now)s::timestamptz, now()) ELSE published_at END,
+       failed_at = CASE WHEN %(dead)s::boolean
+                        THEN coalesce(%(now)s::timestamptz, now()) ELSE failed_at END,
+       available_at = CASE WHEN %(retry_after)s::interval IS NULL THEN available_at
+                           ELSE coalesce(%(now)s::timestamptz, now()) + %(retry_after)s::interval
+                      END,
+       last_error = CASE WHEN %(keeps_error)s::boolean THEN %(error)s::text ELSE last_error END,
+       locked_until = NULL,
+       claim_token = NULL
+ WHERE id = %(id)s
+   AND claim_token = %(token)s::uuid
+   AND published_at IS NULL
+   AND failed_at IS NULL
+
+-- name: release
+-- Unstarted claims handed back: lease cleared and the attempt refunded, fenced by token.
+UPDATE {events} AS e
+   SET locked_until = NULL,
+       claim_token = NULL,
+       attempts = greatest(e.attempts - 1, 0)
+  FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS c (id, token)
+ WHERE e.id = c.id
+   AND e.claim_token = c.token
+   AND e.published_at IS NULL
+   AND e.failed_at IS NULL
+RETURNING e.id
+
+-- name: requeue
+-- R12: dead events due again with attempts reset; their delivery records stay.
+UPDATE {events}
+   SET failed_at = NULL,
+       attempts = 0,
+       available_at = coalesce(%(now)s::timestamptz, now()),
+       locked_until = NULL,
+       claim_token = NULL
+ WHERE id = ANY(%(ids)s::bigint[])
+   AND failed_at IS NOT NULL
+RETURNING id
+
+-- name: get
+SELECT id, topic, payload::text, headers::text, key, created_at, available_at, attempts,
+       published_at, failed_at, locked_until, last_error
+  FROM {events}
+ WHERE id = %(id)s
+
+-- name: events
+SELECT id, topic, payload::text, headers::text, key, created_at, available_at, attempts,
+       published_at, failed_at, locked_until, last_error
+  FROM {events}
+ WHERE id > %(after_id)s
+   AND (%(topic)s::text IS NULL OR topic = %(topic)s::text)
+ ORDER BY id
+ LIMIT %(limit)s
+
+-- name: dead_letters
+SELECT id, topic, payload::text, headers::text, key, created_at, available_at, attempts,
+       published_at, failed_at, locked_until, last_error
+  FROM {events}
+ WHERE failed_at IS NOT NULL
+   AND (%(topic)s::text IS NULL OR topic = %(topic)s::text)
+   AND (%(since)s::timestamptz IS NULL OR failed_at >= %(since)s::timestamptz)
+ ORDER BY failed_at, id
+ LIMIT %(limit)s
+
+-- name: records
+SELECT event_id, handler, outcome, attempt, recorded_at, reason
+  FROM {deliveries}
+ WHERE event_id = ANY(%(ids)s::bigint[])
+ ORDER BY seq
+
+-- name: purge_published
+-- One page; the delivery records go with their events (ON DELETE CASCADE).
+DELETE FROM {events}
+ WHERE id IN (SELECT id
+                FROM {events}
+               WHERE published_at < %(before)s::timestamptz
+               ORDER BY published_at
+               LIMIT %(limit)s)
+
+-- name: purge_dead
+DELETE FROM {events}
+ WHERE id IN (SELECT id
+                FROM {events}
+               WHERE failed_at IS NOT NULL
+                 AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
+                 AND (%(before)s::timestamptz IS NULL OR failed_at < %(before)s::timestamptz)
+               ORDER BY failed_at, id
+               LIMIT %(limit)s)
+
+-- name: stats
+SELECT topic, state, count(*), min(available_at) FILTER (WHERE due)
+  FROM (SELECT topic,
+               available_at,
+               CASE WHEN published_at IS NOT NULL THEN 'published'
+                    WHEN failed_at IS NOT NULL THEN 'dead'
+                    WHEN locked_until > coalesce(%(now)s::timestamptz, now()) THEN 'claimed'
+                    ELSE 'pending'
+               END AS state,
+               published_at IS NULL AND failed_at IS NULL
+                 AND available_at <= coalesce(%(now)s::timestamptz, now())
+                 AND (locked_until IS NULL
+                      OR locked_until <= coalesce(%(now)s::timestamptz, now())) AS due
+          FROM {events}) AS e
+ GROUP BY topic, state
+
+-- name: listen
+LISTEN {channel}
+
+-- name: drop_schema
+DROP SCHEMA {schema} CASCADE

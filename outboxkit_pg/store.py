@@ -1,0 +1,1013 @@
+"""The PostgreSQL store (psycopg 3): several pollers on several machines share one database.
+
+Theory of operation:
+
+- The SQL lives in ``sql/queries.sql``, one named statement each; identifiers are filled in with
+  ``psycopg.sql.Identifier`` after ``validate_identifier``, values are always bound.
+- Time: every statement takes ``now`` as a parameter and falls back to the database clock
+  (``coalesce(%(now)s, now())``): pollers on many machines share the server's clock; a test
+  clock's instant is bound instead.
+- A claim is one statement: a ``MATERIALIZED`` CTE picks due ids in ``(available_at, id)`` order
+  ``FOR UPDATE SKIP LOCKED`` with the ``LIMIT``, and the ``UPDATE`` sets the lease, counts the
+  attempt and draws a fresh token. It commits before it returns.
+- A delivery transaction is a pooled connection in ``BEGIN``; its first statement locks the event
+  row (``SELECT ... FOR UPDATE``) and checks the claim token, so a poller whose lease was taken
+  over runs nothing, and claims skip the row while the handler runs. The handler gets that
+  ``psycopg.Connection`` as ``ctx.connection``; its record commits with its writes.
+- Settle, extend and release are single statements fenced by the token.
+- Enqueue runs through the app's own connection, inside its transaction, and queues a
+  ``NOTIFY`` in the same statement: PostgreSQL delivers it only if the app commits.
+- Driver errors are mapped at this boundary: lost or refused connections to
+  ``StoreUnavailable`` (the poller waits them out), missing tables to ``SchemaError``, the rest to
+  ``StoreError``. Messages name host, port and database, never the password.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import threading
+import weakref
+import zlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import replace
+from datetime import datetime, timedelta
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg.conninfo import conninfo_to_dict
+from psycopg.pq import ConnStatus, TransactionStatus
+from psycopg.rows import tuple_row
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from outboxkit._machine import Settlement
+from outboxkit._model import Claim, DeadLetter, DeliveryRecord, Event, NewEvent, Outcome, Stats
+from outboxkit._storekit import (
+    done_from_pairs,
+    event_from_row,
+    record_from_row,
+    settle_values,
+    sort_claims,
+    validate_identifier,
+)
+from outboxkit.errors import (
+    ConfigurationError,
+    HandlerCrashed,
+    LeaseLostError,
+    SchemaError,
+    StoreError,
+    StoreUnavailable,
+)
+
+from ._queries import Names, Queries
+from .listen import NotifyWaiter
+
+__all__ = ["MIGRATIONS", "SCHEMA_VERSION", "PostgresStore"]
+
+log = logging.getLogger("outboxkit")
+
+SCHEMA_VERSION = 1
+"""The schema version this code reads and writes."""
+
+MIGRATIONS: tuple[tuple[int, str], ...] = (
+    (1, "events, delivery records, due/published/dead partial indexes"),
+)
+"""Each version and what it adds; version *n* runs the ``migration_n`` statement."""
+
+_LOCK_SPACE = 0x6F62  # first key of the migration advisory lock: "ob"
+_SCHEMES = ("postgresql", "postgres")
+_OPTIONS = frozenset(
+    {
+        "schema",
+        "table_prefix",
+        "events_table",
+        "deliveries_table",
+        "schema_table",
+        "channel",
+        "notify",
+        "prepare_threshold",
+        "pool_min_size",
+        "pool_max_size",
+        "pool_timeout",
+    }
+)
+_PROBE_TIMEOUT = 5  # seconds libpq may spend finding out why the pool cannot connect
+
+Row = tuple[Any, ...]
+Connection = psycopg.Connection[Any]
+
+
+class PostgresStore:
+    """The PostgreSQL store (``postgresql://`` / ``postgres://``). Needs PostgreSQL 13 or later.
+
+    Thread-safe: pollers in several threads (and processes, and machines) may share it.
+
+    Args:
+        conninfo: a ``postgresql://`` URL or a libpq ``key=value`` string, or a
+            ``psycopg_pool.ConnectionPool`` of your own (the store borrows its connections and
+            never closes it).
+        schema: the PostgreSQL schema holding the tables (default ``public``; created by
+            ``migrate()`` when missing).
+        table_prefix: prefix of the three table names: ``{prefix}events``,
+            ``{prefix}deliveries``, ``{prefix}schema`` (default ``outbox_``).
+        events_table, deliveries_table, schema_table: override one table name each.
+        channel: the ``LISTEN``/``NOTIFY`` channel (default: the events table's name).
+        notify: ``NOTIFY`` at enqueue and let pollers ``LISTEN`` (default True). Turn it off
+            behind PgBouncer in transaction pooling mode, together with ``prepare_threshold=None``.
+        prepare_threshold: psycopg's server-side prepared statements (``None`` disables them).
+        pool_min_size, pool_max_size, pool_timeout: the store's own connection pool (ignored
+            when a pool is given): connections kept open, at most, and how long (seconds) to
+            wait for one before the store reports the database unavailable.
+
+    Raises:
+        ConfigurationError: a bad name (schema, table, channel: ``^[A-Za-z_][A-Za-z0-9_]{0,62}$``),
+            option or connection string. Nothing connects before the first use.
+    """
+
+    def __init__(
+        self,
+        conninfo: str | ConnectionPool[Any],
+        *,
+        schema: str = "public",
+        table_prefix: str = "outbox_",
+        events_table: str | None = None,
+        deliveries_table: str | None = None,
+        schema_table: str | None = None,
+        channel: str | None = None,
+        notify: bool = True,
+        prepare_threshold: int | None = 5,
+        pool_min_size: int = 1,
+        pool_max_size: int = 4,
+        pool_timeout: float = 10.0,
+    ) -> None:
+        # Names first: a hostile name is refused before anything else happens.
+        validate_identifier(schema, "schema")
+        if not isinstance(table_prefix, str):
+            validate_identifier(table_prefix, "table_prefix")
+        validate_identifier(f"{table_prefix}deliveries", "table_prefix")
+        events = events_table if events_table is not None else f"{table_prefix}events"
+        self.names = Names(
+            schema=schema,
+            events=events,
+            deliveries=(
+                deliveries_table if deliveries_table is not None else f"{table_prefix}deliveries"
+            ),
+            versions=schema_table if schema_table is not None else f"{table_prefix}schema",
+            channel=channel if channel is not None else validate_identifier(events, "events_table"),
+        )
+        if not isinstance(notify, bool):
+            raise ConfigurationError(f"notify must be True or False, got {notify!r}")
+        if prepare_threshold is not None and (
+            not isinstance(prepare_threshold, int)
+            or isinstance(prepare_threshold, bool)
+            or prepare_threshold < 0
+        ):
+            raise ConfigurationError(
+                f"prepare_threshold must be None or an integer >= 0, got {prepare_threshold!r}"
+            )
+        for option, value in (("pool_min_size", pool_min_size), ("pool_max_size", pool_max_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigurationError(f"{option} must be an integer >= 1, got {value!r}")
+        if pool_max_size < pool_min_size:
+            raise ConfigurationError(
+                f"pool_max_size ({pool_max_size}) must be >= pool_min_size ({pool_min_size})"
+            )
+        if (
+            not isinstance(pool_timeout, int | float)
+            or isinstance(pool_timeout, bool)
+            or not 0 < pool_timeout < float("inf")
+        ):
+            raise ConfigurationError(f"pool_timeout must be seconds > 0, got {pool_timeout!r}")
+
+        if isinstance(conninfo, ConnectionPool):
+            self._pool: ConnectionPool[Any] | None = conninfo
+            self._owns_pool = False
+            given = conninfo.conninfo
+            self._conninfo: str | None = given if isinstance(given, str) else None
+            pool_kwargs = conninfo.kwargs if isinstance(conninfo.kwargs, Mapping) else {}
+            self._kwargs: dict[str, Any] = {
+                k: v for k, v in pool_kwargs.items() if k != "autocommit"
+            }
+        elif isinstance(conninfo, str):
+            self._pool = None
+            self._owns_pool = True
+            self._conninfo = conninfo
+            self._kwargs = {"prepare_threshold": prepare_threshold}
+        else:
+            raise ConfigurationError(
+                "PostgresStore takes a postgresql:// URL, a libpq conninfo string or a "
+                f"psycopg_pool.ConnectionPool, got {type(conninfo).__name__}"
+            )
+        self._secrets: tuple[str, ...] = ()
+        self.where = "the pool's server"
+        if self._conninfo is not None:
+            self.where, self._secrets, params = _describe(self._conninfo)
+            if "application_name" not in params and "application_name" not in self._kwargs:
+                self._kwargs["application_name"] = "outboxkit"
+
+        self._queries = Queries(self.names)
+        self._notify = notify
+        self._pool_min_size = pool_min_size
+        self._pool_max_size = pool_max_size
+        self._pool_timeout = float(pool_timeout)
+        self._lock = threading.Lock()
+        self._closed = False
+        self._schema_checked = False
+        self._waiters: weakref.WeakSet[NotifyWaiter] = weakref.WeakSet()
+
+        url = self._conninfo
+        self.url: str | None = url if url is not None and _is_url(url) else None
+        """The connection URL (``open_store(store.url, **store.options)`` opens this store)."""
+        self.options: dict[str, Any] = {
+            "schema": self.names.schema,
+            "events_table": self.names.events,
+            "deliveries_table": self.names.deliveries,
+            "schema_table": self.names.versions,
+            "channel": self.names.channel,
+            "notify": notify,
+            "prepare_threshold": prepare_threshold,
+            "pool_min_size": pool_min_size,
+            "pool_max_size": pool_max_size,
+            "pool_timeout": self._pool_timeout,
+        }
+        """The options that reproduce this store (with ``url``), for other processes."""
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> PostgresStore:
+        """The factory behind ``open_store("postgresql://...", **options)``.
+
+        Raises:
+            ConfigurationError: not a postgresql:// URL, or an unknown or invalid option.
+        """
+        if not _is_url(url):
+            raise ConfigurationError(
+                "a PostgreSQL store URL starts with postgresql:// or postgres://, got "
+                f"{_scheme_of(url)!r}"
+            )
+        unknown = sorted(set(options) - _OPTIONS)
+        if unknown:
+            raise ConfigurationError(
+                f"unknown PostgreSQL store option(s) {unknown}; known: {sorted(_OPTIONS)}"
+            )
+        return cls(url, **options)
+
+    def __repr__(self) -> str:
+        return f"PostgresStore({self.where}, schema={self.names.schema!r})"
+
+    @property
+    def capabilities(self) -> frozenset[str]:
+        caps = {"transactional_handlers", "concurrent_claimers", "database_clock"}
+        if self.url is not None:
+            caps.add("multiprocess")
+        if self._notify and self._conninfo is not None:
+            caps.add("listen_notify")
+        return frozenset(caps)
+
+    # -- connections ----------------------------------------------------------------------------
+
+    def _get_pool(self) -> ConnectionPool[Any]:
+        pool = self._pool
+        if pool is not None and not self._closed:
+            return pool
+        with self._lock:
+            if self._closed:
+                raise StoreError("this PostgresStore is closed")
+            if self._pool is None:
+                assert self._conninfo is not None
+                self._pool = ConnectionPool(
+                    self._conninfo,
+                    kwargs={"autocommit": True, **self._kwargs},
+                    min_size=self._pool_min_size,
+                    max_size=self._pool_max_size,
+                    timeout=self._pool_timeout,
+                    name=f"outboxkit-{self.names.schema}",
+                    open=False,
+                )
+                self._pool.open(wait=False)
+            return self._pool
+
+    @contextmanager
+    def _connection(self, doing: str, *, check_schema: bool = True) -> Iterator[Connection]:
+        """A pooled connection, live as far as can be told without a round trip.
+
+        Raises:
+            StoreUnavailable: no connection could be had (the message says why).
+            SchemaError: the first use finds no schema, or one of another version.
+        """
+        pool = self._get_pool()
+        conn = self._getconn(pool, doing)
+        try:
+            if check_schema and not self._schema_checked:
+                self._check_schema(conn)
+            yield conn
+            if not conn.autocommit and conn.info.transaction_status != TransactionStatus.IDLE:
+                conn.commit()  # a pool of the app's own, without autocommit
+        except BaseException:
+            _rollback_quietly(conn)
+            raise
+        finally:
+            pool.putconn(conn)
+
+    def _getconn(self, pool: ConnectionPool[Any], doing: str) -> Connection:
+        # A connection the server dropped while it sat in the pool (restart, pg_terminate_backend)
+        # is found here without a round trip and swapped for a new one.
+        for _ in range(self._pool_max_size + 2):
+            try:
+                conn = pool.getconn()
+            except PoolTimeout as exc:
+                raise self._unreachable(doing) from exc
+            except psycopg.Error as exc:
+                raise self._error(exc, doing) from exc
+            if _alive(conn):
+                return conn  # type: ignore[no-any-return]
+            log.info("discarding a PostgreSQL connection the server closed")
+            pool.putconn(conn)
+        raise StoreUnavailable(
+            f"PostgreSQL at {self.where} ({doing}): every pooled connection was found closed"
+        )
+
+    def _check_schema(self, conn: Connection) -> None:
+        try:
+            rows = _fetch(conn, self._queries["schema_version"], None)
+        except pg_errors.UndefinedTable as exc:
+            raise SchemaError(
+                f"PostgreSQL at {self.where} has no outboxkit schema in schema "
+                f"{self.names.schema!r} (table {self.names.versions!r} is missing): "
+                "run migrate() first"
+            ) from exc
+        except psycopg.Error as exc:
+            raise self._error(exc, "read the schema version") from exc
+        self._check_version(int(rows[0][0]))
+        self._schema_checked = True
+
+    def _check_version(self, found: int) -> None:
+        if found > SCHEMA_VERSION:
+            raise SchemaError(
+                f"PostgreSQL at {self.where}, schema {self.names.schema!r}: the outboxkit schema "
+                f"is at version {found}, newer than version {SCHEMA_VERSION} this outboxkit "
+                "supports: upgrade outboxkit"
+            )
+        if found < SCHEMA_VERSION:
+            raise SchemaError(
+                f"PostgreSQL at {self.where}, schema {self.names.schema!r}: the outboxkit schema "
+                f"is at version {found}, older than version {SCHEMA_VERSION} this outboxkit "
+                "needs: run migrate()"
+            )
+
+    def _run(
+        self, name: str, params: Mapping[str, Any] | None, doing: str
+    ) -> tuple[list[Row], int]:
+        """Run one statement on a pooled connection and commit it; rows and row count."""
+        try:
+            with self._connection(doing) as conn, conn.cursor(row_factory=tuple_row) as cur:
+                cur.execute(self._queries[name], params)
+                rows = cur.fetchall() if cur.description is not None else []
+                return rows, cur.rowcount
+        except psycopg.Error as exc:
+            raise self._error(exc, doing) from exc
+
+    def _error(self, exc: psycopg.Error, doing: str) -> StoreError:
+        """The outboxkit error for a driver error (the password scrubbed from the message)."""
+        message = self._scrub(str(exc).strip()) or type(exc).__name__
+        if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+            return StoreUnavailable(
+                f"PostgreSQL at {self.where} is unavailable ({doing}): {message}"
+            )
+        if isinstance(
+            exc, pg_errors.UndefinedTable | pg_errors.UndefinedColumn | pg_errors.InvalidSchemaName
+        ):
+            return SchemaError(
+                f"PostgreSQL at {self.where}, schema {self.names.schema!r}: the outboxkit tables "
+                f"are missing or out of date ({doing}): {message}; run migrate()"
+            )
+        return StoreError(
+            f"PostgreSQL at {self.where}: {doing} failed: {type(exc).__name__}: {message}"
+        )
+
+    def _unreachable(self, doing: str) -> StoreUnavailable:
+        """Why the pool has no connection to give: one direct attempt tells."""
+        if self._conninfo is None:
+            return StoreUnavailable(
+                f"no PostgreSQL connection from the pool within {self._pool_timeout:g} s ({doing})"
+            )
+        kwargs = {**self._kwargs, "autocommit": True}
+        if "connect_timeout" not in conninfo_to_dict(self._conninfo):
+            kwargs["connect_timeout"] = _PROBE_TIMEOUT
+        try:
+            with psycopg.connect(self._conninfo, **kwargs):
+                pass
+        except psycopg.Error as exc:
+            reason = self._scrub(str(exc).strip())
+            return StoreUnavailable(
+                f"cannot connect to PostgreSQL at {self.where} ({doing}): {reason}"
+            )
+        return StoreUnavailable(
+            f"PostgreSQL at {self.where} ({doing}): no free connection in the pool within "
+            f"{self._pool_timeout:g} s (pool_max_size={self._pool_max_size})"
+        )
+
+    def _scrub(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    # -- schema ---------------------------------------------------------------------------------
+
+    def migrate(self) -> None:
+        """Create or upgrade the schema (and the PostgreSQL schema itself when missing).
+
+        Idempotent, and safe to run from several processes at once: the steps run in one
+        transaction under an advisory lock. When the schema is current it only reads, so a role
+        without DDL rights may call it.
+
+        Raises:
+            SchemaError: the schema is newer than this code (naming both versions).
+            StoreUnavailable: the database cannot be reached.
+            StoreError: the migration failed (e.g. the role may not create tables).
+        """
+        doing = f"migrate schema {self.names.schema!r}"
+        name = f"{self.names.schema}.{self.names.events}"
+        lock_key = zlib.crc32(name.encode()) - (1 << 31)  # a signed 32-bit key
+        q = self._queries
+        try:
+            with (
+                self._connection(doing, check_schema=False) as conn,
+                conn.transaction(),
+            ):
+                _fetch(
+                    conn, q["lock_migrations"], {"lock_space": _LOCK_SPACE, "lock_key": lock_key}
+                )
+                if not _fetch(conn, q["find_schema"], {"schema": self.names.schema}):
+                    _fetch(conn, q["create_schema"], None)
+                table = {"schema": self.names.schema, "table": self.names.versions}
+                if not _fetch(conn, q["find_table"], table):
+                    _fetch(conn, q["create_versions"], None)
+                found = int(_fetch(conn, q["schema_version"], None)[0][0])
+                if found > SCHEMA_VERSION:
+                    self._check_version(found)
+                for version, description in MIGRATIONS:
+                    if version > found:
+                        log.info("%r: applying schema version %d", self, version)
+                        _fetch(conn, q[f"migration_{version}"], None)
+                        _fetch(
+                            conn,
+                            q["record_version"],
+                            {"version": version, "description": description},
+                        )
+        except psycopg.Error as exc:
+            raise self._error(exc, doing) from exc
+        self._schema_checked = True
+
+    def drop_schema(self) -> None:
+        """Drop the store's PostgreSQL schema with everything in it (for test schemas).
+
+        Raises:
+            ConfigurationError: the schema is ``public``, which is never dropped.
+        """
+        if self.names.schema == "public":
+            raise ConfigurationError("drop_schema() never drops the public schema")
+        try:
+            with self._connection("drop the schema", check_schema=False) as conn:
+                _fetch(conn, self._queries["drop_schema"], None)
+        except psycopg.Error as exc:
+            raise self._error(exc, "drop the schema") from exc
+
+    def close(self) -> None:
+        """Close the store's own pool and listeners (a pool passed in is left open)."""
+        with self._lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        for waiter in list(self._waiters):
+            waiter.close()
+        if pool is not None and self._owns_pool:
+            pool.close()
+
+    # -- transactions ---------------------------------------------------------------------------
+
+    @contextmanager
+    def transaction(self) -> Iterator[Connection]:
+        """A pooled ``psycopg.Connection`` in an open transaction: committed when the block
+        ends, rolled back if it raises. For apps without a connection of their own.
+
+        Raises:
+            StoreUnavailable / StoreError: the database failed to begin or commit.
+        """
+        with self._connection("open a transaction") as conn:
+            tx = psycopg.Transaction(conn)
+            try:
+                tx.__enter__()
+            except psycopg.Error as exc:
+                raise self._error(exc, "begin a transaction") from exc
+            try:
+                yield conn
+            except BaseException as exc:
+                if not _abandon(tx, exc):
+                    raise
+                return
+            try:
+                tx.__exit__(None, None, None)
+            except psycopg.Error as exc:
+                raise self._error(exc, "commit a transaction") from exc
+
+    def enqueue(self, conn: Any, events: Sequence[NewEvent], *, now: datetime | None) -> list[int]:
+        """Insert ``events`` through the app's ``psycopg.Connection``, in its transaction.
+
+        Never begins (psycopg does, on a connection without autocommit, as for any statement),
+        commits or rolls back. The ``NOTIFY`` is delivered when the app commits.
+
+        Raises:
+            ConfigurationError: not a psycopg connection, closed, or in autocommit mode outside
+                a transaction block (the INSERT would commit on its own); nothing was written.
+            StoreError: the INSERT failed.
+        """
+        if not events:
+            return []
+        if not isinstance(conn, psycopg.Connection):
+            raise ConfigurationError(
+                "the PostgreSQL store enqueues through the app's psycopg.Connection (psycopg 3) "
+                f"inside its open transaction, got {conn!r:.80}"
+            )
+        if conn.closed:
+            raise ConfigurationError("enqueue got a closed psycopg connection; nothing was written")
+        if conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
+            raise ConfigurationError(
+                "enqueue needs the app's open transaction, so that the event commits or rolls "
+                "back with the app's writes; this connection is in autocommit mode outside a "
+                "transaction block: use `with conn.transaction():`. Nothing was written."
+            )
+        doing = f"enqueue {len(events)} event(s)"
+        try:
+            if not self._schema_checked:
+                self._check_schema(conn)
+            return self._insert(conn, events, now)
+        except psycopg.Error as exc:
+            raise self._error(exc, doing) from exc
+
+    def _insert(
+        self, conn: Connection, events: Sequence[NewEvent], now: datetime | None
+    ) -> list[int]:
+        rows = _fetch(
+            conn,
+            self._queries["enqueue"],
+            {
+                "now": now,
+                "topics": [e.topic for e in events],
+                "payloads": [e.payload_json for e in events],
+                "headers": [json.dumps(dict(e.headers)) for e in events],
+                "keys": [e.key for e in events],
+                "delays": [e.delay for e in events],
+                "channel": self.names.channel,
+                "notify": self._notify,
+            },
+        )
+        return sorted(row[0] for row in rows)  # ids grow in batch order
+
+    # -- the hot path ---------------------------------------------------------------------------
+
+    def claim(self, *, batch_size: int, lease: timedelta, now: datetime | None) -> list[Claim]:
+        rows, _ = self._run(
+            "claim", {"now": now, "batch_size": batch_size, "lease": lease}, "claim events"
+        )
+        return sort_claims(
+            Claim(
+                event=event_from_row(
+                    id=row[0],
+                    topic=row[1],
+                    payload=row[2],
+                    headers=row[3],
+                    key=row[4],
+                    created_at=row[5],
+                    available_at=row[6],
+                    attempts=row[7],
+                    locked_until=row[9],
+                    last_error=row[10],
+                ),
+                token=row[8],
+                locked_until=row[9],
+                done=done_from_pairs(row[11]),
+            )
+            for row in rows
+        )
+
+    @contextmanager
+    def delivery(self, claim: Claim, *, now: datetime | None) -> Iterator[_Delivery]:
+        """A delivery transaction on a pooled connection, the event row locked.
+
+        ``tx.connection`` is that ``psycopg.Connection`` in the open transaction: the handler
+        reads and writes through it, but must not commit, roll back or close it.
+
+        Raises:
+            LeaseLostError: the token is stale (nothing runs, nothing is written).
+            HandlerCrashed: the handler ended, broke or closed the transaction it was given.
+            StoreUnavailable / StoreError: the database failed (never blamed on the handler).
+        """
+        doing = f"deliver event {claim.event.id}"
+        with self._connection(doing) as conn:
+            tx = psycopg.Transaction(conn)
+            params = {"id": claim.event.id, "token": claim.token}
+            entered = False
+            try:
+                tx.__enter__()
+                entered = True
+                owned = _fetch(conn, self._queries["lock_for_delivery"], params)
+                if not owned:
+                    raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
+            except BaseException as exc:
+                if entered:
+                    _abandon(tx, exc)
+                if isinstance(exc, psycopg.Error):
+                    raise self._error(exc, doing) from exc
+                raise
+            delivery = _Delivery(self, conn, claim, now)
+            try:
+                yield delivery
+                delivery.check_usable()
+            except BaseException as exc:
+                if not _abandon(tx, exc):
+                    raise
+                return
+            try:
+                tx.__exit__(None, None, None)
+            except psycopg.Error as exc:
+                raise self._error(exc, f"commit the delivery of event {claim.event.id}") from exc
+
+    def extend(
+        self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None
+    ) -> list[Claim]:
+        if not claims:
+            return []
+        ordered = sorted(claims, key=lambda c: c.event.id)  # one lock order for every poller
+        rows, _ = self._run(
+            "extend",
+            {
+                "now": now,
+                "lease": lease,
+                "ids": [c.event.id for c in ordered],
+                "tokens": [c.token for c in ordered],
+            },
+            f"extend {len(claims)} lease(s)",
+        )
+        kept = {token: locked_until for token, locked_until in rows}
+        return [
+            replace(claim, locked_until=kept[claim.token])
+            for claim in claims
+            if claim.token in kept
+        ]
+
+    def settle(
+        self,
+        claim: Claim,
+        settlement: Settlement,
+        *,
+        error: str | None,
+        now: datetime | None,
+    ) -> bool:
+        values = settle_values(settlement)
+        _, count = self._run(
+            "settle",
+            {
+                "publish": values.publish,
+                "dead": values.dead,
+                "retry_after": values.retry_after,
+                "keeps_error": values.keeps_error,
+                "error": error,
+                "now": now,
+                "id": claim.event.id,
+                "token": claim.token,
+            },
+            f"settle event {claim.event.id}",
+        )
+        return count == 1
+
+    def release(self, claims: Sequence[Claim], *, now: datetime | None) -> int:
+        if not claims:
+            return 0
+        ordered = sorted(claims, key=lambda c: c.event.id)
+        rows, _ = self._run(
+            "release",
+            {"ids": [c.event.id for c in ordered], "tokens": [c.token for c in ordered]},
+            f"release {len(claims)} claim(s)",
+        )
+        return len(rows)
+
+    # -- operations -----------------------------------------------------------------------------
+
+    def requeue(self, ids: Iterable[int], *, now: datetime | None) -> int:
+        wanted = sorted(set(ids))
+        if not wanted:
+            return 0
+        rows, _ = self._run(
+            "requeue", {"ids": wanted, "now": now}, f"requeue {len(wanted)} event(s)"
+        )
+        return len(rows)
+
+    def dead_letters(
+        self, *, topic: str | None = None, since: datetime | None = None, limit: int = 100
+    ) -> list[DeadLetter]:
+        rows, _ = self._run(
+            "dead_letters", {"topic": topic, "since": since, "limit": limit}, "list dead letters"
+        )
+        records = self._records_of([row[0] for row in rows])
+        return [
+            DeadLetter(
+                event=_event(row),
+                failed_at=row[9],
+                last_error=row[11],
+                records=tuple(records.get(row[0], ())),
+            )
+            for row in rows
+        ]
+
+    def get(self, event_id: int) -> Event | None:
+        rows, _ = self._run("get", {"id": event_id}, f"read event {event_id}")
+        return _event(rows[0]) if rows else None
+
+    def events(
+        self, *, after_id: int = 0, topic: str | None = None, limit: int = 1000
+    ) -> list[Event]:
+        rows, _ = self._run(
+            "events", {"after_id": after_id, "topic": topic, "limit": limit}, "list events"
+        )
+        return [_event(row) for row in rows]
+
+    def records(self, event_id: int) -> list[DeliveryRecord]:
+        return self._records_of([event_id]).get(event_id, [])
+
+    def _records_of(self, ids: list[int]) -> dict[int, list[DeliveryRecord]]:
+        found: dict[int, list[DeliveryRecord]] = {}
+        if not ids:
+            return found
+        rows, _ = self._run("records", {"ids": ids}, "read delivery records")
+        for event_id, handler, outcome, attempt, recorded_at, reason in rows:
+            found.setdefault(event_id, []).append(
+                record_from_row(
+                    event_id=event_id,
+                    handler=handler,
+                    outcome=outcome,
+                    attempt=attempt,
+                    recorded_at=recorded_at,
+                    reason=reason,
+                )
+            )
+        return found
+
+    def purge_published(self, *, before: datetime, limit: int) -> int:
+        _, count = self._run(
+            "purge_published", {"before": before, "limit": limit}, "purge published events"
+        )
+        return count
+
+    def purge_dead(
+        self, *, ids: Iterable[int] | None = None, before: datetime | None = None, limit: int
+    ) -> int:
+        wanted = None if ids is None else sorted(set(ids))
+        _, count = self._run(
+            "purge_dead", {"ids": wanted, "before": before, "limit": limit}, "purge dead events"
+        )
+        return count
+
+    def stats(self, *, now: datetime | None) -> Stats:
+        rows, _ = self._run("stats", {"now": now}, "count events")
+        counts = {"pending": 0, "claimed": 0, "published": 0, "dead": 0}
+        by_topic: dict[str, dict[str, int]] = {}
+        oldest: datetime | None = None
+        for topic, state, count, oldest_due in rows:
+            counts[state] += count
+            by_topic.setdefault(topic, {})[state] = count
+            if oldest_due is not None and (oldest is None or oldest_due < oldest):
+                oldest = oldest_due
+        return Stats(**counts, by_topic=by_topic, oldest_due_at=oldest)
+
+    # -- wake-ups -------------------------------------------------------------------------------
+
+    def make_waiter(self) -> NotifyWaiter | None:
+        """A poller waiter that also returns when an enqueue commits (``LISTEN``), or None
+        when notifications are off. It connects on its first ``wait`` and is closed by the
+        poller (or by ``close()``)."""
+        if not self._notify or self._conninfo is None:
+            return None
+        waiter = NotifyWaiter(
+            self._conninfo, self._kwargs, self._queries["listen"], where=self.where
+        )
+        self._waiters.add(waiter)
+        return waiter
+
+    def explain_claim(self, *, batch_size: int, lease: timedelta, now: datetime | None) -> Any:
+        """``EXPLAIN (ANALYZE, FORMAT JSON)`` of one claim, rolled back afterwards.
+
+        For operators and tests checking that the claim walks the due index and that the
+        ``LIMIT`` holds. Returns the JSON plan.
+        """
+        query = b"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + self._queries["claim"]
+        params = {"now": now, "batch_size": batch_size, "lease": lease}
+        try:
+            with (
+                self._connection("explain the claim") as conn,
+                conn.transaction(force_rollback=True),
+            ):
+                return _fetch(conn, query, params)[0][0]
+        except psycopg.Error as exc:
+            raise self._error(exc, "explain the claim") from exc
+
+
+class _Delivery:
+    """One open delivery transaction (see ``PostgresStore.delivery``)."""
+
+    def __init__(
+        self, store: PostgresStore, conn: Connection, claim: Claim, now: datetime | None
+    ) -> None:
+        self._store = store
+        self._conn = conn
+        self._claim = claim
+        self._now = now
+
+    @property
+    def connection(self) -> Connection:
+        return self._conn
+
+    def enqueue(self, events: Sequence[NewEvent]) -> list[int]:
+        if not events:
+            return []
+        self.check_usable()
+        try:
+            return self._store._insert(self._conn, events, self._now)
+        except psycopg.Error as exc:
+            raise self._store._error(exc, f"enqueue {len(events)} follow-up(s)") from exc
+
+    def record(self, handler: str, outcome: Outcome, *, reason: str | None = None) -> None:
+        if not outcome.recorded:
+            raise ValueError(f"only succeeded/rejected outcomes are recorded, got {outcome}")
+        self.check_usable()
+        event_id = self._claim.event.id
+        try:
+            _fetch(
+                self._conn,
+                self._store._queries["insert_record"],
+                {
+                    "event_id": event_id,
+                    "handler": handler,
+                    "outcome": outcome.value,
+                    "attempt": self._claim.attempt,
+                    "now": self._now,
+                    "reason": reason,
+                },
+            )
+        except pg_errors.UniqueViolation as exc:
+            raise StoreError(
+                f"event {event_id} already has a delivery record for {handler!r}"
+            ) from exc
+        except psycopg.Error as exc:
+            raise self._store._error(exc, f"record {handler!r} for event {event_id}") from exc
+
+    def check_usable(self) -> None:
+        """The transaction is still the one outboxkit opened.
+
+        Raises:
+            StoreUnavailable: the connection was lost (the database's doing).
+            HandlerCrashed: the handler closed the connection, ended the transaction, or left
+                it aborted by a failed statement it caught.
+        """
+        conn = self._conn
+        event_id = self._claim.event.id
+        if conn.broken:
+            raise StoreUnavailable(
+                f"PostgreSQL at {self._store.where}: the connection delivering event "
+                f"{event_id} was lost"
+            )
+        if conn.closed:
+            raise HandlerCrashed(
+                f"event {event_id}: a handler closed its delivery connection (outboxkit commits "
+                "the delivery transaction together with the delivery record)"
+            )
+        status = conn.info.transaction_status
+        if status == TransactionStatus.INERROR:
+            raise HandlerCrashed(
+                f"event {event_id}: a statement in the delivery transaction failed and the "
+                "handler went on; the transaction is aborted and its writes were rolled back"
+            )
+        if status != TransactionStatus.INTRANS:
+            raise HandlerCrashed(
+                f"event {event_id}: a handler may not commit or roll back its delivery "
+                "transaction (outboxkit commits it together with the delivery record)"
+            )
+
+
+def _fetch(conn: Connection, query: bytes, params: Mapping[str, Any] | None) -> list[Row]:
+    with conn.cursor(row_factory=tuple_row) as cur:
+        cur.execute(query, params)
+        return cur.fetchall() if cur.description is not None else []
+
+
+def _event(row: Row) -> Event:
+    """An Event from the twelve columns of ``get``/``events``/``dead_letters``."""
+    return event_from_row(
+        id=row[0],
+        topic=row[1],
+        payload=row[2],
+        headers=row[3],
+        key=row[4],
+        created_at=row[5],
+        available_at=row[6],
+        attempts=row[7],
+        published_at=row[8],
+        failed_at=row[9],
+        locked_until=row[10],
+        last_error=row[11],
+    )
+
+
+def _abandon(tx: psycopg.Transaction, exc: BaseException) -> bool:
+    """Roll ``tx`` back because of ``exc``; True if psycopg swallows it (``psycopg.Rollback``).
+
+    A failed rollback (the connection is gone) is logged by psycopg, never raised: it must not
+    mask ``exc``.
+    """
+    return bool(tx.__exit__(type(exc), exc, exc.__traceback__))
+
+
+def _rollback_quietly(conn: Connection) -> None:
+    if conn.closed or conn.info.transaction_status == TransactionStatus.IDLE:
+        return
+    try:
+        conn.rollback()
+    except psycopg.Error as exc:
+        log.debug("rollback failed on a connection going back to the pool: %s", exc)
+
+
+def _alive(conn: Connection) -> bool:
+    """False if the server has dropped ``conn`` while it sat idle in the pool.
+
+    An idle connection's socket stays silent unless the server speaks first, which in practice
+    means it is hanging up (a FATAL such as "terminating connection due to administrator
+    command", then the end of the stream). So a silent socket costs no round trip; only one
+    that spoke is checked with an empty query.
+    """
+    if conn.closed:
+        return False
+    try:
+        readable, _, _ = select.select([conn.fileno()], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    if not readable:
+        return True
+    try:
+        ConnectionPool.check_connection(conn)
+    except psycopg.Error:
+        return False
+    return conn.pgconn.status == ConnStatus.OK
+
+
+def _is_url(conninfo: object) -> bool:
+    return isinstance(conninfo, str) and _scheme_of(conninfo) in _SCHEMES
+
+
+def _scheme_of(url: object) -> str:
+    if not isinstance(url, str) or "://" not in url:
+        return ""
+    return url.split("://", 1)[0].lower()
+
+
+def _describe(conninfo: str) -> tuple[str, tuple[str, ...], dict[str, Any]]:
+    """``host:port/dbname`` for messages, the secrets to keep out of them, and the params.
+
+    Raises:
+        ConfigurationError: the string does not parse (the message never quotes it).
+    """
+    secrets: set[str] = set()
+    if _is_url(conninfo):
+        try:
+            password = urlsplit(conninfo).password
+        except ValueError:
+            password = None
+        if password:
+            secrets.add(password)
+    try:
+        params = conninfo_to_dict(conninfo)
+    except psycopg.Error as exc:
+        raise ConfigurationError(
+            "cannot parse the PostgreSQL connection string (not shown: it may hold a password): "
+            f"{_scrub_all(str(exc), secrets)}"
+        ) from None
+    given = params.get("password")
+    if given:
+        secrets.add(str(given))
+    # Short "secrets" would blot out ordinary words; libpq never echoes a password anyway.
+    secrets = {s for s in secrets if len(s) >= 4}
+    secrets |= {quote(s, safe="") for s in secrets}
+    host = params.get("host") or params.get("hostaddr") or os.environ.get("PGHOST") or "localhost"
+    port = params.get("port") or os.environ.get("PGPORT") or "5432"
+    dbname = params.get("dbname")
+    where = f"{host}:{port}" + (f"/{dbname}" if dbname else "")
+    ordered = tuple(sorted(secrets, key=len, reverse=True))
+    return _scrub_all(where, ordered), ordered, params
+
+
+def _scrub_all(text: str, secrets: Iterable[str]) -> str:
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    return text

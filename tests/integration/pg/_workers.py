@@ -1,0 +1,350 @@
+"""Poller processes for the multi-process PostgreSQL tests, and what checks their traces.
+
+Spawn-safe: everything a child runs is a module-level function taking plain arguments. A poller
+child runs ``Poller.run_forever`` on the production path (database clock, pooled connections,
+LISTEN/NOTIFY) with two handlers on topic ``order``:
+
+- ``ledger`` (transactional): one row in the ``ledger`` table, in its delivery transaction;
+- ``mailer`` (not transactional): one row in ``side_effects`` through a connection of its own,
+  standing for the outside world (its duplicates after a crash are expected and counted).
+
+Each child appends its claims (token and lease window, in the database clock), extensions and
+settles to a JSON-lines file, flushed as it goes, so a SIGKILL loses at most the line in hand.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import psycopg
+from psycopg import sql
+
+from outboxkit import Event, EventBus, Outbox, open_store
+
+TOPIC = "order"
+HANDLERS = ("ledger", "mailer")
+
+
+def create_app_tables(conn: psycopg.Connection[Any], schema: str) -> None:
+    """The app's tables: no unique constraints, so that duplicates can be counted."""
+    conn.execute(
+        sql.SQL("CREATE TABLE {} (event_id bigint NOT NULL, handler text NOT NULL)").format(
+            sql.Identifier(schema, "ledger")
+        )
+    )
+    conn.execute(
+        sql.SQL("CREATE TABLE {} (event_id bigint NOT NULL, pid integer NOT NULL)").format(
+            sql.Identifier(schema, "side_effects")
+        )
+    )
+
+
+class _OutsideWorld:
+    """The mailer's own autocommit connection, reopened when it breaks."""
+
+    def __init__(self, url: str, schema: str) -> None:
+        self.url = url
+        self.conn: psycopg.Connection[Any] | None = None
+        self.insert = sql.SQL("INSERT INTO {} (event_id, pid) VALUES (%s, %s)").format(
+            sql.Identifier(schema, "side_effects")
+        )
+
+    def send(self, event_id: int) -> None:
+        if self.conn is None or self.conn.closed:
+            self.conn = psycopg.connect(self.url, autocommit=True, connect_timeout=5)
+        self.conn.execute(self.insert, (event_id, os.getpid()))
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+
+
+def make_bus(schema: str, outside: _OutsideWorld) -> EventBus:
+    bus = EventBus()
+    insert_ledger = sql.SQL("INSERT INTO {} (event_id, handler) VALUES (%s, %s)").format(
+        sql.Identifier(schema, "ledger")
+    )
+
+    @bus.handler(TOPIC, name="ledger")
+    def ledger(event: Event, ctx: Any) -> None:
+        ctx.connection.execute(insert_ledger, (event.id, "ledger"))
+
+    @bus.handler(TOPIC, name="mailer", transactional=False)
+    def mailer(event: Event, ctx: Any) -> None:
+        outside.send(event.id)
+
+    return bus
+
+
+class _Trace:
+    """Appends what this process claimed, extended and settled to a JSON-lines file."""
+
+    def __init__(self, path: Path, lease: timedelta) -> None:
+        self.file = path.open("a", encoding="utf-8")
+        self.lease = lease
+        self.lock = threading.Lock()
+
+    def write(self, lines: Iterable[dict[str, Any]]) -> None:
+        with self.lock:
+            for line in lines:
+                self.file.write(json.dumps(line) + "\n")
+            self.file.flush()
+
+    def wrap(self, store: Any) -> None:
+        claim, extend, settle, release = store.claim, store.extend, store.settle, store.release
+        pid = os.getpid()
+
+        def traced_claim(**kw: Any) -> Any:
+            claims = claim(**kw)
+            self.write(
+                {
+                    "kind": "claim",
+                    "event": c.event.id,
+                    "token": c.token,
+                    "start": (c.locked_until - kw["lease"]).isoformat(),
+                    "end": c.locked_until.isoformat(),
+                    "pid": pid,
+                }
+                for c in claims
+            )
+            return claims
+
+        def traced_extend(claims: Any, **kw: Any) -> Any:
+            kept = extend(claims, **kw)
+            self.write(
+                {"kind": "extend", "token": c.token, "end": c.locked_until.isoformat()}
+                for c in kept
+            )
+            return kept
+
+        def traced_settle(claim: Any, settlement: Any, **kw: Any) -> Any:
+            done = settle(claim, settlement, **kw)
+            if done:
+                self.write([{"kind": "settle", "token": claim.token}])
+            return done
+
+        def traced_release(claims: Any, **kw: Any) -> Any:
+            count = release(claims, **kw)
+            if count:
+                self.write({"kind": "release", "token": c.token} for c in claims)
+            return count
+
+        store.claim, store.extend = traced_claim, traced_extend
+        store.settle, store.release = traced_settle, traced_release
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def run_poller(
+    url: str,
+    schema: str,
+    side_url: str,
+    trace_path: str,
+    stop_path: str,
+    options: dict[str, Any],
+    max_seconds: float,
+) -> None:
+    """A poller process: run until the file ``stop_path`` exists (or ``max_seconds`` pass).
+
+    Files rather than multiprocessing events: a process killed inside ``Event.wait`` or
+    ``Event.set`` would leave the event's lock held and the parent waiting forever.
+    """
+    logging.basicConfig(
+        filename=f"{trace_path}.log",
+        level=logging.INFO,
+        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s",
+    )
+    logging.getLogger("psycopg").setLevel(logging.ERROR)
+    store = open_store(url, schema=schema)
+    trace = _Trace(Path(trace_path), timedelta(seconds=options["lease"]))
+    trace.wrap(store)
+    outside = _OutsideWorld(side_url, schema)
+    outbox = Outbox(store, make_bus(schema, outside))
+    poller = outbox.poller(**options)
+
+    def watch() -> None:
+        deadline = time.monotonic() + max_seconds
+        pause = threading.Event()
+        while not os.path.exists(stop_path) and time.monotonic() < deadline:
+            pause.wait(0.1)
+        poller.stop()
+
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        poller.run_once()
+        Path(f"{trace_path}.ready").touch()
+        poller.run_forever()
+    finally:
+        outside.close()
+        trace.close()
+        store.close()
+
+
+# -- what the parent checks -------------------------------------------------------------------
+
+
+@dataclass
+class Window:
+    event: int
+    token: str
+    start: datetime
+    end: datetime
+    pid: int
+    ended_early: bool = False  # settled or released: a new claim may legally start before `end`
+
+
+def read_traces(paths: Iterable[Path]) -> list[Window]:
+    windows: dict[str, Window] = {}
+    early: set[str] = set()
+    for path in paths:
+        for raw in path.read_text(encoding="utf-8").splitlines():
+            try:
+                line = json.loads(raw)
+            except ValueError:  # a line cut short by SIGKILL
+                continue
+            if line["kind"] == "claim":
+                windows[line["token"]] = Window(
+                    event=line["event"],
+                    token=line["token"],
+                    start=datetime.fromisoformat(line["start"]),
+                    end=datetime.fromisoformat(line["end"]),
+                    pid=line["pid"],
+                )
+            elif line["kind"] == "extend":
+                window = windows.get(line["token"])
+                if window is not None:
+                    window.end = max(window.end, datetime.fromisoformat(line["end"]))
+            else:
+                early.add(line["token"])
+    for token in early:
+        if token in windows:
+            windows[token].ended_early = True
+    return list(windows.values())
+
+
+def lease_overlaps(windows: Iterable[Window]) -> list[tuple[Window, Window]]:
+    """Pairs of claims of one event whose live leases overlapped.
+
+    A claim's lease runs from ``start`` to ``end`` (after extensions), unless it was settled or
+    released first: then a later claim may start before ``end`` and nothing can be said.
+    """
+    by_event: dict[int, list[Window]] = {}
+    for window in windows:
+        by_event.setdefault(window.event, []).append(window)
+    overlaps = []
+    for claims in by_event.values():
+        claims.sort(key=lambda w: w.start)
+        for i, earlier in enumerate(claims):
+            overlaps.extend(
+                (earlier, later)
+                for later in claims[i + 1 :]
+                if later.start < earlier.end and not earlier.ended_early
+            )
+    return overlaps
+
+
+class Fleet:
+    """Poller processes (spawned), killed and respawned at will; all gone after ``shutdown``."""
+
+    def __init__(
+        self,
+        url: str,
+        schema: str,
+        trace_dir: Path,
+        options: dict[str, Any],
+        *,
+        side_url: str | None = None,
+        max_seconds: float = 150.0,
+    ) -> None:
+        self.context = multiprocessing.get_context("spawn")
+        self.url = url
+        self.schema = schema
+        self.side_url = side_url or url
+        self.trace_dir = trace_dir
+        self.options = options
+        self.max_seconds = max_seconds
+        self.stop_path = trace_dir / "STOP"
+        self.processes: list[Any] = []
+        self.readies: list[Path] = []
+        self.kills = 0
+
+    def spawn(self) -> Any:
+        path = self.trace_dir / f"poller-{len(self.processes)}.jsonl"
+        process = self.context.Process(
+            target=run_poller,
+            args=(
+                self.url,
+                self.schema,
+                self.side_url,
+                str(path),
+                str(self.stop_path),
+                self.options,
+                self.max_seconds,
+            ),
+            daemon=True,
+        )
+        process.start()
+        self.processes.append(process)
+        self.readies.append(Path(f"{path}.ready"))
+        return process
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Every poller spawned so far has made its first poll."""
+        return wait_until(lambda: all(r.exists() for r in self.readies), timeout, step=0.05)
+
+    def live(self) -> list[Any]:
+        return [p for p in self.processes if p.is_alive()]
+
+    def kill(self, process: Any) -> None:
+        os.kill(process.pid, signal.SIGKILL)
+        process.join(10)
+        self.kills += 1
+
+    def shutdown(self, timeout: float = 30.0) -> list[int | None]:
+        """Ask every poller to stop, wait for them, kill what is left; the exit codes."""
+        self.stop_path.touch()
+        deadline = time.monotonic() + timeout
+        for process in self.processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+                process.join(10)
+        return [p.exitcode for p in self.processes]
+
+    def traces(self) -> list[Path]:
+        return sorted(self.trace_dir.glob("poller-*.jsonl"))
+
+    def logs(self) -> str:
+        return "".join(
+            p.read_text(encoding="utf-8") for p in sorted(self.trace_dir.glob("poller-*.log"))
+        )
+
+    def __enter__(self) -> Fleet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown(timeout=10.0)
+
+
+def wait_until(done: Any, timeout: float, step: float = 0.2) -> bool:
+    """Call ``done()`` until it is true or ``timeout`` passes (orchestration, not a check)."""
+    deadline = time.monotonic() + timeout
+    pause = threading.Event()
+    while time.monotonic() < deadline:
+        if done():
+            return True
+        pause.wait(step)
+    return bool(done())
