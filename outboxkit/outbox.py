@@ -17,7 +17,7 @@ from ._options import PollerOptions
 from ._payload import DEFAULT_MAX_PAYLOAD_BYTES, build_event
 from .bus import EventBus
 from .clock import Clock, SystemClock, as_timedelta
-from .errors import ConfigurationError, InvalidEvent
+from .errors import ConfigurationError, InvalidEvent, StoreError
 from .plugins import make_plugin_manager, notify
 from .store import Store
 
@@ -29,6 +29,8 @@ __all__ = ["Message", "Outbox"]
 log = logging.getLogger("outboxkit")
 
 PURGE_PAGE_SIZE = 1000
+PRUNE_EVERY = timedelta(minutes=1)
+DEFAULT_RETAIN_PUBLISHED = timedelta(days=7)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +55,9 @@ class Outbox:
         max_retries, backoff, interval, batch_size, lease: app-wide poller defaults (R14);
             an option given to :meth:`poller` wins.
         max_payload_bytes: the largest encoded payload ``enqueue`` accepts (default 1 MiB).
+        retain_published: how long published events (and their delivery records) are kept;
+            pollers running ``run_forever`` prune older ones once a minute (see :meth:`prune`).
+            Default 7 days; ``None`` keeps them forever. Dead letters are never pruned.
         plugins: observer plugins (objects with ``outboxkit_on_event``) to register.
         load_entry_points: also load the plugins installed under the ``outboxkit`` entry point.
 
@@ -72,6 +77,7 @@ class Outbox:
         batch_size: int = 100,
         lease: float | timedelta = 30.0,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        retain_published: float | timedelta | None = DEFAULT_RETAIN_PUBLISHED,
         plugins: Iterable[object] = (),
         load_entry_points: bool = True,
     ) -> None:
@@ -101,6 +107,13 @@ class Outbox:
             lease=lease,
         )
         self.max_payload_bytes = max_payload_bytes
+        self.retain_published: timedelta | None = (
+            None
+            if retain_published is None
+            else _duration("retain_published", retain_published, allow_zero=False)
+        )
+        self._next_prune_at: datetime | None = None
+        self._prune_lock = threading.Lock()
         # Bind the given clock's instants into every store call; without one, pass None so the
         # store uses its production clock, and use the wall clock for local lease bookkeeping.
         self._bind_clock = clock is not None
@@ -141,6 +154,8 @@ class Outbox:
         )
         copy._waiters = []
         copy._waiters_lock = threading.Lock()
+        copy._next_prune_at = None
+        copy._prune_lock = threading.Lock()
         return copy
 
     # -- writing --------------------------------------------------------------------------------
@@ -295,6 +310,41 @@ class Outbox:
         """Dead-lettered events, oldest failure first, with their delivery records."""
         return self.store.dead_letters(topic=topic, since=since, limit=limit)
 
+    def dead_letter(self, event_id: int) -> DeadLetter | None:
+        """One dead letter with its delivery records, or None if ``event_id`` is not dead.
+
+        Raises:
+            ConfigurationError: ``event_id`` is not an integer.
+        """
+        (wanted,) = _ids([event_id])
+        event = self.store.get(wanted)
+        if event is None or event.failed_at is None or event.published_at is not None:
+            return None
+        return DeadLetter(
+            event=event,
+            failed_at=event.failed_at,
+            last_error=event.last_error,
+            records=tuple(self.store.records(wanted)),
+        )
+
+    def requeue_dead(self, *, topic: str | None = None, page_size: int = PURGE_PAGE_SIZE) -> int:
+        """Requeue every dead letter (of ``topic``), in pages of ``page_size`` (see :meth:`requeue`).
+
+        Returns:
+            How many dead events were requeued.
+
+        Raises:
+            ConfigurationError: an invalid page size.
+        """
+        _check_page_size(page_size)
+        requeued = 0
+        while page := self.store.dead_letters(topic=topic, limit=page_size):
+            n = self.store.requeue([d.event.id for d in page], now=self.store_now())
+            requeued += n
+            if n == 0:  # another process changed them under us: do not spin
+                break
+        return requeued
+
     def requeue(self, ids: Iterable[int]) -> int:
         """Make dead events due now with attempts reset (R12); recorded handlers stay done.
 
@@ -324,8 +374,7 @@ class Outbox:
             raise ConfigurationError(
                 "purge needs published_older_than, dead_ids or dead_older_than"
             )
-        if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
-            raise ConfigurationError(f"page_size must be an integer >= 1, got {page_size!r}")
+        _check_page_size(page_size)
         now = self.clock.now()
         deleted = 0
         if published_older_than is not None:
@@ -343,12 +392,59 @@ class Outbox:
                 deleted += n
         return deleted
 
+    def prune(self, *, page_size: int = PURGE_PAGE_SIZE) -> int:
+        """Delete published events older than ``retain_published``, with their delivery
+        records, in pages of ``page_size`` (short transactions, no long locks). Pending events
+        and dead letters are never touched. Does nothing when ``retain_published`` is None.
 
-def _duration(name: str, value: float | timedelta) -> timedelta:
+        Returns:
+            How many events were deleted.
+
+        Raises:
+            ConfigurationError: an invalid page size.
+            StoreError: the store failed.
+        """
+        if self.retain_published is None:
+            return 0
+        return self.purge(published_older_than=self.retain_published, page_size=page_size)
+
+    def prune_if_due(self) -> int:
+        """:meth:`prune`, at most once per minute (by the outbox clock) per ``Outbox``.
+
+        ``Poller.run_forever`` calls it after every poll. A store failure is logged, not raised
+        (the poller's own next poll reports an outage), and the prune is tried again a minute
+        later.
+
+        Returns:
+            How many events were deleted (0 when it was not due).
+        """
+        if self.retain_published is None:
+            return 0
+        now = self.clock.now()
+        with self._prune_lock:
+            if self._next_prune_at is not None and now < self._next_prune_at:
+                return 0
+            self._next_prune_at = now + PRUNE_EVERY
+        try:
+            deleted = self.prune()
+        except StoreError as exc:
+            log.warning("pruning published events failed; trying again in a minute: %s", exc)
+            return 0
+        if deleted:
+            log.info("pruned %d published event(s) older than %s", deleted, self.retain_published)
+        return deleted
+
+
+def _duration(name: str, value: float | timedelta, *, allow_zero: bool = True) -> timedelta:
     try:
-        return as_timedelta(value, what=name)
+        return as_timedelta(value, what=name, allow_zero=allow_zero)
     except ValueError as exc:
         raise ConfigurationError(str(exc)) from None
+
+
+def _check_page_size(page_size: int) -> None:
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
+        raise ConfigurationError(f"page_size must be an integer >= 1, got {page_size!r}")
 
 
 def _ids(ids: Iterable[int]) -> list[int]:

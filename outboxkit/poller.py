@@ -456,6 +456,8 @@ class Poller:
 
         A database outage is logged once, waited out with backoff, and its end logged; the
         loop goes on. A ``SchemaError`` (missing or incompatible schema) is raised at once.
+        Published events older than the outbox's ``retain_published`` are pruned at most once
+        a minute (``Outbox.prune_if_due``).
 
         Raises:
             SchemaError: the store's schema is missing or incompatible.
@@ -481,6 +483,7 @@ class Poller:
                     log.warning("store available again after %d failed poll(s)", failures)
                     outage_since = None
                     failures = 0
+                self.outbox.prune_if_due()  # retention: at most once a minute, logs its failures
                 if len(report.claimed) < self.options.batch_size and not self._stop.is_set():
                     self.waiter.wait(interval)
         finally:

@@ -1,0 +1,264 @@
+"""Retention and dead-letter operations on ``Outbox``, on the memory, SQLite and Postgres stores.
+
+Acceptance 5 of issue 7: the pruner deletes only published events past the cut-off, in pages,
+and leaves dead letters and pending events alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from outboxkit import (
+    ConfigurationError,
+    EventBus,
+    FrozenClock,
+    Outbox,
+    State,
+    Store,
+    StoreUnavailable,
+)
+from outboxkit.outbox import DEFAULT_RETAIN_PUBLISHED, PRUNE_EVERY, PURGE_PAGE_SIZE
+from tests.backends import ALL_BACKENDS, open_target
+
+START = datetime(2030, 6, 1, tzinfo=UTC)
+
+
+@pytest.fixture(params=ALL_BACKENDS)
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    with open_target(request.param, tmp_path) as target:
+        opened = target.open()
+        try:
+            opened.migrate()
+            yield opened
+        finally:
+            opened.close()
+
+
+def make_bus() -> EventBus:
+    bus = EventBus()
+
+    @bus.handler("order.placed", name="ship")
+    def ship(event: Any, ctx: Any) -> None:
+        if event.payload.get("fail"):
+            raise RuntimeError("no truck")
+
+    return bus
+
+
+class Calls:
+    """Wraps a store method, keeping each call's keyword arguments and result."""
+
+    def __init__(self, method: Callable[..., int]) -> None:
+        self.method = method
+        self.calls: list[tuple[dict[str, Any], int]] = []
+
+    def __call__(self, **kwargs: Any) -> int:
+        result = self.method(**kwargs)
+        self.calls.append((kwargs, result))
+        return result
+
+
+def enqueue(outbox: Outbox, *payloads: dict[str, Any]) -> list[int]:
+    with outbox.store.transaction() as conn:
+        return [outbox.enqueue(conn, "order.placed", p) for p in payloads]
+
+
+def seed(store: Store, clock: FrozenClock, outbox: Outbox) -> dict[str, list[int]]:
+    """At START - 30 d: a dead letter and a pending event that was never polled; at START - 10 d:
+    seven published events; at START - 1 d: two more published. The clock ends at START."""
+    clock.set(START - timedelta(days=30))
+    dead = enqueue(outbox, {"fail": True})
+    assert outbox.poller(max_retries=0).run_once().dead_lettered == dead
+    pending = enqueue(outbox, {}, {})  # enqueued at the same instant, never polled
+    clock.set(START - timedelta(days=10))
+    old = enqueue(outbox, *[{"n": n} for n in range(7)])
+    # Claim only the seven (batch ordering is by available_at: the pending pair is older).
+    claims = store.claim(batch_size=100, lease=timedelta(minutes=1), now=clock.now())
+    store.release([c for c in claims if c.event.id not in old], now=clock.now())
+    outbox.poller().process([c for c in claims if c.event.id in old], claimed_at=clock.now())
+    clock.set(START - timedelta(days=1))
+    recent = enqueue(outbox, {"n": 7}, {"n": 8})
+    claims = store.claim(batch_size=100, lease=timedelta(minutes=1), now=clock.now())
+    store.release([c for c in claims if c.event.id not in recent], now=clock.now())
+    outbox.poller().process([c for c in claims if c.event.id in recent], claimed_at=clock.now())
+    clock.set(START)
+    return {"dead": dead, "pending": pending, "old": old, "recent": recent}
+
+
+def test_the_pruner_deletes_only_published_events_past_the_cutoff_in_pages(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = FrozenClock(START)
+    outbox = Outbox(store, make_bus(), clock=clock, retain_published=timedelta(days=7))
+    ids = seed(store, clock, outbox)
+    assert store.stats(now=clock.now()).published == 9
+
+    spy = Calls(store.purge_published)
+    monkeypatch.setattr(store, "purge_published", spy)
+    assert outbox.prune(page_size=3) == 7
+    # Pages of at most 3 rows, until a page comes back empty; the cut-off is START - 7 d.
+    assert [(kw["limit"], n) for kw, n in spy.calls] == [(3, 3), (3, 3), (3, 1), (3, 0)]
+    assert {kw["before"] for kw, _ in spy.calls} == {START - timedelta(days=7)}
+
+    for event_id in ids["old"]:
+        assert store.get(event_id) is None
+        assert store.records(event_id) == []
+    for event_id in ids["recent"]:
+        event = store.get(event_id)
+        assert event is not None and event.state is State.PUBLISHED
+        assert [r.handler for r in store.records(event_id)] == ["ship"]
+    # Dead letters and pending events are older than the cut-off, and untouched.
+    (dead,) = ids["dead"]
+    letter = outbox.dead_letter(dead)
+    assert letter is not None and letter.last_error == "ship: RuntimeError: no truck"
+    for event_id in ids["pending"]:
+        event = store.get(event_id)
+        assert event is not None and event.state is State.PENDING
+    stats = store.stats(now=clock.now())
+    assert (stats.published, stats.dead, stats.pending) == (2, 1, 2)
+
+    # The default page is 1,000 rows.
+    spy.calls.clear()
+    assert outbox.prune() == 0
+    assert [kw["limit"] for kw, _ in spy.calls] == [PURGE_PAGE_SIZE] == [1000]
+
+
+def test_retain_published_none_keeps_everything(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = FrozenClock(START)
+    outbox = Outbox(store, make_bus(), clock=clock, retain_published=None)
+    seed(store, clock, outbox)
+    spy = Calls(store.purge_published)
+    monkeypatch.setattr(store, "purge_published", spy)
+    assert outbox.prune() == 0
+    assert outbox.prune_if_due() == 0
+    assert spy.calls == []
+    assert store.stats(now=clock.now()).published == 9
+
+
+def test_dead_letter_and_requeue_dead(store: Store) -> None:
+    clock = FrozenClock(START)
+    bus = make_bus()
+
+    @bus.handler("invoice.due", name="bill")
+    def bill(event: Any, ctx: Any) -> None:
+        raise RuntimeError("declined")
+
+    outbox = Outbox(store, bus, clock=clock, max_retries=0)
+    orders = enqueue(outbox, {"fail": True}, {"fail": True}, {})
+    with store.transaction() as conn:
+        invoice = outbox.enqueue(conn, "invoice.due", {})
+    outbox.poller().run_once()
+    assert outbox.dead_letter(orders[2]) is None  # published
+    assert outbox.dead_letter(999_999) is None  # no such event
+    letter = outbox.dead_letter(orders[0])
+    assert letter is not None and letter.event.id == orders[0] and letter.failed_at == START
+    with pytest.raises(ConfigurationError):
+        outbox.dead_letter("1")  # type: ignore[arg-type]
+
+    assert outbox.requeue_dead(topic="invoice.due") == 1
+    assert outbox.dead_letter(invoice) is None
+    assert outbox.requeue_dead(page_size=1) == 2  # two pages of one
+    assert store.stats(now=clock.now()).dead == 0
+    assert outbox.requeue_dead() == 0
+    with pytest.raises(ConfigurationError):
+        outbox.requeue_dead(page_size=0)
+
+
+# -- the pruner in the poller loop (memory store: the timing is the clock's) --------------------
+
+
+class StepWaiter:
+    """A waiter that moves the clock ``step`` per wait and stops the poller after ``waits``."""
+
+    def __init__(self, clock: FrozenClock, step: timedelta, waits: int) -> None:
+        self.clock = clock
+        self.step = step
+        self.left = waits
+        self.stop: Callable[[], None] = lambda: None
+
+    def wait(self, timeout: float) -> None:
+        self.clock.advance(self.step)
+        self.left -= 1
+        if self.left == 0:
+            self.stop()
+
+    def wake(self) -> None:
+        pass
+
+
+def test_run_forever_prunes_at_most_once_a_minute_by_the_outbox_clock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from outboxkit import MemoryStore
+
+    clock = FrozenClock(START)
+    store = MemoryStore()
+    outbox = Outbox(store, make_bus(), clock=clock)  # retain_published: the default 7 days
+    assert outbox.retain_published == DEFAULT_RETAIN_PUBLISHED == timedelta(days=7)
+    clock.set(START - timedelta(days=8))
+    (old,) = enqueue(outbox, {})
+    outbox.poller().run_once()
+    clock.set(START)
+
+    prunes: list[datetime] = []
+    real_prune = outbox.prune
+
+    def counting_prune(**kwargs: Any) -> int:
+        prunes.append(clock.now())
+        return real_prune(**kwargs)
+
+    monkeypatch.setattr(outbox, "prune", counting_prune)
+    # Ten polls, 20 s apart on the outbox clock: t = 0, 20, ..., 180 s.
+    waiter = StepWaiter(clock, timedelta(seconds=20), waits=10)
+    poller = outbox.poller(waiter=waiter)
+    waiter.stop = poller.stop
+    poller.run_forever()
+    assert timedelta(minutes=1) == PRUNE_EVERY
+    assert [(t - START).total_seconds() for t in prunes] == [0, 60, 120, 180]
+    assert store.get(old) is None  # pruned on the first poll
+
+
+def test_a_failing_prune_is_logged_and_the_poller_goes_on(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from outboxkit import MemoryStore
+
+    clock = FrozenClock(START)
+    store = MemoryStore()
+    outbox = Outbox(store, make_bus(), clock=clock)
+
+    def down(**kwargs: Any) -> int:
+        raise StoreUnavailable("the database is down")
+
+    monkeypatch.setattr(store, "purge_published", down)
+    with caplog.at_level(logging.WARNING, logger="outboxkit"):
+        assert outbox.prune_if_due() == 0
+    assert "pruning published events failed; trying again in a minute" in caplog.text
+    assert outbox.prune_if_due() == 0  # not due again before a minute has passed
+    assert caplog.text.count("pruning published events failed") == 1
+
+
+@pytest.mark.parametrize("bad", [0, -1, timedelta(0), "7d", float("nan")])
+def test_retain_published_must_be_a_positive_duration(bad: Any) -> None:
+    from outboxkit import MemoryStore
+
+    with pytest.raises(ConfigurationError, match="retain_published"):
+        Outbox(MemoryStore(), retain_published=bad)
+
+
+def test_rebind_gets_its_own_prune_schedule() -> None:
+    from outboxkit import MemoryStore
+
+    clock = FrozenClock(START)
+    outbox = Outbox(MemoryStore(), clock=clock)
+    outbox.prune_if_due()
+    copy = outbox.rebind(store=MemoryStore())
+    assert copy._next_prune_at is None and outbox._next_prune_at == START + PRUNE_EVERY
