@@ -116,3 +116,20 @@ def test_a_bad_factory_is_a_usage_error(venv_with_wheel: Path) -> None:
     result = run_conformance(venv_with_wheel, "nosuchmodule:make")
     assert result.returncode == 2
     assert "cannot import 'nosuchmodule'" in result.stderr
+
+
+@pytest.mark.slow
+def test_wheel_ships_the_demo(venv_with_wheel: Path, tmp_path: Path) -> None:
+    """Issue 7: the example shop is in the wheel, and ``outboxkit demo`` runs from it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "PYTEST"))}
+    result = subprocess.run(
+        [str(venv_with_wheel / "bin" / "outboxkit"), "demo", "--orders", "50"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "50 orders:" in result.stdout
+    assert (tmp_path / "outboxkit-demo.db").is_file()

@@ -1,0 +1,505 @@
+"""``outboxkit run``: pollers in this process, or N supervised poller processes.
+
+The shell around ``Poller.run_forever``. Theory of operation:
+
+- One process (``--processes 1``, and every child): the poller runs in a worker thread; the main
+  thread only waits, so a signal is handled at once even while a handler blocks. The first
+  SIGTERM/SIGINT calls ``Poller.stop()``: the event in hand is finished and settled, the rest of
+  the batch is released (its leases cleared, attempts refunded), and the process exits 0. If that
+  takes longer than ``--grace``, or a second signal comes, it exits 1 at once; the event in hand
+  is then recovered by its lease, as after a crash.
+- N processes: the supervisor starts N children (``python -m outboxkit run ...`` with the same
+  options), restarts one that dies (at once the first time, then with a growing delay while it
+  keeps dying young), and forwards SIGTERM/SIGINT as SIGTERM; a second signal kills them. The
+  children sit in their own process group (a terminal's Ctrl-C reaches only the supervisor) and
+  stop on their own if the supervisor disappears.
+- Every ``--log-every`` each process logs one line: published/s since the last line, pending,
+  the oldest due event's age, dead letters, leases in flight.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from datetime import timedelta
+from types import FrameType
+from typing import Any
+
+import click
+
+from ._model import DeadLettered, ObserverEvent, Published
+from .hookspecs import hookimpl
+from .outbox import Outbox
+from .poller import Poller, ThreadWaiter
+
+__all__ = ["RunSettings", "run"]
+
+log = logging.getLogger("outboxkit.run")
+
+SUPERVISOR_ENV = "OUTBOXKIT_SUPERVISOR_PID"
+POLLER_ENV = "OUTBOXKIT_POLLER"
+WRONG_INPUT = 2  # the exit code of wrong input (see outboxkit.cli)
+_TICK = 0.1  # seconds between the main thread's checks (signals interrupt the wait)
+_LOG_FORMAT = "%(asctime)s %(levelname)s {who}%(name)s: %(message)s"
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What ``outboxkit run`` was asked to do (validated by click)."""
+
+    app: str
+    store_url: str | None
+    store_options: tuple[tuple[str, Any], ...]
+    poller_options: dict[str, Any]
+    until_idle: bool = False
+    processes: int = 1
+    grace: timedelta = timedelta(seconds=30)
+    log_every: timedelta = timedelta(seconds=60)
+    log_level: str = "INFO"
+
+    def child_argv(self) -> list[str]:
+        """The command line of one child poller process."""
+        from .cli import format_duration
+
+        argv = [sys.executable, "-m", "outboxkit", "run", self.app]
+        if self.store_url:
+            argv += ["--store", self.store_url]
+        for key, value in self.store_options:
+            argv += ["--store-option", f"{key}={_option_text(value)}"]
+        for name, value in self.poller_options.items():
+            text = format_duration(value) if isinstance(value, timedelta) else str(value)
+            argv += [f"--{name.replace('_', '-')}", text]
+        argv += ["--grace", format_duration(self.grace)]
+        argv += ["--log-every", format_duration(self.log_every)]
+        argv += ["--log-level", self.log_level]
+        if self.until_idle:
+            argv.append("--until-idle")
+        return argv
+
+
+def _option_text(value: Any) -> str:
+    import json
+
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def run(settings: RunSettings) -> int:
+    """Run ``outboxkit run``; returns the exit code.
+
+    Raises:
+        InputError, ConfigurationError: wrong input (the CLI reports it in one line, exit 2).
+        StoreError: the store failed for good (a missing schema, say).
+    """
+    from ._options import PollerOptions
+    from .cli import open_outbox
+
+    who = os.environ.get(POLLER_ENV)
+    supervisor = os.environ.get(SUPERVISOR_ENV)
+    prefix = f"[poller {who} pid {os.getpid()}] " if who else ""
+    with (
+        _logging(settings.log_level, prefix),
+        open_outbox(
+            app=settings.app, store_url=settings.store_url, store_options=settings.store_options
+        ) as outbox,
+    ):
+        # Validate the options here, once, before any child is started.
+        PollerOptions.build(outbox.options, **settings.poller_options)
+        if settings.processes > 1:
+            return _Supervisor(settings, outbox).run()
+        return _run_here(
+            outbox,
+            settings,
+            supervisor_pid=int(supervisor) if supervisor and supervisor.isdigit() else None,
+        )
+
+
+@contextmanager
+def _logging(level: str, who: str) -> Iterator[None]:
+    """Log outboxkit's records to stderr for the duration of the command."""
+    logger = logging.getLogger("outboxkit")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(_LOG_FORMAT.format(who=who)))
+    previous = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)
+
+
+@contextmanager
+def _signals(handler: Callable[[int, FrameType | None], None]) -> Iterator[None]:
+    """Route SIGTERM and SIGINT to ``handler`` (main thread only), restoring them afterwards."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _force_exit(message: str, *args: object) -> None:
+    log.error(message, *args)
+    for handler in logging.getLogger("outboxkit").handlers:
+        handler.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1)
+
+
+# -- one process --------------------------------------------------------------------------------
+
+
+class _Throughput:
+    """Observer counting published and dead-lettered events, for the summary line."""
+
+    def __init__(self) -> None:
+        self.published = 0
+        self.dead_lettered = 0
+        self._lock = threading.Lock()
+
+    @hookimpl
+    def outboxkit_on_event(self, event: ObserverEvent) -> None:
+        if isinstance(event, Published):
+            with self._lock:
+                self.published += 1
+        elif isinstance(event, DeadLettered):
+            with self._lock:
+                self.dead_lettered += 1
+
+
+@dataclass
+class _Stopping:
+    """The first signal asks the poller to stop; past the grace time or at a second, exit."""
+
+    stop: Callable[[], None]
+    grace: float
+    deadline: float | None = None
+    reason: str = ""
+
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.deadline is not None:
+            _force_exit(
+                "second signal (%s): exiting now, the event in hand recovers by its lease", name
+            )
+        self.request(f"{name} received")
+
+    def request(self, reason: str) -> None:
+        if self.deadline is not None:
+            return
+        self.reason = reason
+        self.deadline = time.monotonic() + self.grace
+        log.info(
+            "%s: stopping; finishing the event in hand (grace %gs), releasing the rest",
+            reason,
+            self.grace,
+        )
+        self.stop()
+
+    def check(self) -> None:
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            _force_exit(
+                "did not stop within the grace time (%gs): exiting now, the event in hand "
+                "recovers by its lease",
+                self.grace,
+            )
+
+
+def _run_here(outbox: Outbox, settings: RunSettings, *, supervisor_pid: int | None) -> int:
+    """Run one poller in a worker thread until it stops; the main thread handles signals."""
+    outbox = outbox.rebind()  # our observer goes on a copy, never on the app's own outbox
+    # A drain until idle never waits: no need for the store's wake-up waiter (a LISTEN
+    # connection on Postgres) that only run_forever closes.
+    waiter = ThreadWaiter() if settings.until_idle else None
+    poller = outbox.poller(waiter=waiter, **settings.poller_options)
+    throughput = _Throughput()
+    outbox.add_observer(throughput)
+    failure: list[BaseException] = []
+    done = threading.Event()
+
+    def work() -> None:
+        try:
+            log.info("polling %r with %r", outbox.store, poller)
+            if settings.until_idle:
+                _drain_until_idle(outbox, poller, progress=supervisor_pid is None)
+            else:
+                poller.run_forever()
+        except BaseException as exc:
+            failure.append(exc)
+        finally:
+            done.set()
+
+    stopping = _Stopping(poller.stop, settings.grace.total_seconds())
+    summary = _Summary(outbox, throughput, settings.log_every.total_seconds())
+    with _signals(stopping.on_signal):
+        worker = threading.Thread(target=work, name="outboxkit-poller", daemon=True)
+        worker.start()
+        while not done.wait(_TICK):
+            stopping.check()
+            if supervisor_pid is not None and os.getppid() != supervisor_pid:
+                stopping.request("the supervisor is gone")
+            summary.maybe_log()
+        worker.join()
+    if failure:
+        raise failure[0]
+    if stopping.deadline is not None:
+        log.info("stopped cleanly")
+    return 0
+
+
+@dataclass
+class _Summary:
+    """The periodic one-line summary."""
+
+    outbox: Outbox
+    throughput: _Throughput
+    every: float
+    _last_at: float = field(default_factory=time.monotonic)
+    _last_published: int = 0
+
+    def maybe_log(self) -> None:
+        now = time.monotonic()
+        if now - self._last_at < self.every:
+            return
+        published = self.throughput.published
+        rate = (published - self._last_published) / (now - self._last_at)
+        self._last_at, self._last_published = now, published
+        try:
+            stats = self.outbox.stats()
+        except Exception as exc:  # a store outage: the poller reports it; keep the line short
+            log.info("%.1f published/s; store unavailable: %s", rate, exc)
+            return
+        if stats.oldest_due_at is None:
+            oldest = "none"
+        else:
+            age = (self.outbox.clock.now() - stats.oldest_due_at).total_seconds()
+            oldest = f"{max(age, 0.0):.1f}s"
+        log.info(
+            "%.1f published/s, %d pending, oldest due %s, %d dead, %d in flight",
+            rate,
+            stats.pending,
+            oldest,
+            stats.dead,
+            stats.claimed,
+        )
+
+
+def _drain_until_idle(outbox: Outbox, poller: Poller, *, progress: bool) -> None:
+    """``--until-idle``: poll until a poll claims nothing (or the poller is stopped)."""
+    pending = outbox.stats().pending
+    claimed = published = retried = dead = lost = released = 0
+    bar = click.progressbar(
+        length=max(pending, 1), label="draining", file=sys.stderr if progress else io.StringIO()
+    )
+    with bar:
+        while not poller.stopping:
+            report = poller.run_once()
+            if not report.claimed:
+                break
+            claimed += len(report.claimed)
+            published += len(report.published)
+            retried += len(report.retried)
+            dead += len(report.dead_lettered)
+            lost += len(report.lease_lost)
+            released += len(report.released)
+            settled = len(report.claimed) - len(report.released)
+            length = bar.length or 0
+            if bar.pos + settled > length:  # follow-up events joined the backlog
+                bar.length = bar.pos + settled
+            bar.update(settled)
+    outbox.prune_if_due()
+    log.info(
+        "drained: %d claimed, %d published, %d retried later, %d dead-lettered, "
+        "%d lease(s) lost, %d released",
+        claimed,
+        published,
+        retried,
+        dead,
+        lost,
+        released,
+    )
+
+
+# -- N processes --------------------------------------------------------------------------------
+
+
+@dataclass
+class _Child:
+    index: int
+    proc: subprocess.Popen[bytes] | None = None
+    started_at: float = 0.0
+    restart_at: float = 0.0
+    quick_deaths: int = 0
+    restarts: int = 0
+    finished: bool = False
+    returncode: int | None = None
+
+
+class _Supervisor:
+    """Keeps N child poller processes running (see the module docstring)."""
+
+    YOUNG = 10.0  # seconds: a child dying sooner than this is restarted after a growing delay
+    MAX_DELAY = 30.0
+
+    def __init__(self, settings: RunSettings, outbox: Outbox) -> None:
+        self.settings = settings
+        self.outbox = outbox
+        self.children = [_Child(i) for i in range(1, settings.processes + 1)]
+        self.deadline: float | None = None
+        self.wake = threading.Event()
+        self.wrong_input = False
+
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.deadline is not None:
+            self._signal_all(signal.SIGKILL)
+            _force_exit("second signal (%s): killed the poller processes", name)
+        self._stop_all(f"{name} received")
+
+    def _stop_all(self, reason: str) -> None:
+        if self.deadline is not None:
+            return
+        self.deadline = time.monotonic() + self.settings.grace.total_seconds()
+        log.info("%s: stopping %d poller process(es)", reason, len(self.children))
+        self._signal_all(signal.SIGTERM)
+        self.wake.set()
+
+    def _signal_all(self, sig: signal.Signals) -> None:
+        for child in self.children:
+            if child.proc is not None and child.proc.poll() is None:
+                with suppress(ProcessLookupError):  # exited meanwhile
+                    child.proc.send_signal(sig)
+
+    def _start(self, child: _Child) -> None:
+        n = len(self.children)
+        env = {
+            **os.environ,
+            SUPERVISOR_ENV: str(os.getpid()),
+            POLLER_ENV: f"{child.index}/{n}",
+        }
+        # A child imports the app the way this process did: from where it was found.
+        root = _import_root(self.settings.app)
+        if root is not None:
+            env["PYTHONPATH"] = os.pathsep.join(
+                [root, *filter(None, [os.environ.get("PYTHONPATH")])]
+            )
+        child.proc = subprocess.Popen(self.settings.child_argv(), env=env, process_group=0)
+        child.started_at = time.monotonic()
+        log.info("poller %d/%d started (pid %d)", child.index, n, child.proc.pid)
+
+    def run(self) -> int:
+        n = len(self.children)
+        log.info("supervising %d poller processes for %s", n, self.settings.app)
+        with _signals(self.on_signal):
+            try:
+                for child in self.children:
+                    self._start(child)
+                return self._watch()
+            finally:
+                # Never leave children behind, whatever happened here.
+                self._signal_all(signal.SIGKILL)
+
+    def _watch(self) -> int:
+        n = len(self.children)
+        while True:
+            now = time.monotonic()
+            for child in self.children:
+                if child.finished:
+                    continue
+                if child.proc is None:
+                    if self.deadline is not None:
+                        child.finished = True
+                    elif now >= child.restart_at:
+                        child.restarts += 1
+                        self._start(child)
+                    continue
+                code = child.proc.poll()
+                if code is None:
+                    continue
+                pid = child.proc.pid
+                child.proc, child.returncode = None, code
+                if self.deadline is not None or (self.settings.until_idle and code == 0):
+                    child.finished = True
+                    continue
+                if code == WRONG_INPUT:  # it would fail the same way again: give up
+                    self.wrong_input = True
+                    self._stop_all(
+                        f"poller {child.index}/{n} (pid {pid}) exited with code 2 "
+                        "(wrong input, see its log)"
+                    )
+                    child.finished = True
+                    continue
+                young = now - child.started_at < self.YOUNG
+                child.quick_deaths = child.quick_deaths + 1 if young else 0
+                delay = (
+                    0.0
+                    if child.quick_deaths <= 1
+                    else min(0.25 * 2 ** (child.quick_deaths - 2), self.MAX_DELAY)
+                )
+                child.restart_at = now + delay
+                log.warning(
+                    "poller %d/%d (pid %d) %s; restarting it%s",
+                    child.index,
+                    n,
+                    pid,
+                    _describe_exit(code),
+                    f" in {delay:g}s" if delay else "",
+                )
+            if all(child.finished for child in self.children):
+                break
+            if self.deadline is not None and now > self.deadline:
+                self._signal_all(signal.SIGKILL)
+                log.error(
+                    "poller processes did not stop within the grace time (%gs): killed them",
+                    self.settings.grace.total_seconds(),
+                )
+                return 1
+            self.wake.wait(_TICK)
+            self.wake.clear()
+        if self.wrong_input:
+            return WRONG_INPUT
+        clean = (0, -signal.SIGTERM)  # a child stopped before its handlers were in place
+        failed = [c for c in self.children if c.returncode not in clean]
+        for child in failed:
+            log.error("poller %d/%d %s", child.index, n, _describe_exit(child.returncode or 0))
+        if not failed:
+            log.info("all %d poller processes stopped", n)
+        return 1 if failed else 0
+
+
+def _import_root(app: str) -> str | None:
+    """The ``sys.path`` entry the APP's module was imported from, or None."""
+    module_name = app.partition(":")[0]
+    module = sys.modules.get(module_name)
+    filename = getattr(module, "__file__", None)
+    if not isinstance(filename, str):
+        return None
+    root = os.path.dirname(os.path.abspath(filename))
+    depth = module_name.count(".") + (os.path.basename(filename) == "__init__.py")
+    for _ in range(depth):
+        root = os.path.dirname(root)
+    return root
+
+
+def _describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"

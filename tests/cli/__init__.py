@@ -1,0 +1,1 @@
+"""Tests of the ``outboxkit`` command (issue 7)."""
