@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
+
+from tests.integration.pg.conftest import pg_url_from_env, require_server
+from tests.integration.pg.conftest import test_url as pg_test_url
 
 pytest_plugins = ["pytester"]
 
@@ -63,25 +64,41 @@ def enqueue(outbox, topic, payload, **kw):
 """
 
 
-@pytest.fixture
-def app(pytester: pytest.Pytester) -> pytest.Pytester:
+@pytest.fixture(
+    params=[pytest.param("sqlite", id="sqlite"), pytest.param("pg", id="pg", marks=pytest.mark.pg)]
+)
+def app(request: pytest.FixtureRequest, pytester: pytest.Pytester) -> pytest.Pytester:
+    """The sample app, its ini, and the store: the default SQLite file per test, or PostgreSQL
+    through ``--outbox-store`` (a schema per test, dropped afterwards)."""
     pytester.makepyfile(myapp=SAMPLE_APP, apphelpers=HELPERS)
-    store = os.environ.get("OUTBOXKIT_PLUGIN_STORE", "")
     pytester.makeini(
-        f"""
+        """
         [pytest]
         outboxkit_app = myapp:outbox
-        outboxkit_store = {store}
         filterwarnings = error
         """
     )
     pytester.syspathinsert()
+    STORE_ARGS[id(pytester)] = store_args(request.param)
+    STORE_CLASS[id(pytester)] = {"sqlite": "SQLiteStore", "pg": "PostgresStore"}[request.param]
     return pytester
+
+
+STORE_ARGS: dict[int, list[str]] = {}
+STORE_CLASS: dict[int, str] = {}
+
+
+def store_args(backend: str) -> list[str]:
+    if backend == "sqlite":
+        return []
+    url = pg_url_from_env()
+    require_server(url)
+    return [f"--outbox-store={pg_test_url(url)}"]
 
 
 def run(app: pytest.Pytester, source: str, *args: str) -> pytest.RunResult:
     app.makepyfile(test_sample=source)
-    return app.runpytest_inprocess("-q", "-p", "no:cacheprovider", *args)
+    return app.runpytest_inprocess("-q", "-p", "no:cacheprovider", *STORE_ARGS[id(app)], *args)
 
 
 def test_drain_delivers_cascades_and_rejections(app: pytest.Pytester) -> None:
@@ -314,13 +331,14 @@ def test_app_outbox_is_rebound_without_touching_the_original(app: pytest.Pyteste
         import myapp
 
         def test_rebound(outbox, outbox_store, outbox_clock):
+            assert type(outbox_store).__name__ == "{store_class}"
             assert outbox is not myapp.outbox
             assert outbox.store is outbox_store
             assert outbox.clock is outbox_clock
             assert outbox.bus is myapp.bus
             assert myapp.outbox.store is not outbox_store
             assert type(myapp.outbox.clock).__name__ == "SystemClock"
-        """,
+        """.replace("{store_class}", STORE_CLASS[id(app)]),
     )
     result.assert_outcomes(passed=1)
 
@@ -378,10 +396,9 @@ def test_clock_marker_and_freezegun_tie(app: pytest.Pytester) -> None:
 
 def test_strict_mode_fails_on_unaccounted_events(app: pytest.Pytester) -> None:
     app.makeini(
-        f"""
+        """
         [pytest]
         outboxkit_app = myapp:outbox
-        outboxkit_store = {os.environ.get("OUTBOXKIT_PLUGIN_STORE", "")}
         outboxkit_strict = true
         """
     )
