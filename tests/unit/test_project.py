@@ -45,7 +45,5 @@ def test_readme_testing_example_passes(pytester) -> None:
     section = README.split("## Testing with outboxkit", 1)[1]
     example = python_blocks(section)[0]
     pytester.makepyfile(test_checkout=example)
-    result = pytester.runpytest_inprocess(
-        "-q", "-p", "no:cacheprovider", "--outbox-store=memory://"
-    )
+    result = pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider")  # default: SQLite
     result.assert_outcomes(passed=2)
