@@ -9,6 +9,7 @@ import select
 import subprocess
 import sys
 import threading
+import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -457,30 +458,40 @@ def test_no_notification_when_notify_is_off(
     assert note.payload == "marker"
 
 
-def test_a_waiting_poller_wakes_on_a_commit_elsewhere(pg_url: str, pg_store: PostgresStore) -> None:
+def test_a_waiting_poller_wakes_on_a_commit_elsewhere(
+    pg_url: str, pg_schema: str, admin: psycopg.Connection[Any]
+) -> None:
+    channel = f"okt_wake_{uuid.uuid4().hex[:12]}"  # ours alone, to see when it is listened to
+    store = PostgresStore(pg_url, schema=pg_schema, channel=channel)
+    store.migrate()
     handled = threading.Event()
     bus = EventBus()
     bus.subscribe("t", lambda event, ctx: handled.set(), name="h")
-    poller = Outbox(pg_store, bus).poller(interval=3600)  # only a notification can wake it
+    poller = Outbox(store, bus).poller(interval=3600)  # only a notification can wake it
     runner = threading.Thread(target=poller.run_forever)
     runner.start()
     try:
-        # A first poll found nothing and the poller waits; a commit in another process wakes it.
+        # The poller listens once its first poll found nothing: from then on only a
+        # notification can make it poll again within the hour.
+        listening = "SELECT count(*) FROM pg_stat_activity WHERE query = %s"
+        query = f'LISTEN "{channel}"'
+        assert wait_until(lambda: admin.execute(listening, (query,)).fetchone() == (1,), 30)
         code = (
             "import sys, psycopg\n"
             "from outboxkit import Outbox, open_store\n"
-            "store = open_store(sys.argv[1], schema=sys.argv[2])\n"
+            "store = open_store(sys.argv[1], schema=sys.argv[2], channel=sys.argv[3])\n"
             "with psycopg.connect(sys.argv[1]) as conn:\n"
             "    Outbox(store).enqueue(conn, 't', {})\n"
             "store.close()\n"
         )
         subprocess.run(
-            [sys.executable, "-c", code, pg_url, pg_store.names.schema], check=True, timeout=60
+            [sys.executable, "-c", code, pg_url, pg_schema, channel], check=True, timeout=60
         )
         assert handled.wait(30), "the poller was not woken by the notification"
     finally:
         poller.stop()
         runner.join(30)
+        store.close()
     assert not runner.is_alive()
 
 
