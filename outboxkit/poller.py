@@ -68,8 +68,9 @@ class ThreadWaiter:
         self._event = threading.Event()
 
     def wait(self, timeout: float) -> None:
-        self._event.wait(timeout)
-        self._event.clear()
+        # Clear only a wake we consumed: one that lands after a timeout stays set for next time.
+        if self._event.wait(timeout):
+            self._event.clear()
 
     def wake(self) -> None:
         self._event.set()
