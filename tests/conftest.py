@@ -11,6 +11,24 @@ import pytest
 from outboxkit import EventBus, FrozenClock, MemoryStore, ObserverEvent, Outbox, hookimpl
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--faults",
+        action="store_true",
+        default=False,
+        help="run the fault tier (tests marked 'faults', see tests/faults/)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--faults"):
+        return
+    skip = pytest.mark.skip(reason="fault tier: run with --faults")
+    for item in items:
+        if item.get_closest_marker("faults") is not None:
+            item.add_marker(skip)
+
+
 @dataclass(eq=False)
 class Recorder:
     """An observer plugin that keeps every event it sees."""
