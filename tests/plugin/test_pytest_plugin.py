@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import psycopg
 import pytest
 
 from tests.integration.pg.conftest import pg_url_from_env, require_server
@@ -426,3 +427,60 @@ def test_strict_mode_fails_on_unaccounted_events(app: pytest.Pytester) -> None:
             "*'refund.issued': {'amount': 5}*",
         ]
     )
+
+
+def test_ini_options_freezegun_store_and_a_fresh_outbox(pytester: pytest.Pytester) -> None:
+    pytester.makeini(
+        """
+        [pytest]
+        outboxkit_store = memory://
+        outboxkit_freezegun = true
+        """
+    )
+    pytester.makepyfile(
+        test_ini="""
+        from datetime import datetime, timezone
+
+        def test_fresh(outbox, outbox_store, outbox_clock, outbox_drain):
+            assert type(outbox_store).__name__ == "MemoryStore"
+            assert outbox.bus.topics == ()
+            assert datetime.now(timezone.utc) == outbox_clock.now()
+            outbox_clock.set("2032-02-03T04:05:06Z")
+            assert datetime.now(timezone.utc).isoformat() == "2032-02-03T04:05:06+00:00"
+            with outbox_store.transaction() as tx:
+                outbox.enqueue(tx, "nobody.listens", {})
+            report = outbox_drain()
+            assert len(report.published) == 1
+        """
+    )
+    result = pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+
+
+@pytest.mark.pg
+def test_postgres_schema_per_test_under_xdist(pytester: pytest.Pytester) -> None:
+    pytest.importorskip("xdist")
+    url = pg_test_url(pg_url_from_env())
+    require_server(pg_url_from_env())
+    pytester.makepyfile(
+        test_many="""
+        import pytest
+
+        @pytest.mark.parametrize("n", range(6))
+        def test_isolated(outbox, outbox_store, outbox_drain, n):
+            assert outbox_store.stats(now=None).total == 0   # nothing from other tests
+            assert outbox_store.names.schema.startswith("outboxkit_test_gw")
+            with outbox_store.transaction() as conn:
+                outbox.enqueue(conn, "t", {"n": n})
+            assert len(outbox_drain().published) == 1
+        """
+    )
+    result = pytester.runpytest_subprocess(
+        "-q", "-p", "no:cacheprovider", "-n", "2", f"--outbox-store={url}"
+    )
+    result.assert_outcomes(passed=6)
+    with psycopg.connect(pg_url_from_env(), autocommit=True) as conn:
+        left = conn.execute(
+            "SELECT count(*) FROM pg_namespace WHERE nspname LIKE 'outboxkit_test_gw%'"
+        ).fetchone()
+    assert left == (0,)
