@@ -18,9 +18,10 @@ from typing import Any
 import pytest
 
 from outboxkit import MemoryStore, Store
-from tests.backends import ALL_BACKENDS
+from tests.backends import ALL_BACKENDS, SQL_BACKENDS
 
 BACKENDS = ALL_BACKENDS
+__all__ = ["BACKENDS", "SQL_BACKENDS", "Site", "open_site", "site"]
 
 
 @dataclass
@@ -32,6 +33,7 @@ class Site:
     _caller: Callable[[], Any]
     _orders_in: Callable[[Any], int]  # rows of orders seen through a caller connection
     _committed_orders: Callable[[], int]
+    _write_order: Callable[[Any], None]  # one orders row through a connection (a handler's too)
 
     @contextmanager
     def caller(self) -> Iterator[Any]:
@@ -64,6 +66,9 @@ class Site:
     def committed_orders(self) -> int:
         return self._committed_orders()
 
+    def write_order(self, conn: Any) -> None:
+        self._write_order(conn)
+
 
 @contextmanager
 def open_site(backend: str, tmp_path: Path) -> Iterator[Site]:
@@ -83,6 +88,7 @@ def open_site(backend: str, tmp_path: Path) -> Iterator[Site]:
                 begin,
                 lambda tx: len(tx.rows("orders")),
                 lambda: len(memory.rows("orders")),
+                lambda tx: tx.insert("orders", {"id": 0}),
             )
     elif backend == "sqlite":
         from outboxkit_sqlite import SQLiteStore
@@ -112,6 +118,7 @@ def open_site(backend: str, tmp_path: Path) -> Iterator[Site]:
                 sqlite_begin,
                 count,
                 sqlite_committed,
+                lambda conn: conn.execute("INSERT INTO orders DEFAULT VALUES"),
             )
     elif backend == "pg":
         import psycopg
@@ -141,11 +148,16 @@ def open_site(backend: str, tmp_path: Path) -> Iterator[Site]:
                     conn.execute(sql.SQL("INSERT INTO {} DEFAULT VALUES").format(orders))
                     return conn
 
+                def pg_write(conn: Any) -> None:
+                    conn.execute(sql.SQL("INSERT INTO {} DEFAULT VALUES").format(orders))
+
                 def pg_committed() -> int:
                     with psycopg.connect(url, autocommit=True) as conn:
                         return pg_count(conn)
 
-                yield Site("pg", store, url, {"schema": schema}, pg_begin, pg_count, pg_committed)
+                yield Site(
+                    "pg", store, url, {"schema": schema}, pg_begin, pg_count, pg_committed, pg_write
+                )
             finally:
                 store.close()
     else:  # pragma: no cover

@@ -1,0 +1,119 @@
+"""Handlers misbehaving (issue 9), on SQLite (a real file) and PostgreSQL.
+
+The memory store's versions of these are the R6 rules in ``tests/unit/test_rules.py``; here the
+same faults go through each SQL store's real delivery transaction. Fast, in one process, under a
+frozen clock: not marked ``faults``, the default run includes them.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from outboxkit import Event, EventBus, FrozenClock, HandlerCrashed, Outbox, Outcome
+from tests.faults._sites import SQL_BACKENDS, open_site
+
+LEASE = timedelta(seconds=30)
+US = timedelta(microseconds=1)
+
+
+@pytest.mark.parametrize("backend", SQL_BACKENDS)
+@pytest.mark.parametrize("fault", [KeyboardInterrupt, SystemExit], ids=lambda f: f.__name__)
+def test_base_exception_records_nothing_uses_the_attempt_and_is_recovered_after_the_lease(
+    backend: str, fault: type[BaseException], tmp_path: Path
+) -> None:
+    with open_site(backend, tmp_path) as site:
+        clock = FrozenClock()
+        bus = EventBus()
+        calls: list[tuple[int, int]] = []
+
+        @bus.handler("t", name="ledger")
+        def ledger(event: Event, ctx: Any) -> None:
+            calls.append((event.id, ctx.attempt))
+            site.write_order(ctx.connection)
+            if ctx.attempt == 1 and event.id == first:
+                raise fault
+
+        outbox = Outbox(site.store, bus, clock=clock, lease=LEASE)
+        with site.store.transaction() as conn:
+            first, second = outbox.enqueue_many(conn, [("t", 1), ("t", 2)])
+
+        poller = outbox.poller()
+        with pytest.raises(fault):
+            poller.run_once()
+        # Re-raised; rolled back (no order, no record); the attempt is used up.
+        assert calls == [(first, 1)]
+        assert site.committed_orders() == 0
+        assert site.store.records(first) == []
+        held = site.store.get(first)
+        assert held is not None
+        assert held.attempts == 1
+        assert held.published_at is None and held.failed_at is None
+        # The unstarted event was released, and the store's connection still works.
+        assert poller.run_once().published == [second]
+        # The interrupted one is leased until its lease runs out, then delivered again.
+        clock.advance(LEASE - US)
+        assert not poller.run_once()
+        clock.advance(US)
+        assert poller.run_once().published == [first]
+        assert calls == [(first, 1), (second, 1), (first, 2)]
+        (record,) = site.store.records(first)
+        assert (record.handler, record.outcome, record.attempt) == ("ledger", Outcome.SUCCEEDED, 2)
+        assert site.committed_orders() == 2
+
+
+PG_SQL_COMMIT_BUG = (
+    "known bug (issue 9): on PostgreSQL a handler's own SQL COMMIT is detected (HandlerCrashed) "
+    "but its writes stay committed without a delivery record, so the retry writes them again; "
+    "SQLite's authorizer refuses the COMMIT instead"
+)
+
+
+@pytest.mark.parametrize("backend", SQL_BACKENDS)
+@pytest.mark.parametrize("how", ["commit", "sql-commit", "close"])
+def test_a_handler_ending_its_connection_is_a_system_failure(
+    backend: str, how: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    if backend == "pg" and how == "sql-commit":
+        request.applymarker(pytest.mark.xfail(reason=PG_SQL_COMMIT_BUG, strict=True))
+    with open_site(backend, tmp_path) as site:
+        clock = FrozenClock()
+        bus = EventBus()
+        broken = [True]
+
+        @bus.handler("t", name="ledger")
+        def ledger(event: Event, ctx: Any) -> None:
+            site.write_order(ctx.connection)
+            if broken[0]:
+                if how == "sql-commit":
+                    ctx.connection.execute("COMMIT")
+                else:
+                    getattr(ctx.connection, how)()
+
+        outbox = Outbox(site.store, bus, clock=clock, backoff=1.0)
+        with site.store.transaction() as conn:
+            event_id = outbox.enqueue(conn, "t", {})
+        report = outbox.poller().run_once()
+        (delivery,) = report.deliveries
+        assert delivery.outcome is Outcome.FAILED
+        if backend == "pg" and how == "commit":
+            # psycopg itself refuses commit() inside the store's transaction block: the handler
+            # fails before anything commits (a handler failure, retried like any other).
+            assert "commit" in (delivery.error or "")
+        else:
+            assert isinstance(delivery.exception, HandlerCrashed)
+            event = site.store.get(event_id)
+            assert event is not None
+            assert "HandlerCrashed" in (event.last_error or "")
+        assert report.retried == [event_id]
+        # Detected: its write did not commit (not even by the handler's own commit), no record.
+        assert site.committed_orders() == 0
+        assert site.store.records(event_id) == []
+        # The store recovers its connection; the retry delivers exactly once.
+        broken[0] = False
+        clock.advance(1)
+        assert outbox.poller().run_once().published == [event_id]
+        assert site.committed_orders() == 1
