@@ -412,7 +412,12 @@ def cli() -> None:
 @click.option("--interval", type=DURATION, default=None, help="Wait between idle polls.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=None, help="Events per claim.")
 @click.option("--lease", type=DURATION, default=None, help="How long a claim is held.")
-@click.option("--max-retries", type=click.IntRange(min=0), default=None, help="Then dead-letter.")
+@click.option(
+    "--max-retries",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Retries before an event is dead-lettered.",
+)
 @click.option("--until-idle", is_flag=True, help="Drain what is due now, then exit 0.")
 @click.option(
     "--processes",
