@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -25,6 +25,7 @@ __all__ = [
     "record_from_row",
     "settle_values",
     "sort_claims",
+    "still_owned",
     "validate_identifier",
 ]
 
@@ -134,6 +135,15 @@ def settle_values(settlement: Settlement) -> SettleValues:
             publish=False, dead=False, retry_after=settlement.delay, keeps_error=True
         )
     raise TypeError(f"unknown settlement {settlement!r}")  # pragma: no cover - closed union
+
+
+def still_owned(claims: Iterable[Claim], lease_ends: Mapping[str, datetime]) -> list[Claim]:
+    """The claims whose token the store extended (``token -> new lease end``), updated."""
+    return [
+        replace(claim, locked_until=lease_ends[claim.token])
+        for claim in claims
+        if claim.token in lease_ends
+    ]
 
 
 def sort_claims(claims: Iterable[Claim]) -> list[Claim]:

@@ -33,7 +33,6 @@ import weakref
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -53,6 +52,7 @@ from outboxkit._storekit import (
     record_from_row,
     settle_values,
     sort_claims,
+    still_owned,
     validate_identifier,
 )
 from outboxkit.errors import (
@@ -652,12 +652,7 @@ class PostgresStore:
             },
             f"extend {len(claims)} lease(s)",
         )
-        kept = {token: locked_until for token, locked_until in rows}
-        return [
-            replace(claim, locked_until=kept[claim.token])
-            for claim in claims
-            if claim.token in kept
-        ]
+        return still_owned(claims, {str(token): locked_until for token, locked_until in rows})
 
     def settle(
         self,

@@ -31,7 +31,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Self, TypeVar
@@ -44,6 +43,7 @@ from outboxkit._storekit import (
     record_from_row,
     settle_values,
     sort_claims,
+    still_owned,
 )
 from outboxkit.errors import (
     ConfigurationError,
@@ -692,11 +692,7 @@ class SQLiteStore:
                     },
                 ).fetchall()
             }
-        return [
-            replace(claim, locked_until=_from_us(kept[claim.token]))
-            for claim in claims
-            if claim.token in kept
-        ]
+        return still_owned(claims, {token: _from_us(end) for token, end in kept.items()})
 
     def settle(
         self,
