@@ -70,20 +70,40 @@ class _OutsideWorld:
             self.conn.close()
 
 
-def make_bus(schema: str, outside: _OutsideWorld) -> EventBus:
+def make_bus(
+    schema: str,
+    outside: _OutsideWorld,
+    topics: Iterable[str] = (TOPIC,),
+    hold_dir: str | None = None,
+) -> EventBus:
+    """``ledger`` and ``mailer`` on each of ``topics``.
+
+    With ``hold_dir``, the mailer of an event whose payload has ``"hold": true`` stops inside
+    the handler: it creates ``HOLD-<pid>-<event id>`` there and waits (60 s at most) for a file
+    ``GO`` before sending, so that a test can freeze this process mid-handler (the fault tests'
+    zombie poller).
+    """
     bus = EventBus()
     insert_ledger = sql.SQL("INSERT INTO {} (event_id, handler) VALUES (%s, %s)").format(
         sql.Identifier(schema, "ledger")
     )
 
-    @bus.handler(TOPIC, name="ledger")
     def ledger(event: Event, ctx: Any) -> None:
         ctx.connection.execute(insert_ledger, (event.id, "ledger"))
 
-    @bus.handler(TOPIC, name="mailer", transactional=False)
     def mailer(event: Event, ctx: Any) -> None:
+        if hold_dir is not None and isinstance(event.payload, dict) and event.payload.get("hold"):
+            Path(hold_dir, f"HOLD-{os.getpid()}-{event.id}").touch()
+            go = Path(hold_dir, "GO")
+            deadline = time.monotonic() + 60
+            pause = threading.Event()
+            while not go.exists() and time.monotonic() < deadline:
+                pause.wait(0.01)
         outside.send(event.id)
 
+    for topic in topics:
+        bus.subscribe(topic, ledger, name="ledger")
+        bus.subscribe(topic, mailer, name="mailer", transactional=False)
     return bus
 
 
@@ -115,6 +135,8 @@ class _Trace:
                     "start": (c.locked_until - kw["lease"]).isoformat(),
                     "end": c.locked_until.isoformat(),
                     "pid": pid,
+                    "batch": len(claims),
+                    "limit": kw["batch_size"],
                 }
                 for c in claims
             )
@@ -155,6 +177,8 @@ def run_poller(
     stop_path: str,
     options: dict[str, Any],
     max_seconds: float,
+    topics: tuple[str, ...] = (TOPIC,),
+    hold_dir: str | None = None,
 ) -> None:
     """A poller process: run until the file ``stop_path`` exists (or ``max_seconds`` pass).
 
@@ -171,7 +195,7 @@ def run_poller(
     trace = _Trace(Path(trace_path), timedelta(seconds=options["lease"]))
     trace.wrap(store)
     outside = _OutsideWorld(side_url, schema)
-    outbox = Outbox(store, make_bus(schema, outside))
+    outbox = Outbox(store, make_bus(schema, outside, topics, hold_dir))
     poller = outbox.poller(**options)
 
     def watch() -> None:
@@ -267,6 +291,8 @@ class Fleet:
         *,
         side_url: str | None = None,
         max_seconds: float = 150.0,
+        topics: tuple[str, ...] = (TOPIC,),
+        hold_dir: Path | None = None,
     ) -> None:
         self.context = multiprocessing.get_context("spawn")
         self.url = url
@@ -275,6 +301,8 @@ class Fleet:
         self.trace_dir = trace_dir
         self.options = options
         self.max_seconds = max_seconds
+        self.topics = topics
+        self.hold_dir = hold_dir
         self.stop_path = trace_dir / "STOP"
         self.processes: list[Any] = []
         self.readies: list[Path] = []
@@ -292,6 +320,8 @@ class Fleet:
                 str(self.stop_path),
                 self.options,
                 self.max_seconds,
+                self.topics,
+                None if self.hold_dir is None else str(self.hold_dir),
             ),
             daemon=True,
         )
