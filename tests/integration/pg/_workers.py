@@ -267,7 +267,7 @@ def lease_overlaps(windows: Iterable[Window]) -> list[tuple[Window, Window]]:
     by_event: dict[int, list[Window]] = {}
     for window in windows:
         by_event.setdefault(window.event, []).append(window)
-    overlaps = []
+    overlaps: list[tuple[Window, Window]] = []
     for claims in by_event.values():
         claims.sort(key=lambda w: w.start)
         for i, earlier in enumerate(claims):
