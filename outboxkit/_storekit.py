@@ -22,11 +22,13 @@ __all__ = [
     "SettleValues",
     "decode_headers",
     "event_from_row",
+    "prefixed_table_names",
     "record_from_row",
     "settle_values",
     "sort_claims",
     "still_owned",
     "validate_identifier",
+    "validate_table_names",
 ]
 
 IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,62}\Z")
@@ -43,6 +45,37 @@ def validate_identifier(value: object, what: str) -> str:
             f"{what} must match ^[A-Za-z_][A-Za-z0-9_]{{0,62}}$, got {value!r:.80}"
         )
     return value
+
+
+def validate_table_names(events: object, deliveries: object, schema_table: object) -> None:
+    """The three table names every SQL store has: each a safe identifier, all different.
+
+    Raises:
+        ConfigurationError: naming the bad option (``events_table``, ``deliveries_table``,
+            ``schema_table``) or the clash.
+    """
+    validate_identifier(events, "events_table")
+    validate_identifier(deliveries, "deliveries_table")
+    validate_identifier(schema_table, "schema_table")
+    if len({events, deliveries, schema_table}) != 3:
+        raise ConfigurationError(
+            "events_table, deliveries_table and schema_table must differ, got "
+            f"{events!r}, {deliveries!r}, {schema_table!r}"
+        )
+
+
+def prefixed_table_names(prefix: object) -> tuple[str, str, str]:
+    """``{prefix}events``, ``{prefix}deliveries``, ``{prefix}schema``, validated.
+
+    Raises:
+        ConfigurationError: the prefix is not a string or makes an unsafe name.
+    """
+    if not isinstance(prefix, str):
+        validate_identifier(prefix, "table_prefix")  # raises, naming the option
+    names = (f"{prefix}events", f"{prefix}deliveries", f"{prefix}schema")
+    for name in names:
+        validate_identifier(name, "table_prefix")
+    return names
 
 
 def decode_headers(raw: str | bytes | Mapping[str, str] | None) -> dict[str, str]:

@@ -14,8 +14,7 @@ from importlib import resources
 
 from psycopg import sql
 
-from outboxkit._storekit import validate_identifier
-from outboxkit.errors import ConfigurationError
+from outboxkit._storekit import validate_identifier, validate_table_names
 
 __all__ = ["Names", "Queries", "load_templates"]
 
@@ -62,15 +61,8 @@ class Names:
 
     def __post_init__(self) -> None:
         validate_identifier(self.schema, "schema")
-        validate_identifier(self.events, "events_table")
-        validate_identifier(self.deliveries, "deliveries_table")
-        validate_identifier(self.versions, "schema_table")
+        validate_table_names(self.events, self.deliveries, self.versions)
         validate_identifier(self.channel, "channel")
-        if len({self.events, self.deliveries, self.versions}) != 3:
-            raise ConfigurationError(
-                "events_table, deliveries_table and schema_table must differ, got "
-                f"{self.events!r}, {self.deliveries!r}, {self.versions!r}"
-            )
 
     def slots(self) -> dict[str, sql.Composable]:
         """What fills the ``{...}`` slots of the templates."""

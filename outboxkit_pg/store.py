@@ -49,6 +49,7 @@ from outboxkit._model import Claim, DeadLetter, DeliveryRecord, Event, NewEvent,
 from outboxkit._storekit import (
     done_from_pairs,
     event_from_row,
+    prefixed_table_names,
     record_from_row,
     settle_values,
     sort_claims,
@@ -147,17 +148,13 @@ class PostgresStore:
     ) -> None:
         # Names first: a hostile name is refused before anything else happens.
         validate_identifier(schema, "schema")
-        if not isinstance(table_prefix, str):
-            validate_identifier(table_prefix, "table_prefix")
-        validate_identifier(f"{table_prefix}deliveries", "table_prefix")
-        events = events_table if events_table is not None else f"{table_prefix}events"
+        default_events, default_deliveries, default_versions = prefixed_table_names(table_prefix)
+        events = events_table if events_table is not None else default_events
         self.names = Names(
             schema=schema,
             events=events,
-            deliveries=(
-                deliveries_table if deliveries_table is not None else f"{table_prefix}deliveries"
-            ),
-            versions=schema_table if schema_table is not None else f"{table_prefix}schema",
+            deliveries=deliveries_table if deliveries_table is not None else default_deliveries,
+            versions=schema_table if schema_table is not None else default_versions,
             channel=channel if channel is not None else validate_identifier(events, "events_table"),
         )
         if not isinstance(notify, bool):

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from outboxkit._storekit import validate_identifier
-from outboxkit.errors import ConfigurationError
+from outboxkit._storekit import prefixed_table_names, validate_identifier, validate_table_names
 
 __all__ = ["EVENT_COLUMNS", "INSERT_COLUMNS", "Queries", "TableNames", "quote"]
 
@@ -43,19 +42,12 @@ class TableNames:
     schema: str = "outbox_schema"
 
     def __post_init__(self) -> None:
-        validate_identifier(self.events, "events_table")
-        validate_identifier(self.deliveries, "deliveries_table")
-        validate_identifier(self.schema, "schema_table")
-        if len({self.events, self.deliveries, self.schema}) != 3:
-            raise ConfigurationError(f"the store's three table names must differ, got {self}")
+        validate_table_names(self.events, self.deliveries, self.schema)
 
     @classmethod
     def with_prefix(cls, prefix: str) -> TableNames:
         """``{prefix}events``, ``{prefix}deliveries``, ``{prefix}schema``."""
-        if not isinstance(prefix, str):
-            validate_identifier(prefix, "table_prefix")
-        validate_identifier(f"{prefix}events", "table_prefix")
-        return cls(f"{prefix}events", f"{prefix}deliveries", f"{prefix}schema")
+        return cls(*prefixed_table_names(prefix))
 
     def placeholders(self) -> dict[str, str]:
         """The quoted names for the ``{events}``, ``{deliveries}``, ``{schema}`` slots, plus
