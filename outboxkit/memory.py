@@ -182,7 +182,8 @@ class MemoryStore:
     def __init__(self) -> None:
         self._lock = threading.Condition(threading.RLock())
         self._events: dict[int, _Row] = {}
-        self._records: dict[tuple[int, str], DeliveryRecord] = {}
+        # event id -> handler -> record, in the order written (one lookup per claimed event)
+        self._records: dict[int, dict[str, DeliveryRecord]] = {}
         self._tables: dict[str, list[dict[str, Any]]] = {}
         self._next_id = 1
         self._closed = False
@@ -226,14 +227,14 @@ class MemoryStore:
         with self._lock:
             self._check_open()
             for rec in pending.records:  # check first: a commit applies all or nothing
-                if (rec.event_id, rec.handler) in self._records:
+                if rec.handler in self._records.get(rec.event_id, {}):
                     raise StoreError(
                         f"event {rec.event_id} already has a record for {rec.handler!r}"
                     )
             for row in pending.events:
                 self._events[row.id] = row
             for rec in pending.records:
-                self._records[(rec.event_id, rec.handler)] = rec
+                self._records.setdefault(rec.event_id, {})[rec.handler] = rec
             for table, values in pending.rows:
                 self._tables.setdefault(table, []).append(values)
             self._lock.notify_all()
@@ -307,7 +308,7 @@ class MemoryStore:
             return claims
 
     def _done(self, event_id: int) -> dict[str, Outcome]:
-        return {h: r.outcome for (eid, h), r in self._records.items() if eid == event_id}
+        return {h: r.outcome for h, r in self._records.get(event_id, {}).items()}
 
     @contextmanager
     def delivery(self, claim: Claim, *, now: datetime | None) -> Iterator[_MemoryDelivery]:
@@ -459,7 +460,7 @@ class MemoryStore:
             return self._records_of(event_id)
 
     def _records_of(self, event_id: int) -> list[DeliveryRecord]:
-        return [r for (eid, _), r in self._records.items() if eid == event_id]
+        return list(self._records.get(event_id, {}).values())
 
     def purge_published(self, *, before: datetime, limit: int) -> int:
         with self._lock:
@@ -494,8 +495,8 @@ class MemoryStore:
         doomed = set(ids)
         for event_id in doomed:
             del self._events[event_id]
-        for key in [k for k in self._records if k[0] in doomed]:
-            del self._records[key]
+        for event_id in doomed:
+            self._records.pop(event_id, None)
         return len(doomed)
 
     def stats(self, *, now: datetime | None) -> Stats:

@@ -572,21 +572,10 @@ class PostgresStore:
         )
         return sort_claims(
             Claim(
-                event=event_from_row(
-                    id=row[0],
-                    topic=row[1],
-                    payload=row[2],
-                    headers=row[3],
-                    key=row[4],
-                    created_at=row[5],
-                    available_at=row[6],
-                    attempts=row[7],
-                    locked_until=row[9],
-                    last_error=row[10],
-                ),
-                token=row[8],
-                locked_until=row[9],
-                done=done_from_pairs(row[11]),
+                event=_event(row),
+                token=row[12],
+                locked_until=row[10],
+                done=done_from_pairs(row[13]),
             )
             for row in rows
         )
@@ -896,7 +885,7 @@ def _fetch(conn: Connection, query: bytes, params: Mapping[str, Any] | None) -> 
 
 
 def _event(row: Row) -> Event:
-    """An Event from the twelve columns of ``get``/``events``/``dead_letters``."""
+    """An Event from the twelve leading columns of ``get``/``events``/``dead_letters``/``claim``."""
     return event_from_row(
         id=row[0],
         topic=row[1],

@@ -121,7 +121,8 @@ UPDATE {events} AS e
   FROM due
  WHERE e.id = due.id
 RETURNING e.id, e.topic, e.payload::text, e.headers::text, e.key, e.created_at,
-          e.available_at, e.attempts, e.claim_token::text, e.locked_until, e.last_error,
+          e.available_at, e.attempts, e.published_at, e.failed_at, e.locked_until, e.last_error,
+          e.claim_token::text,
           ARRAY(SELECT ARRAY[r.handler, r.outcome]
                   FROM {deliveries} AS r
                  WHERE r.event_id = e.id
