@@ -166,3 +166,27 @@ def _batch_overruns(path: Path) -> int:
         if line.get("kind") == "claim" and line.get("batch", 0) > line.get("limit", 1 << 30):
             overruns += 1
     return overruns
+
+
+# -- helpers for the connection-level faults (terminate, restart, gap) ---------------------------
+
+
+def with_application_name(url: str, name: str) -> str:
+    """``url`` (a postgresql:// URL) whose sessions carry ``application_name=name``, so that a
+    test can find exactly its own backends in ``pg_stat_activity``."""
+    return url + ("&" if "?" in url else "?") + f"application_name={name}"
+
+
+def server_answers(url: str) -> bool:
+    """The server accepts a new connection and runs ``SELECT 1``."""
+    try:
+        with psycopg.connect(url, autocommit=True, connect_timeout=2) as conn:
+            conn.execute("SELECT 1")
+    except psycopg.Error:
+        return False
+    return True
+
+
+def wait_for_server(url: str, timeout: float) -> bool:
+    """Wait (bounded) until the server answers again, e.g. after a restart."""
+    return wait_until(lambda: server_answers(url), timeout, step=0.2)
