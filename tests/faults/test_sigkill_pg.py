@@ -4,6 +4,9 @@ Three pollers over three topics; one chosen at random is SIGKILLed every second 
 and a new one spawned in its place, while events arrive in chunks. Then a fault-free drain and
 the figures: nothing lost, no ledger row twice, nothing stuck or dead, no double claim; the
 mailer's duplicates (expected after a kill) bounded by kills x batch size.
+
+Sizes: 900 events and 6 kills; with ``OUTBOXKIT_FAULTS_SCALE=large``, 4,500 events and 12 kills
+(one a second for twelve seconds; see ``tests/faults/_scale.py``).
 """
 
 from __future__ import annotations
@@ -20,15 +23,16 @@ import pytest
 from outboxkit import Outbox
 from outboxkit_pg import PostgresStore
 from tests.faults._harness import TOPICS, drain, enqueue, figures
+from tests.faults._scale import scale
 from tests.integration.pg._workers import Fleet, create_app_tables
 
 pytestmark = [pytest.mark.pg, pytest.mark.faults]
 
-EVENTS = 900
+EVENTS = scale(pr=900, large=4500)
 CHUNK = 50
 POLLERS = 3
 BATCH = 10
-KILLS = 6
+KILLS = scale(pr=6, large=12)
 KILL_EVERY = 1.0
 
 

@@ -7,6 +7,8 @@ was sending when frozen) is repeated, the duplicate the README allows after a lo
 The zombie is frozen in the non-transactional handler: frozen in a transactional one, it would hold
 its delivery transaction's row lock, and no other poller could take the event over until the
 database ends that transaction (the ``idle_in_transaction_session_timeout`` test's subject).
+
+Sizes: 300 events; with ``OUTBOXKIT_FAULTS_SCALE=large``, 1,500 (see ``tests/faults/_scale.py``).
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ from psycopg import sql
 from outboxkit import Outbox
 from outboxkit_pg import PostgresStore
 from tests.faults._harness import TOPICS, drain, enqueue, figures
+from tests.faults._scale import scale
 from tests.integration.pg._workers import Fleet, create_app_tables, wait_until
 
 pytestmark = [pytest.mark.pg, pytest.mark.faults]
 
-EVENTS = 300
+EVENTS = scale(pr=300, large=1500)
 POLLERS = 3
 BATCH = 10
 LEASE = 2.0
