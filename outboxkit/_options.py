@@ -4,13 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal, get_args
 
 from ._backoff import BackoffPolicy, ExponentialBackoff
 from ._duration import as_timedelta
 from .errors import ConfigurationError
 
-__all__ = ["PollerOptions"]
+__all__ = ["PollerOptions", "TransactionMode"]
+
+TransactionMode = Literal["per_event", "per_batch"]
 
 _DEFAULT_BACKOFF = ExponentialBackoff()
 
@@ -26,6 +28,12 @@ class PollerOptions:
         max_retries: retries after the first attempt before dead-lettering (>= 0).
         backoff: ``backoff(retry) -> seconds | timedelta``, or a constant delay (seconds or
             timedelta); default exponential 1 s, 2 s, 4 s ... capped at 300 s.
+        transaction: ``"per_event"`` (default): each delivery commits on its own, the event's
+            settlement with its last delivery. ``"per_batch"``: one transaction for the whole
+            claimed batch, each delivery in a savepoint of it (stores with the
+            ``batched_delivery`` capability); far fewer commits, but a batch's writes and
+            records become visible together, and a non-transactional handler's effects are
+            repeated if the batch's commit is lost.
     """
 
     interval: timedelta = timedelta(seconds=0.5)
@@ -33,6 +41,7 @@ class PollerOptions:
     lease: timedelta = timedelta(seconds=30)
     max_retries: int = 10
     backoff: BackoffPolicy = _DEFAULT_BACKOFF
+    transaction: TransactionMode = "per_event"
 
     @classmethod
     def build(cls, base: PollerOptions | None = None, **options: Any) -> PollerOptions:
@@ -86,6 +95,14 @@ def _backoff(value: object) -> BackoffPolicy:
     return value
 
 
+def _transaction(value: object) -> TransactionMode:
+    modes: tuple[TransactionMode, ...] = get_args(TransactionMode)
+    for mode in modes:
+        if value == mode:
+            return mode
+    raise ConfigurationError(f"transaction must be one of {list(modes)}, got {value!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class _Constant:
     delay: timedelta
@@ -100,4 +117,5 @@ _CHECKS = {
     "lease": _duration("lease"),
     "max_retries": _count("max_retries", 0),
     "backoff": _backoff,
+    "transaction": _transaction,
 }

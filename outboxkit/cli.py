@@ -418,6 +418,13 @@ def cli() -> None:
     default=None,
     help="Retries before an event is dead-lettered.",
 )
+@click.option(
+    "--transaction",
+    type=click.Choice(["per_event", "per_batch"]),
+    default=None,
+    help="One transaction per delivery (default), or one per claimed batch with a savepoint "
+    "per delivery (fewer commits; stores with the batched_delivery capability).",
+)
 @click.option("--until-idle", is_flag=True, help="Drain what is due now, then exit 0.")
 @click.option(
     "--processes",
@@ -454,6 +461,7 @@ def run(
     batch_size: int | None,
     lease: timedelta | None,
     max_retries: int | None,
+    transaction: str | None,
     until_idle: bool,
     processes: int,
     grace: timedelta,
@@ -479,6 +487,7 @@ def run(
             ("batch_size", batch_size),
             ("lease", lease),
             ("max_retries", max_retries),
+            ("transaction", transaction),
         )
         if value is not None
     }

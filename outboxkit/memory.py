@@ -69,10 +69,29 @@ class _Row:
 
 
 @dataclass(slots=True)
+class _Settle:
+    claim: Claim
+    settlement: Settlement
+    error: str | None
+    at: datetime
+
+
+@dataclass(slots=True)
 class _Pending:
     events: list[_Row] = field(default_factory=list)
     records: list[DeliveryRecord] = field(default_factory=list)
     rows: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    settles: list[_Settle] = field(default_factory=list)
+
+    def mark(self) -> tuple[int, int, int, int]:
+        """A savepoint: how long each list is now."""
+        return len(self.events), len(self.records), len(self.rows), len(self.settles)
+
+    def roll_back_to(self, mark: tuple[int, int, int, int]) -> None:
+        del self.events[mark[0] :]
+        del self.records[mark[1] :]
+        del self.rows[mark[2] :]
+        del self.settles[mark[3] :]
 
 
 class MemoryTransaction:
@@ -173,11 +192,72 @@ class _MemoryDelivery:
             )
         )
 
+    def settle(self, settlement: Settlement, *, error: str | None) -> None:
+        """R8 for this event, applied when the transaction commits."""
+        self.tx._check_open()
+        self.tx._pending.settles.append(_Settle(self._claim, settlement, error, self._now))
+
+
+class _MemoryBatch:
+    """One transaction for a claimed batch (``transaction="per_batch"``): deliveries are
+    savepoints of it, settlements wait in it, and it commits once."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        self._store = store
+        self.tx = MemoryTransaction(store, managed=True)
+        self.locked: dict[int, _Row] = {}  # event id -> the row this batch holds
+
+    @contextmanager
+    def delivery(self, claim: Claim, *, now: datetime | None) -> Iterator[_MemoryDelivery]:
+        store = self._store
+        self._lock(claim)
+        delivery = _MemoryDelivery(store, claim, _now(now))
+        delivery.tx = self.tx
+        mark = self.tx._pending.mark()
+        try:
+            yield delivery
+        except BaseException:
+            self.tx._pending.roll_back_to(mark)
+            raise
+
+    def settle(
+        self, claim: Claim, settlement: Settlement, *, error: str | None, now: datetime | None
+    ) -> bool:
+        try:
+            self._lock(claim)
+        except LeaseLostError:
+            return False
+        with self._store._lock:
+            if self._store._settleable(claim) is None:
+                return False
+        self.tx._pending.settles.append(_Settle(claim, settlement, error, _now(now)))
+        return True
+
+    def _lock(self, claim: Claim) -> None:
+        self.locked[claim.event.id] = self._store._lock_row(claim, self)
+
+    def extend(
+        self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None
+    ) -> list[Claim]:
+        # Applied at once (nothing to roll back but the lease), but claims this batch has
+        # settled are no longer owned, as inside a database transaction.
+        settled = {s.claim.token for s in self.tx._pending.settles}
+        live = [c for c in claims if c.token not in settled]
+        return self._store.extend(live, lease=lease, now=now)
+
 
 class MemoryStore:
     """A transactional in-memory store (``memory://``). Thread-safe; one process only."""
 
-    capabilities = frozenset({"transactional_handlers", "concurrent_claimers"})
+    capabilities = frozenset(
+        {
+            "transactional_handlers",
+            "concurrent_claimers",
+            "settle_in_delivery",
+            "batched_delivery",
+            "concurrent_batches",
+        }
+    )
 
     def __init__(self) -> None:
         self._lock = threading.Condition(threading.RLock())
@@ -231,6 +311,12 @@ class MemoryStore:
                     raise StoreError(
                         f"event {rec.event_id} already has a record for {rec.handler!r}"
                     )
+            for settle in pending.settles:
+                if self._settleable(settle.claim) is None:
+                    raise LeaseLostError(f"event {settle.claim.event.id}: claim token is stale")
+            for settle in pending.settles:
+                row = self._events[settle.claim.event.id]
+                _settle_row(row, settle.settlement, settle.error, settle.at)
             for row in pending.events:
                 self._events[row.id] = row
             for rec in pending.records:
@@ -314,16 +400,7 @@ class MemoryStore:
     def delivery(self, claim: Claim, *, now: datetime | None) -> Iterator[_MemoryDelivery]:
         at = _now(now)
         delivery = _MemoryDelivery(self, claim, at)
-        with self._lock:
-            self._check_open()
-            row = self._owned(claim)
-            # Another delivery of this event holds the row: wait for it, as FOR UPDATE would.
-            while row is not None and row.row_lock is not None:
-                self._lock.wait()
-                row = self._owned(claim)
-            if row is None:
-                raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
-            row.row_lock = delivery
+        row = self._lock_row(claim, delivery)
         try:
             yield delivery
         except BaseException:
@@ -340,6 +417,50 @@ class MemoryStore:
                 if row.row_lock is delivery:
                     row.row_lock = None
                 self._lock.notify_all()
+
+    def _lock_row(self, claim: Claim, holder: object) -> _Row:
+        """Check the claim's token and lock its row for ``holder``, as ``FOR UPDATE`` would:
+        waiting while another transaction holds it, then checking the token again.
+
+        Raises:
+            LeaseLostError: the token is stale.
+        """
+        with self._lock:
+            self._check_open()
+            row = self._owned(claim)
+            while row is not None and row.row_lock not in (None, holder):
+                self._lock.wait()
+                row = self._owned(claim)
+            if row is None:
+                raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
+            row.row_lock = holder
+            return row
+
+    @contextmanager
+    def batch(self, *, now: datetime | None) -> Iterator[_MemoryBatch]:
+        """One transaction for a claimed batch (the ``batched_delivery`` capability)."""
+        self._check_open()
+        batch = _MemoryBatch(self)
+        try:
+            yield batch
+        except BaseException:
+            batch.tx._rollback()
+            raise
+        else:
+            batch.tx._commit()
+        finally:
+            with self._lock:
+                for row in batch.locked.values():
+                    if row.row_lock is batch:
+                        row.row_lock = None
+                self._lock.notify_all()
+
+    def _settleable(self, claim: Claim) -> _Row | None:
+        """The claim's row if the token still owns it and it is neither published nor dead."""
+        row = self._owned(claim)
+        if row is None or row.published_at is not None or row.failed_at is not None:
+            return None
+        return row
 
     def _owned(self, claim: Claim) -> _Row | None:
         row = self._events.get(claim.event.id)
@@ -366,21 +487,10 @@ class MemoryStore:
     ) -> bool:
         at = _now(now)
         with self._lock:
-            row = self._owned(claim)
-            if row is None or row.published_at is not None or row.failed_at is not None:
+            row = self._settleable(claim)
+            if row is None:
                 return False
-            if isinstance(settlement, Publish):
-                row.published_at = at
-            elif isinstance(settlement, DeadLetterDecision):
-                row.failed_at = at
-                row.last_error = error
-            elif isinstance(settlement, Retry):
-                row.available_at = at + settlement.delay
-                row.last_error = error
-            else:  # pragma: no cover - Settlement is a closed union
-                raise TypeError(f"unknown settlement {settlement!r}")
-            row.locked_until = None
-            row.token = None
+            _settle_row(row, settlement, error, at)
             return True
 
     def release(self, claims: Sequence[Claim], *, now: datetime | None) -> int:
@@ -528,6 +638,21 @@ class MemoryStore:
 
 def _now(now: datetime | None) -> datetime:
     return now if now is not None else datetime.now(UTC)
+
+
+def _settle_row(row: _Row, settlement: Settlement, error: str | None, at: datetime) -> None:
+    if isinstance(settlement, Publish):
+        row.published_at = at
+    elif isinstance(settlement, DeadLetterDecision):
+        row.failed_at = at
+        row.last_error = error
+    elif isinstance(settlement, Retry):
+        row.available_at = at + settlement.delay
+        row.last_error = error
+    else:  # pragma: no cover - Settlement is a closed union
+        raise TypeError(f"unknown settlement {settlement!r}")
+    row.locked_until = None
+    row.token = None
 
 
 class _MemoryPlugin:

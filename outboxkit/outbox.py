@@ -13,7 +13,7 @@ import pluggy
 
 from ._backoff import BackoffPolicy
 from ._model import DeadLetter, NewEvent, ObserverEvent, Stats
-from ._options import PollerOptions
+from ._options import PollerOptions, TransactionMode
 from ._payload import DEFAULT_MAX_PAYLOAD_BYTES, build_event
 from .bus import EventBus
 from .clock import Clock, SystemClock, as_timedelta
@@ -52,8 +52,8 @@ class Outbox:
         bus: the handler subscriptions; a fresh empty ``EventBus`` if omitted.
         clock: the clock; ``None`` means the store's production clock (the database clock on
             Postgres). Tests pass a ``FrozenClock``.
-        max_retries, backoff, interval, batch_size, lease: app-wide poller defaults (R14);
-            an option given to :meth:`poller` wins.
+        max_retries, backoff, interval, batch_size, lease, transaction: app-wide poller
+            defaults (R14, see ``PollerOptions``); an option given to :meth:`poller` wins.
         max_payload_bytes: the largest encoded payload ``enqueue`` accepts (default 1 MiB).
         retain_published: how long published events (and their delivery records) are kept;
             pollers running ``run_forever`` prune older ones once a minute (see :meth:`prune`).
@@ -76,6 +76,7 @@ class Outbox:
         interval: float | timedelta = 0.5,
         batch_size: int = 100,
         lease: float | timedelta = 30.0,
+        transaction: TransactionMode = "per_event",
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         retain_published: float | timedelta | None = DEFAULT_RETAIN_PUBLISHED,
         plugins: Iterable[object] = (),
@@ -105,6 +106,7 @@ class Outbox:
             interval=interval,
             batch_size=batch_size,
             lease=lease,
+            transaction=transaction,
         )
         self.max_payload_bytes = max_payload_bytes
         self.retain_published: timedelta | None = (
@@ -253,10 +255,12 @@ class Outbox:
         Args:
             waiter: how the poller waits between polls (default: a thread event woken by
                 in-process enqueues). Tests inject one that moves a ``FrozenClock`` instead.
-            **options: ``interval``, ``batch_size``, ``lease``, ``max_retries``, ``backoff``.
+            **options: ``interval``, ``batch_size``, ``lease``, ``max_retries``, ``backoff``,
+                ``transaction`` (see ``PollerOptions``).
 
         Raises:
-            ConfigurationError: an unknown option or an invalid value, naming the option.
+            ConfigurationError: an unknown option or an invalid value, naming the option; or
+                ``transaction="per_batch"`` on a store without ``batched_delivery``.
         """
         from .poller import Poller
 

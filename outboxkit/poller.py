@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol
@@ -35,6 +36,7 @@ from ._options import PollerOptions
 from ._payload import build_event
 from .bus import HandlerSpec
 from .errors import (
+    ConfigurationError,
     HandlerCrashed,
     LeaseLostError,
     Reject,
@@ -154,6 +156,28 @@ class _Context:
             self._buffer.append(event)
 
 
+class _Ops(Protocol):
+    """Where one round's deliveries, settlements and lease extensions go: the store itself
+    (``transaction="per_event"``) or the batch's transaction (``"per_batch"``)."""
+
+    def delivery(
+        self, claim: Claim, *, now: datetime | None
+    ) -> AbstractContextManager[DeliveryTransaction]: ...
+
+    def settle(
+        self, claim: Claim, settlement: Settlement, *, error: str | None, now: datetime | None
+    ) -> bool: ...
+
+    def extend(
+        self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None
+    ) -> list[Claim]: ...
+
+
+# What the last delivery of an event settles it as, given that delivery's outcome.
+_Decide = Callable[[Outcome], tuple[Settlement, str | None]]
+_Settled = tuple[Claim, Settlement, str | None]
+
+
 class _HandlerError(Exception):
     """Wraps an exception a handler raised, to keep it apart from the store's own errors."""
 
@@ -179,12 +203,22 @@ class Poller:
             waiter = make_waiter() if callable(make_waiter) else None
         self.waiter: Waiter = waiter if waiter is not None else ThreadWaiter()
         self._stop = threading.Event()
+        capabilities = outbox.store.capabilities
+        self._batched = options.transaction == "per_batch"
+        if self._batched and "batched_delivery" not in capabilities:
+            raise ConfigurationError(
+                f"transaction='per_batch' needs a store with the 'batched_delivery' capability; "
+                f"{outbox.store!r} has {sorted(capabilities)}"
+            )
+        # Per event: settle in the transaction of the event's last delivery where the store can.
+        self._fold = not self._batched and "settle_in_delivery" in capabilities
 
     def __repr__(self) -> str:
         o = self.options
         return (
             f"Poller(batch_size={o.batch_size}, lease={o.lease.total_seconds()}s, "
-            f"interval={o.interval.total_seconds()}s, max_retries={o.max_retries})"
+            f"interval={o.interval.total_seconds()}s, max_retries={o.max_retries}, "
+            f"transaction={o.transaction!r})"
         )
 
     @property
@@ -228,40 +262,62 @@ class Poller:
         lease = self.options.lease
         if not claims:
             return report
-        started_at = claimed_at
         # The local lease deadline: from just before the claim, so never later than the store's.
-        deadlines = {c.token: started_at + lease for c in claims}
+        deadlines = {c.token: claimed_at + lease for c in claims}
         for claim in claims:
             report.claimed.append(claim.event.id)
             outbox.emit(Claimed(claim.event.id, claim.event.topic, claim.attempt))
         remaining = list(claims)
         try:
-            while remaining:
-                if self._stop.is_set():
-                    released = outbox.store.release(remaining, now=outbox.store_now())
-                    report.released.extend(c.event.id for c in remaining)
-                    log.info("poller stopping: released %d unstarted claim(s)", released)
-                    remaining = []
-                    break
-                claim = remaining.pop(0)
-                self._process(claim, remaining, deadlines, report)
-        except BaseException:
+            if self._batched:
+                settled: list[_Settled] = []
+                with outbox.store.batch(now=outbox.store_now()) as batch:  # type: ignore[attr-defined]
+                    self._deliver_all(batch, remaining, deadlines, report, settled)
+                # Committed: only now are the batch's settlements true.
+                for claim, settlement, error in settled:
+                    self._announce(claim, settlement, error, report)
+            else:
+                self._deliver_all(outbox.store, remaining, deadlines, report, None)
+        finally:
+            # Stopping, or a handler raised BaseException: hand back the unstarted claims (after
+            # a batch has ended: its transaction may hold their rows).
             if remaining:
-                outbox.store.release(remaining, now=outbox.store_now())
+                released = outbox.store.release(remaining, now=outbox.store_now())
                 report.released.extend(c.event.id for c in remaining)
-            raise
+                log.info("poller stopping: released %d unstarted claim(s)", released)
         return report
+
+    def _deliver_all(
+        self,
+        ops: _Ops,
+        remaining: list[Claim],
+        deadlines: dict[str, datetime],
+        report: PollReport,
+        settled: list[_Settled] | None,
+    ) -> None:
+        """Deliver ``remaining`` in order, popping each as it starts; stop early when asked
+        (what is left in ``remaining`` is then released by the caller).
+
+        ``settled`` collects settlements to announce later (a batch not yet committed); with
+        None they are announced as they are written.
+        """
+        while remaining and not self._stop.is_set():
+            claim = remaining.pop(0)
+            self._process(ops, claim, remaining, deadlines, report, settled)
 
     def _process(
         self,
+        ops: _Ops,
         claim: Claim,
         rest: list[Claim],
         deadlines: dict[str, datetime],
         report: PollReport,
+        settled: list[_Settled] | None,
     ) -> None:
         outbox = self.outbox
         event = claim.event
         specs = outbox.bus.handlers_for(event.topic)
+        subscribed = [s.name for s in specs]
         outcomes: dict[str, Outcome] = dict(claim.done)
         errors: list[str] = []
         if not specs:
@@ -269,33 +325,73 @@ class Poller:
             outbox.emit(Unrouted(event.id, event.topic))
         if isinstance(event.payload, UndecodablePayload):
             # Retrying cannot fix a payload that is not JSON: dead-letter it at once.
-            self._apply(claim, DeadLetter(), event.payload.error, report)
+            self._apply(ops, claim, DeadLetter(), event.payload.error, report, settled)
             return
         if claim.attempt > self.options.max_retries + 1:
             # R4 + R11: earlier attempts crashed or lost their lease without settling and used
             # every attempt up. Run nothing (a poison event must not crash pollers forever);
             # settle it as it stands: published if every handler is recorded, else dead.
             error = f"attempts used up: attempt {claim.attempt - 1} crashed or lost its lease"
-            self._settle(claim, [s.name for s in specs], outcomes, [error], report)
+            settlement = self._decide(claim, subscribed, outcomes)
+            self._apply(ops, claim, settlement, error, report, settled)
             return
-        for spec in specs:
-            if spec.name in outcomes:
-                continue  # R5: recorded earlier (succeeded or rejected)
+        to_run = [spec for spec in specs if spec.name not in outcomes]  # R5: recorded ones
+        for n, spec in enumerate(to_run):
             # R13: keep the batch's leases alive; never start a handler once ours is gone.
-            if not self._keep_lease(claim, rest, deadlines, report):
+            if not self._keep_lease(ops, claim, rest, deadlines, report):
                 return
-            delivery = self._deliver(claim, spec)
+            decide: _Decide | None = None
+            if self._fold and n == len(to_run) - 1:
+                # The last delivery settles the event in its own transaction (one commit).
+                decide = self._decider(claim, subscribed, outcomes, errors, spec.name)
+            delivery, written = self._deliver(ops, claim, spec, decide)
             report.deliveries.append(delivery)
             if delivery.outcome is Outcome.CRASHED:  # lease lost mid-delivery
                 self._lease_lost(claim, report, spec.name)
                 return
             outcomes[spec.name] = delivery.outcome
+            if written is not None:
+                self._announce(claim, written, "; ".join(errors) or None, report)
+                return
             if delivery.outcome is Outcome.FAILED:
                 errors.append(f"{spec.name}: {delivery.error}")
-        self._settle(claim, [s.name for s in specs], outcomes, errors, report)
+        settlement = self._decide(claim, subscribed, outcomes)
+        self._apply(ops, claim, settlement, "; ".join(errors) or None, report, settled)
+
+    def _decider(
+        self,
+        claim: Claim,
+        subscribed: Sequence[str],
+        outcomes: Mapping[str, Outcome],
+        errors: Sequence[str],
+        handler: str,
+    ) -> _Decide:
+        """How the delivery of ``handler`` settles the event, whichever way it ends."""
+
+        def decide(outcome: Outcome) -> tuple[Settlement, str | None]:
+            settlement = self._decide(claim, subscribed, {**outcomes, handler: outcome})
+            return settlement, "; ".join(errors) or None
+
+        return decide
+
+    def _decide(
+        self, claim: Claim, subscribed: Sequence[str], outcomes: Mapping[str, Outcome]
+    ) -> Settlement:
+        return decide_settlement(
+            subscribed=subscribed,
+            outcomes=outcomes,
+            attempts=claim.attempt,
+            max_retries=self.options.max_retries,
+            backoff=self.options.backoff,
+        )
 
     def _keep_lease(
-        self, claim: Claim, rest: list[Claim], deadlines: dict[str, datetime], report: PollReport
+        self,
+        ops: _Ops,
+        claim: Claim,
+        rest: list[Claim],
+        deadlines: dict[str, datetime],
+        report: PollReport,
     ) -> bool:
         outbox = self.outbox
         now = outbox.clock.now()
@@ -306,7 +402,7 @@ class Poller:
             self._lease_lost(claim, report, None)
             return False
         batch = [claim, *rest]
-        kept = {c.token for c in outbox.store.extend(batch, lease=lease, now=outbox.store_now())}
+        kept = {c.token for c in ops.extend(batch, lease=lease, now=outbox.store_now())}
         for c in batch:
             if c.token in kept:
                 deadlines[c.token] = now + lease
@@ -319,39 +415,56 @@ class Poller:
             return False
         return True
 
-    def _deliver(self, claim: Claim, spec: HandlerSpec) -> Delivery:
-        """Run one handler for one claimed event, with its record (R6, R7)."""
+    def _deliver(
+        self, ops: _Ops, claim: Claim, spec: HandlerSpec, decide: _Decide | None
+    ) -> tuple[Delivery, Settlement | None]:
+        """Run one handler for one claimed event, with its record (R6, R7).
+
+        With ``decide``, a succeeded or rejected delivery also settles the event in its own
+        transaction; the settlement written is returned with the delivery.
+        """
         outbox = self.outbox
         event = claim.event
         now = outbox.store_now()
         ctx = _Context(spec.name, claim.attempt, outbox.max_payload_bytes)
         at = outbox.clock.now()
+        settled: Settlement | None = None
+
+        def finish(tx: DeliveryTransaction, outcome: Outcome, reason: str | None = None) -> None:
+            nonlocal settled
+            tx.record(spec.name, outcome, reason=reason)
+            if decide is not None:
+                settlement, error = decide(outcome)
+                tx.settle(settlement, error=error)  # type: ignore[attr-defined]
+                settled = settlement
+
         try:
             if spec.transactional:
-                with outbox.store.delivery(claim, now=now) as tx:
+                with ops.delivery(claim, now=now) as tx:
                     ctx._tx = tx
                     _call(spec, event, ctx)
-                    tx.record(spec.name, Outcome.SUCCEEDED)
+                    finish(tx, Outcome.SUCCEEDED)
             else:
                 _call(spec, event, ctx)
                 # The record's transaction opens after the handler ran: stamp it (and the
                 # follow-ups' delays) with that instant, as a database clock would.
-                with outbox.store.delivery(claim, now=outbox.store_now()) as tx:
+                with ops.delivery(claim, now=outbox.store_now()) as tx:
                     if ctx._buffer:
                         tx.enqueue(ctx._buffer)
-                    tx.record(spec.name, Outcome.SUCCEEDED)
+                    finish(tx, Outcome.SUCCEEDED)
         except Reject as rejection:
             reason = rejection.reason
+            settled = None
             try:
-                with outbox.store.delivery(claim, now=outbox.store_now()) as tx:
-                    tx.record(spec.name, Outcome.REJECTED, reason=reason)
+                with ops.delivery(claim, now=outbox.store_now()) as tx:
+                    finish(tx, Outcome.REJECTED, reason)
             except LeaseLostError:
-                return self._delivery(claim, spec, Outcome.CRASHED, at, "lease lost")
+                return self._delivery(claim, spec, Outcome.CRASHED, at, "lease lost"), None
             log.info("event %d: %s rejected it: %s", event.id, spec.name, reason)
             outbox.emit(HandlerRejected(event.id, event.topic, spec.name, claim.attempt, reason))
-            return self._delivery(claim, spec, Outcome.REJECTED, at, reason)
+            return self._delivery(claim, spec, Outcome.REJECTED, at, reason), settled
         except LeaseLostError:
-            return self._delivery(claim, spec, Outcome.CRASHED, at, "lease lost")
+            return self._delivery(claim, spec, Outcome.CRASHED, at, "lease lost"), None
         except (_HandlerError, HandlerCrashed) as failure:
             exc: Exception = failure.exc if isinstance(failure, _HandlerError) else failure
             error = f"{type(exc).__name__}: {exc}"
@@ -365,9 +478,9 @@ class Poller:
                 exc_info=exc,
             )
             outbox.emit(HandlerFailed(event.id, event.topic, spec.name, claim.attempt, error))
-            return self._delivery(claim, spec, Outcome.FAILED, at, error, exc)
+            return self._delivery(claim, spec, Outcome.FAILED, at, error, exc), None
         outbox.emit(HandlerSucceeded(event.id, event.topic, spec.name, claim.attempt))
-        return self._delivery(claim, spec, Outcome.SUCCEEDED, at)
+        return self._delivery(claim, spec, Outcome.SUCCEEDED, at), settled
 
     @staticmethod
     def _delivery(
@@ -389,31 +502,30 @@ class Poller:
             exception=exc,
         )
 
-    def _settle(
-        self,
-        claim: Claim,
-        subscribed: Sequence[str],
-        outcomes: Mapping[str, Outcome],
-        errors: list[str],
-        report: PollReport,
-    ) -> None:
-        settlement = decide_settlement(
-            subscribed=subscribed,
-            outcomes=outcomes,
-            attempts=claim.attempt,
-            max_retries=self.options.max_retries,
-            backoff=self.options.backoff,
-        )
-        self._apply(claim, settlement, "; ".join(errors) or None, report)
-
     def _apply(
+        self,
+        ops: _Ops,
+        claim: Claim,
+        settlement: Settlement,
+        error: str | None,
+        report: PollReport,
+        settled: list[_Settled] | None,
+    ) -> None:
+        """Write the settlement (R8, fenced by the token), then announce it; in a batch the
+        announcement waits for the batch's commit."""
+        if not ops.settle(claim, settlement, error=error, now=self.outbox.store_now()):
+            self._lease_lost(claim, report, None)
+        elif settled is not None:
+            settled.append((claim, settlement, error))
+        else:
+            self._announce(claim, settlement, error, report)
+
+    def _announce(
         self, claim: Claim, settlement: Settlement, error: str | None, report: PollReport
     ) -> None:
+        """Report and emit a settlement that has been committed."""
         outbox = self.outbox
         event = claim.event
-        if not outbox.store.settle(claim, settlement, error=error, now=outbox.store_now()):
-            self._lease_lost(claim, report, None)
-            return
         if isinstance(settlement, Publish):
             report.published.append(event.id)
             outbox.emit(Published(event.id, event.topic, claim.attempt))

@@ -20,7 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 from ._machine import Settlement
 from ._model import Claim, DeadLetter, DeliveryRecord, Event, NewEvent, Outcome, Stats
 
-__all__ = ["CAPABILITIES", "DeliveryTransaction", "Store"]
+__all__ = ["CAPABILITIES", "BatchTransaction", "DeliveryTransaction", "Store"]
 
 CAPABILITIES: dict[str, str] = {
     "transactional_handlers": "handlers can write in the delivery transaction",
@@ -28,6 +28,9 @@ CAPABILITIES: dict[str, str] = {
     "multiprocess": "several processes may share the store",
     "database_clock": "now=None means the database's own clock",
     "listen_notify": "the store can wake pollers when an enqueue commits",
+    "settle_in_delivery": "a delivery transaction can settle its own event (one commit per event)",
+    "batched_delivery": "batch() opens one transaction for a claimed batch, a savepoint per delivery",
+    "concurrent_batches": "others may claim while a batch is open (row locks, not a database lock)",
 }
 """The capabilities a store may declare, with what each promises.
 
@@ -38,6 +41,13 @@ A store declaring ``listen_notify`` also has ``make_waiter() -> Waiter | None``:
 ``outboxkit.poller.Waiter``) whose ``wait`` also returns when an enqueue commits, in any process.
 A poller given no waiter uses it, and calls its ``close()`` (if it has one) when ``run_forever``
 ends. Polling stays the source of truth: the waiter only makes the next poll come sooner.
+
+A store declaring ``settle_in_delivery`` gives its delivery transactions a ``settle`` method
+(see ``DeliveryTransaction.settle``): the poller then settles an event in the transaction of its
+last delivery, so an event with one handler costs one commit instead of two.
+
+A store declaring ``batched_delivery`` also has ``batch(*, now) -> BatchTransaction``, used by
+pollers running with ``transaction="per_batch"``.
 """
 
 
@@ -55,6 +65,43 @@ class DeliveryTransaction(Protocol):
 
     def record(self, handler: str, outcome: Outcome, *, reason: str | None = None) -> None:
         """Write the delivery record for ``handler``; it commits with the transaction."""
+        ...
+
+    # Stores declaring ``settle_in_delivery`` add:
+    #
+    #     def settle(self, settlement: Settlement, *, error: str | None) -> None:
+    #         """R8 for this transaction's event, committed (or rolled back) with it."""
+    #
+    # It is not part of the protocol so that stores without it still satisfy it.
+
+
+class BatchTransaction(Protocol):
+    """One transaction for a whole claimed batch (``transaction="per_batch"``).
+
+    Every delivery runs inside its own savepoint of it: a handler's failure or rejection rolls
+    back that delivery's writes only. Settlements and lease extensions are written in the same
+    transaction, and everything commits once, when the batch's block ends (or rolls back, if it
+    raises). Until then the events' rows stay locked (or, on SQLite, the database's write lock
+    is held), so another poller cannot take them over while the batch is open.
+    """
+
+    def delivery(
+        self, claim: Claim, *, now: datetime | None
+    ) -> AbstractContextManager[DeliveryTransaction]:
+        """A savepoint for one delivery, after checking the claim's token (see
+        ``Store.delivery``): released on a normal exit, rolled back to on an exception."""
+        ...
+
+    def settle(
+        self, claim: Claim, settlement: Settlement, *, error: str | None, now: datetime | None
+    ) -> bool:
+        """``Store.settle`` inside the batch's transaction."""
+        ...
+
+    def extend(
+        self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None
+    ) -> list[Claim]:
+        """``Store.extend`` inside (or alongside, where that cannot deadlock) the batch."""
         ...
 
 

@@ -74,6 +74,8 @@ class Names:
             "due_index": sql.Identifier(_index_name(self.events, "due")),
             "published_index": sql.Identifier(_index_name(self.events, "published")),
             "dead_index": sql.Identifier(_index_name(self.events, "dead")),
+            "guard_function": sql.Identifier(self.schema, _index_name(self.events, "guard")),
+            "guard_trigger": sql.Identifier(_index_name(self.events, "guard")),
             "channel": sql.Identifier(self.channel),
         }
 

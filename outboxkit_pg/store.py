@@ -32,7 +32,7 @@ import threading
 import weakref
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -60,6 +60,7 @@ from outboxkit.errors import (
     ConfigurationError,
     HandlerCrashed,
     LeaseLostError,
+    Reject,
     SchemaError,
     StoreError,
     StoreUnavailable,
@@ -72,11 +73,12 @@ __all__ = ["MIGRATIONS", "SCHEMA_VERSION", "PostgresStore"]
 
 log = logging.getLogger("outboxkit")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """The schema version this code reads and writes."""
 
 MIGRATIONS: tuple[tuple[int, str], ...] = (
     (1, "events, delivery records, due/published/dead partial indexes"),
+    (2, "commit guard: a handler's COMMIT of its delivery transaction fails"),
 )
 """Each version and what it adds; version *n* runs the ``migration_n`` statement."""
 
@@ -258,7 +260,14 @@ class PostgresStore:
 
     @property
     def capabilities(self) -> frozenset[str]:
-        caps = {"transactional_handlers", "concurrent_claimers", "database_clock"}
+        caps = {
+            "transactional_handlers",
+            "concurrent_claimers",
+            "database_clock",
+            "settle_in_delivery",
+            "batched_delivery",
+            "concurrent_batches",
+        }
         if self.url is not None:
             caps.add("multiprocess")
         if self._notify and self._conninfo is not None:
@@ -592,27 +601,26 @@ class PostgresStore:
             HandlerCrashed: the handler ended, broke or closed the transaction it was given.
             StoreUnavailable / StoreError: the database failed (never blamed on the handler).
         """
-        doing = f"deliver event {claim.event.id}"
-        with self._connection(doing) as conn:
+        with (
+            self._connection(f"deliver event {claim.event.id}") as conn,
+            self._delivering(conn, claim, now) as delivery,
+        ):
+            yield delivery
+
+    @contextmanager
+    def batch(self, *, now: datetime | None) -> Iterator[_Batch]:
+        """One transaction for a claimed batch (``transaction="per_batch"``) on a pooled
+        connection: each delivery in a savepoint of it, settlements and lease extensions in
+        it, one commit at the end. The rows it delivers stay locked until then."""
+        with self._connection("deliver a batch") as conn:
             tx = psycopg.Transaction(conn)
-            params = {"id": claim.event.id, "token": claim.token}
-            entered = False
             try:
                 tx.__enter__()
-                entered = True
-                owned = _fetch(conn, self._queries["lock_for_delivery"], params)
-                if not owned:
-                    raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
-            except BaseException as exc:
-                if entered:
-                    _abandon(tx, exc)
-                if isinstance(exc, psycopg.Error):
-                    raise self._error(exc, doing) from exc
-                raise
-            delivery = _Delivery(self, conn, claim, now)
+            except psycopg.Error as exc:
+                raise self._error(exc, "begin a batch") from exc
             try:
-                yield delivery
-                delivery.check_usable()
+                yield _Batch(self, conn)
+                _check_usable(conn, self.where, "the batch")
             except BaseException as exc:
                 if not _abandon(tx, exc):
                     raise
@@ -620,23 +628,75 @@ class PostgresStore:
             try:
                 tx.__exit__(None, None, None)
             except psycopg.Error as exc:
-                raise self._error(exc, f"commit the delivery of event {claim.event.id}") from exc
+                raise self._error(exc, "commit the batch") from exc
+
+    @contextmanager
+    def _delivering(
+        self, conn: Connection, claim: Claim, now: datetime | None
+    ) -> Iterator[_Delivery]:
+        """A transaction on ``conn`` (a savepoint if one is open) with the event row locked
+        and the token checked; committed (released) on a normal exit."""
+        doing = f"deliver event {claim.event.id}"
+        tx = psycopg.Transaction(conn)
+        params = {"id": claim.event.id, "token": claim.token}
+        entered = False
+        try:
+            tx.__enter__()
+            entered = True
+            owned = _fetch(conn, self._queries["lock_for_delivery"], params)
+            if not owned:
+                raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
+        except BaseException as exc:
+            if entered:
+                _abandon(tx, exc)
+            if isinstance(exc, psycopg.Error):
+                raise self._error(exc, doing) from exc
+            raise
+        delivery = _Delivery(self, conn, claim, now)
+        try:
+            yield delivery
+            delivery.check_usable()
+        except BaseException as exc:
+            ended = _ended_by_handler(conn, exc)
+            if not _abandon(tx, exc):
+                if ended:
+                    raise HandlerCrashed(
+                        f"event {claim.event.id}: a handler may not commit or roll back its "
+                        "delivery transaction (outboxkit commits it together with the delivery "
+                        f"record); its writes were rolled back: {exc}"
+                    ) from exc
+                raise
+            return
+        try:
+            tx.__exit__(None, None, None)
+        except psycopg.Error as exc:
+            raise self._error(exc, f"commit the delivery of event {claim.event.id}") from exc
 
     def extend(
         self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None
     ) -> list[Claim]:
         if not claims:
             return []
+        doing = f"extend {len(claims)} lease(s)"
+        try:
+            with self._connection(doing) as conn:
+                return self._extend_on(conn, claims, lease, now)
+        except psycopg.Error as exc:
+            raise self._error(exc, doing) from exc
+
+    def _extend_on(
+        self, conn: Connection, claims: Sequence[Claim], lease: timedelta, now: datetime | None
+    ) -> list[Claim]:
         ordered = sorted(claims, key=lambda c: c.event.id)  # one lock order for every poller
-        rows, _ = self._run(
-            "extend",
+        rows = _fetch(
+            conn,
+            self._queries["extend"],
             {
                 "now": now,
                 "lease": lease,
                 "ids": [c.event.id for c in ordered],
                 "tokens": [c.token for c in ordered],
             },
-            f"extend {len(claims)} lease(s)",
         )
         return still_owned(claims, {str(token): locked_until for token, locked_until in rows})
 
@@ -648,22 +708,37 @@ class PostgresStore:
         error: str | None,
         now: datetime | None,
     ) -> bool:
+        doing = f"settle event {claim.event.id}"
+        try:
+            with self._connection(doing) as conn:
+                return self._settle_on(conn, claim, settlement, error, now)
+        except psycopg.Error as exc:
+            raise self._error(exc, doing) from exc
+
+    def _settle_on(
+        self,
+        conn: Connection,
+        claim: Claim,
+        settlement: Settlement,
+        error: str | None,
+        now: datetime | None,
+    ) -> bool:
         values = settle_values(settlement)
-        _, count = self._run(
-            "settle",
-            {
-                "publish": values.publish,
-                "dead": values.dead,
-                "retry_after": values.retry_after,
-                "keeps_error": values.keeps_error,
-                "error": error,
-                "now": now,
-                "id": claim.event.id,
-                "token": claim.token,
-            },
-            f"settle event {claim.event.id}",
-        )
-        return count == 1
+        with conn.cursor() as cur:
+            cur.execute(
+                self._queries["settle"],
+                {
+                    "publish": values.publish,
+                    "dead": values.dead,
+                    "retry_after": values.retry_after,
+                    "keeps_error": values.keeps_error,
+                    "error": error,
+                    "now": now,
+                    "id": claim.event.id,
+                    "token": claim.token,
+                },
+            )
+            return cur.rowcount == 1
 
     def release(self, claims: Sequence[Claim], *, now: datetime | None) -> int:
         if not claims:
@@ -796,6 +871,51 @@ class PostgresStore:
             raise self._error(exc, "explain the claim") from exc
 
 
+class _Batch:
+    """One transaction for a claimed batch (see ``PostgresStore.batch``)."""
+
+    __slots__ = ("_conn", "_store")
+
+    def __init__(self, store: PostgresStore, conn: Connection) -> None:
+        self._store = store
+        self._conn = conn
+
+    def delivery(self, claim: Claim, *, now: datetime | None) -> AbstractContextManager[_Delivery]:
+        self._check_open()
+        return self._store._delivering(self._conn, claim, now)
+
+    def _check_open(self) -> None:
+        """A batch whose transaction a handler ended would run every later step outside it
+        (autocommitted): refuse them; the batch is abandoned and its events recover by their
+        leases."""
+        conn = self._conn
+        if conn.closed or conn.info.transaction_status != TransactionStatus.INTRANS:
+            raise StoreError(
+                f"PostgreSQL at {self._store.where}: the batch transaction is no longer open "
+                "(a handler ended it, or the connection was lost); the batch is abandoned"
+            )
+
+    def settle(
+        self, claim: Claim, settlement: Settlement, *, error: str | None, now: datetime | None
+    ) -> bool:
+        self._check_open()
+        try:
+            return self._store._settle_on(self._conn, claim, settlement, error, now)
+        except psycopg.Error as exc:
+            raise self._store._error(exc, f"settle event {claim.event.id}") from exc
+
+    def extend(
+        self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None
+    ) -> list[Claim]:
+        if not claims:
+            return []
+        self._check_open()
+        try:
+            return self._store._extend_on(self._conn, claims, lease, now)
+        except psycopg.Error as exc:
+            raise self._store._error(exc, f"extend {len(claims)} lease(s)") from exc
+
+
 class _Delivery:
     """One open delivery transaction (see ``PostgresStore.delivery``)."""
 
@@ -845,37 +965,60 @@ class _Delivery:
         except psycopg.Error as exc:
             raise self._store._error(exc, f"record {handler!r} for event {event_id}") from exc
 
-    def check_usable(self) -> None:
-        """The transaction is still the one outboxkit opened.
-
-        Raises:
-            StoreUnavailable: the connection was lost (the database's doing).
-            HandlerCrashed: the handler closed the connection, ended the transaction, or left
-                it aborted by a failed statement it caught.
-        """
-        conn = self._conn
+    def settle(self, settlement: Settlement, *, error: str | None) -> None:
+        """R8 for this event, in this transaction (the ``settle_in_delivery`` capability)."""
+        self.check_usable()
         event_id = self._claim.event.id
-        if conn.broken:
-            raise StoreUnavailable(
-                f"PostgreSQL at {self._store.where}: the connection delivering event "
-                f"{event_id} was lost"
-            )
-        if conn.closed:
-            raise HandlerCrashed(
-                f"event {event_id}: a handler closed its delivery connection (outboxkit commits "
-                "the delivery transaction together with the delivery record)"
-            )
-        status = conn.info.transaction_status
-        if status == TransactionStatus.INERROR:
-            raise HandlerCrashed(
-                f"event {event_id}: a statement in the delivery transaction failed and the "
-                "handler went on; the transaction is aborted and its writes were rolled back"
-            )
-        if status != TransactionStatus.INTRANS:
-            raise HandlerCrashed(
-                f"event {event_id}: a handler may not commit or roll back its delivery "
-                "transaction (outboxkit commits it together with the delivery record)"
-            )
+        try:
+            settled = self._store._settle_on(self._conn, self._claim, settlement, error, self._now)
+        except psycopg.Error as exc:
+            raise self._store._error(exc, f"settle event {event_id}") from exc
+        if not settled:  # cannot happen: the row is locked and its token was checked
+            raise LeaseLostError(f"event {event_id}: claim token is stale")
+
+    def check_usable(self) -> None:
+        """The transaction is still the one outboxkit opened (see ``_check_usable``)."""
+        _check_usable(self._conn, self._store.where, f"event {self._claim.event.id}")
+
+
+def _check_usable(conn: Connection, where: str, what: str) -> None:
+    """``conn``'s transaction (delivering ``what``) is still the one outboxkit opened.
+
+    Raises:
+        StoreUnavailable: the connection was lost (the database's doing).
+        HandlerCrashed: a handler closed the connection, ended the transaction, or left it
+            aborted by a failed statement it caught.
+    """
+    if conn.broken:
+        raise StoreUnavailable(f"PostgreSQL at {where}: the connection delivering {what} was lost")
+    if conn.closed:
+        raise HandlerCrashed(
+            f"{what}: a handler closed its delivery connection (outboxkit commits the delivery "
+            "transaction together with the delivery record)"
+        )
+    status = conn.info.transaction_status
+    if status == TransactionStatus.INERROR:
+        raise HandlerCrashed(
+            f"{what}: a statement in the delivery transaction failed and the handler went on; "
+            "the transaction is aborted and its writes were rolled back"
+        )
+    if status != TransactionStatus.INTRANS:
+        raise HandlerCrashed(
+            f"{what}: a handler may not commit or roll back its delivery transaction "
+            "(outboxkit commits it together with the delivery record)"
+        )
+
+
+def _ended_by_handler(conn: Connection, exc: BaseException) -> bool:
+    """Whether a handler's failure ``exc`` came with the delivery transaction ended under
+    outboxkit (a raw COMMIT the commit guard refused, or a ROLLBACK): the connection is idle."""
+    return (
+        isinstance(exc, Exception)
+        and not isinstance(exc, HandlerCrashed | LeaseLostError | Reject | StoreError)
+        and not conn.closed
+        and not conn.broken
+        and conn.info.transaction_status == TransactionStatus.IDLE
+    )
 
 
 def _fetch(conn: Connection, query: bytes, params: Mapping[str, Any] | None) -> list[Row]:

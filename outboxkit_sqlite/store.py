@@ -145,6 +145,9 @@ _BEGIN = "BEGIN IMMEDIATE -- outboxkit"
 _COMMIT = "COMMIT -- outboxkit"
 _ROLLBACK = "ROLLBACK -- outboxkit"
 _BEGIN_READ = "BEGIN DEFERRED -- outboxkit"
+_SAVEPOINT = "SAVEPOINT outboxkit_delivery"
+_ROLLBACK_TO_SAVEPOINT = "ROLLBACK TO outboxkit_delivery"
+_RELEASE_SAVEPOINT = "RELEASE outboxkit_delivery"
 
 
 class _StoreConnection(sqlite3.Connection):
@@ -274,6 +277,14 @@ class _Delivery:
                 },
             )
 
+    def settle(self, settlement: Settlement, *, error: str | None) -> None:
+        """R8 for this event, in this transaction (the ``settle_in_delivery`` capability)."""
+        self.check_open()
+        with self._store._mapped(f"settle event {self._claim.event.id}"):
+            settled = self._store._settle_on(self.conn, self._claim, settlement, error, self._now)
+        if not settled:  # cannot happen: the transaction holds the write lock, token checked
+            raise LeaseLostError(f"event {self._claim.event.id}: claim token is stale")
+
     def check_open(self) -> None:
         """Raises HandlerCrashed if the transaction is no longer open (a handler closed it)."""
         if not _in_transaction(self.conn):
@@ -281,6 +292,48 @@ class _Delivery:
                 f"event {self._claim.event.id}: the delivery transaction was ended by a handler "
                 "(committed, rolled back or closed); outboxkit commits it with the delivery record"
             )
+
+
+class _Batch:
+    """One transaction for a claimed batch: deliveries in savepoints, settlements and lease
+    extensions on the same connection (another one would wait for this one's write lock)."""
+
+    __slots__ = ("_conn", "_store")
+
+    def __init__(self, store: SQLiteStore, conn: _StoreConnection) -> None:
+        self._store = store
+        self._conn = conn
+
+    @contextmanager
+    def delivery(self, claim: Claim, *, now: datetime | None) -> Iterator[_Delivery]:
+        conn = self._conn
+        with self._store._mapped(f"open a savepoint for event {claim.event.id}"):
+            conn.execute(_SAVEPOINT)
+        try:
+            with self._store._delivering(conn, claim, _now(now)) as tx:
+                yield tx
+        except BaseException:
+            if _in_transaction(conn):
+                with suppress(sqlite3.Error):
+                    conn.execute(_ROLLBACK_TO_SAVEPOINT)
+                    conn.execute(_RELEASE_SAVEPOINT)
+            raise
+        with self._store._mapped(f"release the savepoint of event {claim.event.id}"):
+            conn.execute(_RELEASE_SAVEPOINT)
+
+    def settle(
+        self, claim: Claim, settlement: Settlement, *, error: str | None, now: datetime | None
+    ) -> bool:
+        with self._store._mapped(f"settle event {claim.event.id}"):
+            return self._store._settle_on(self._conn, claim, settlement, error, _now(now))
+
+    def extend(
+        self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None
+    ) -> list[Claim]:
+        if not claims:
+            return []
+        with self._store._mapped(f"extend {len(claims)} lease(s)"):
+            return self._store._extend_on(self._conn, claims, lease, _now(now))
 
 
 class SQLiteStore:
@@ -334,17 +387,21 @@ class SQLiteStore:
         self.busy_timeout = float(busy_timeout)
         self._queries = Queries.build(self.tables)
         self.memory = os.fspath(path) == MEMORY
+        capabilities = {
+            "transactional_handlers",
+            "concurrent_claimers",
+            "settle_in_delivery",
+            "batched_delivery",
+        }
         if self.memory:
             self.path: Path | None = None
             self.url = "sqlite://:memory:"
-            self.capabilities = frozenset({"transactional_handlers", "concurrent_claimers"})
         else:
             self.path = Path(os.path.abspath(os.fspath(path)))
             self.url = f"sqlite:///{self.path.as_posix()}"
-            self.capabilities = frozenset(
-                {"transactional_handlers", "concurrent_claimers", "multiprocess"}
-            )
+            capabilities.add("multiprocess")
             _check_path(self.path)
+        self.capabilities = frozenset(capabilities)
         self.options: dict[str, Any] = {
             "events_table": self.tables.events,
             "deliveries_table": self.tables.deliveries,
@@ -643,55 +700,81 @@ class SQLiteStore:
         with self._connections.acquire() as conn:
             with self._mapped(f"open a delivery transaction for event {claim.event.id}"):
                 self._begin(conn)
-            tx: _Delivery | None = None
             try:
-                with self._mapped(f"check the claim on event {claim.event.id}"):
-                    owned = conn.execute(
-                        self._queries.owned, {"id": claim.event.id, "token": claim.token}
-                    ).fetchone()
-                if owned is None:
-                    raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
-                tx = _Delivery(self, conn, claim, at)
-                conn.delivery = tx
-                try:
+                with self._delivering(conn, claim, at) as tx:
                     yield tx
-                finally:
-                    conn.delivery = None
-                tx.check_open()
                 with self._mapped(f"commit the delivery of event {claim.event.id}"):
                     self._commit(conn)
-            except BaseException as exc:
+            except BaseException:
                 self._rollback_quietly(conn)
-                if (
-                    tx is not None
-                    and tx.ended_by_handler
-                    and isinstance(exc, Exception)
-                    and not isinstance(exc, HandlerCrashed | Reject | LeaseLostError)
-                ):
-                    raise HandlerCrashed(
-                        f"event {claim.event.id}: a handler may not commit or roll back its "
-                        "delivery transaction (outboxkit commits it with the delivery record); "
-                        f"its writes were rolled back: {exc}"
-                    ) from exc
                 raise
+
+    @contextmanager
+    def batch(self, *, now: datetime | None) -> Iterator[_Batch]:
+        """One ``BEGIN IMMEDIATE`` transaction for a claimed batch (``transaction="per_batch"``):
+        each delivery a savepoint of it, everything committed once. It holds SQLite's write
+        lock until the batch ends, so other writers wait (up to ``busy_timeout``)."""
+        with self._connections.acquire() as conn:
+            with self._mapped("open a batch transaction"):
+                self._begin(conn)
+            try:
+                yield _Batch(self, conn)
+                with self._mapped("commit the batch"):
+                    if not _in_transaction(conn):
+                        raise StoreError("the batch transaction was ended by a handler")
+                    self._commit(conn)
+            except BaseException:
+                self._rollback_quietly(conn)
+                raise
+
+    @contextmanager
+    def _delivering(
+        self, conn: _StoreConnection, claim: Claim, at: datetime
+    ) -> Iterator[_Delivery]:
+        """Inside ``conn``'s open transaction: check the token, hand out the delivery, check
+        the handler left the transaction open. Commits nothing."""
+        with self._mapped(f"check the claim on event {claim.event.id}"):
+            owned = conn.execute(
+                self._queries.owned, {"id": claim.event.id, "token": claim.token}
+            ).fetchone()
+        if owned is None:
+            raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
+        tx = _Delivery(self, conn, claim, at)
+        conn.delivery = tx
+        try:
+            yield tx
+            tx.check_open()
+        except Exception as exc:
+            if tx.ended_by_handler and not isinstance(
+                exc, HandlerCrashed | Reject | LeaseLostError
+            ):
+                raise HandlerCrashed(
+                    f"event {claim.event.id}: a handler may not commit or roll back its "
+                    "delivery transaction (outboxkit commits it with the delivery record); "
+                    f"its writes were rolled back: {exc}"
+                ) from exc
+            raise
+        finally:
+            conn.delivery = None
 
     def extend(
         self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None
     ) -> list[Claim]:
         if not claims:
             return []
-        at = _now(now)
         with self._write(f"extend {len(claims)} lease(s)") as conn:
-            kept = {
-                token: locked_until
-                for token, locked_until in conn.execute(
-                    self._queries.extend,
-                    {
-                        "lease_end": _to_us(at + lease),
-                        "tokens": json.dumps([c.token for c in claims]),
-                    },
-                ).fetchall()
-            }
+            return self._extend_on(conn, claims, lease, _now(now))
+
+    def _extend_on(
+        self, conn: sqlite3.Connection, claims: Sequence[Claim], lease: timedelta, at: datetime
+    ) -> list[Claim]:
+        kept = {
+            token: locked_until
+            for token, locked_until in conn.execute(
+                self._queries.extend,
+                {"lease_end": _to_us(at + lease), "tokens": json.dumps([c.token for c in claims])},
+            ).fetchall()
+        }
         return still_owned(claims, {token: _from_us(end) for token, end in kept.items()})
 
     def settle(
@@ -702,24 +785,33 @@ class SQLiteStore:
         error: str | None,
         now: datetime | None,
     ) -> bool:
-        at = _now(now)
+        with self._write(f"settle event {claim.event.id}") as conn:
+            return self._settle_on(conn, claim, settlement, error, _now(now))
+
+    def _settle_on(
+        self,
+        conn: sqlite3.Connection,
+        claim: Claim,
+        settlement: Settlement,
+        error: str | None,
+        at: datetime,
+    ) -> bool:
         values = settle_values(settlement)
         retry_after = None if values.retry_after is None else values.retry_after // _MICROSECOND
-        with self._write(f"settle event {claim.event.id}") as conn:
-            cursor = conn.execute(
-                self._queries.settle,
-                {
-                    "publish": values.publish,
-                    "dead": values.dead,
-                    "retry_after": retry_after,
-                    "keeps_error": values.keeps_error,
-                    "error": error,
-                    "now": _to_us(at),
-                    "id": claim.event.id,
-                    "token": claim.token,
-                },
-            )
-            return cursor.rowcount == 1
+        cursor = conn.execute(
+            self._queries.settle,
+            {
+                "publish": values.publish,
+                "dead": values.dead,
+                "retry_after": retry_after,
+                "keeps_error": values.keeps_error,
+                "error": error,
+                "now": _to_us(at),
+                "id": claim.event.id,
+                "token": claim.token,
+            },
+        )
+        return cursor.rowcount == 1
 
     def release(self, claims: Sequence[Claim], *, now: datetime | None) -> int:
         if not claims:

@@ -2,6 +2,9 @@
 
 A handler's "write in the store's database" is a follow-up event (``ctx.enqueue``): it is the one
 write every store can make inside a delivery transaction, so exactly-once is checked with it.
+
+Every check runs in both delivery modes: ``[per_event]`` and ``[per_batch]`` (the latter skipped
+for a store without the ``batched_delivery`` capability).
 """
 
 from __future__ import annotations
@@ -37,6 +40,27 @@ S = timedelta(seconds=1)
 
 
 class LifecycleTests(ConformanceBase):
+    @pytest.fixture(params=["per_event", "per_batch"])
+    def outbox(
+        self,
+        request: pytest.FixtureRequest,
+        store: Store,
+        bus: EventBus,
+        clock: FrozenClock,
+        recorder: Recorder,
+    ) -> Outbox:
+        """The outbox, its pollers delivering in one mode or the other."""
+        if request.param == "per_batch":
+            self.require(store, "batched_delivery")
+        return Outbox(
+            store,
+            bus,
+            clock=clock,
+            plugins=[recorder],
+            load_entry_points=False,
+            transaction=request.param,
+        )
+
     def enqueue(self, store: Store, outbox: Outbox, topic: str, payload: Any, **kw: Any) -> int:
         with store.transaction() as conn:
             return outbox.enqueue(conn, topic, payload, **kw)
@@ -270,6 +294,9 @@ class LifecycleTests(ConformanceBase):
     def test_r13_lease_lost_mid_batch_fences_the_zombie(
         self, store: Store, outbox: Outbox, bus: EventBus, clock: FrozenClock, recorder: Recorder
     ) -> None:
+        if outbox.options.transaction == "per_batch":
+            # The second poller claims while the first one's batch is open.
+            self.require(store, "concurrent_batches")
         calls: list[int] = []
 
         @bus.handler("t", name="slow", transactional=False)
@@ -305,6 +332,29 @@ class LifecycleTests(ConformanceBase):
         assert report.published == ids
         assert report.lease_lost == []
         assert all(store.get(i).attempts == 1 for i in ids)  # type: ignore[union-attr]
+
+    def test_one_events_failure_or_rejection_rolls_back_only_its_own_writes(
+        self, store: Store, outbox: Outbox, bus: EventBus, clock: FrozenClock
+    ) -> None:
+        @bus.handler("t", name="h")
+        def handler(event: Event, ctx: Any) -> None:
+            ctx.enqueue("written", {"by": event.payload["n"]})
+            if event.payload["n"] == 2:
+                raise RuntimeError("two fails")
+            if event.payload["n"] == 3:
+                raise Reject("three is refused")
+
+        ids = [self.enqueue(store, outbox, "t", {"n": n}) for n in (1, 2, 3, 4)]
+        report = outbox.poller(max_retries=1, backoff=5).run_once()
+        assert report.published == [ids[0], ids[2], ids[3]]
+        assert report.retried == [ids[1]]
+        written = [e.payload["by"] for e in store.events(topic="written")]
+        assert written == [1, 4]
+        assert [r.outcome for r in store.records(ids[2])] == [Outcome.REJECTED]
+        assert store.records(ids[1]) == []
+        clock.advance(5)
+        assert outbox.poller().run_once().dead_lettered == []
+        assert [e.payload["by"] for e in store.events(topic="written")] == [1, 4]  # fails again
 
 
 def _fail(event: Event, ctx: Any) -> None:

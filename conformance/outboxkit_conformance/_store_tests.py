@@ -254,6 +254,107 @@ class StoreLevelTests(ConformanceBase):
             tx.record("h", Outcome.SUCCEEDED)
         assert len(store.records(event_id)) == 1
 
+    # -- settling in the delivery transaction, batches ------------------------------------------
+
+    def test_settle_in_delivery_commits_with_the_record(
+        self, store: Store, clock: FrozenClock
+    ) -> None:
+        self.require(store, "settle_in_delivery")
+        first, second = self.put(store, clock.now(), ("t", 1), ("t", 2))
+        claims = self.claim(store, clock.now())
+        assert self.ids(claims) == [first, second]
+        with (
+            pytest.raises(RuntimeError, match="after settling"),
+            store.delivery(claims[0], now=clock.now()) as tx,
+        ):
+            tx.record("h", Outcome.SUCCEEDED)
+            tx.settle(Publish(), error=None)  # type: ignore[attr-defined]
+            raise RuntimeError("after settling")
+        rolled_back = store.get(first)
+        assert rolled_back is not None and rolled_back.published_at is None
+        assert store.records(first) == []
+        with store.delivery(claims[1], now=clock.now()) as tx:
+            tx.record("h", Outcome.SUCCEEDED)
+            tx.settle(Publish(), error=None)  # type: ignore[attr-defined]
+        published = store.get(second)
+        assert published is not None and published.published_at == clock.now()
+        assert [r.handler for r in store.records(second)] == ["h"]
+        # Settled means the lease is gone: the token no longer settles or delivers.
+        assert store.settle(claims[1], Publish(), error=None, now=clock.now()) is False
+        with pytest.raises(LeaseLostError), store.delivery(claims[1], now=clock.now()):
+            pass
+
+    def test_batch_commits_once_and_a_savepoint_rolls_back_one_delivery(
+        self, store: Store, clock: FrozenClock
+    ) -> None:
+        self.require(store, "batched_delivery")
+        ids = self.put(store, clock.now(), ("t", 1), ("t", 2), ("t", 3))
+        claims = self.claim(store, clock.now())
+        follow_ups: list[int] = []
+        with store.batch(now=clock.now()) as batch:  # type: ignore[attr-defined]
+            with batch.delivery(claims[0], now=clock.now()) as tx:
+                follow_ups += tx.enqueue([build_event("next", 1)])
+                tx.record("h", Outcome.SUCCEEDED)
+            with (
+                pytest.raises(RuntimeError, match="second fails"),
+                batch.delivery(claims[1], now=clock.now()) as tx,
+            ):
+                follow_ups += tx.enqueue([build_event("next", 2)])
+                tx.record("h", Outcome.SUCCEEDED)
+                raise RuntimeError("second fails")
+            with batch.delivery(claims[2], now=clock.now()) as tx:
+                tx.record("h", Outcome.REJECTED, reason="no")
+            assert batch.settle(claims[0], Publish(), error=None, now=clock.now()) is True
+            retry = Retry(delay=5 * S, retry=1)
+            assert batch.settle(claims[1], retry, error="h: boom", now=clock.now()) is True
+            assert batch.settle(claims[2], Publish(), error=None, now=clock.now()) is True
+            kept = batch.extend(claims, lease=LEASE, now=clock.now())
+            assert self.ids(kept) == []  # all three settled already (in this transaction)
+        one, two, three = (store.get(i) for i in ids)
+        assert one is not None and one.published_at == clock.now()
+        assert two is not None and two.published_at is None and two.last_error == "h: boom"
+        assert two.available_at == clock.now() + 5 * S
+        assert three is not None and three.published_at == clock.now()
+        assert [r.outcome for r in store.records(ids[0])] == [Outcome.SUCCEEDED]
+        assert store.records(ids[1]) == []
+        assert [r.reason for r in store.records(ids[2])] == ["no"]
+        assert store.get(follow_ups[0]) is not None
+        assert store.get(follow_ups[1]) is None
+
+    def test_batch_that_raises_leaves_nothing(self, store: Store, clock: FrozenClock) -> None:
+        self.require(store, "batched_delivery")
+        (event_id,) = self.put(store, clock.now(), ("t", 1))
+        (claim,) = self.claim(store, clock.now())
+        with (
+            pytest.raises(RuntimeError, match="poller died"),
+            store.batch(now=clock.now()) as batch,  # type: ignore[attr-defined]
+        ):
+            with batch.delivery(claim, now=clock.now()) as tx:
+                tx.enqueue([build_event("next", 1)])
+                tx.record("h", Outcome.SUCCEEDED)
+            assert batch.settle(claim, Publish(), error=None, now=clock.now()) is True
+            raise RuntimeError("poller died")
+        event = store.get(event_id)
+        assert event is not None and event.published_at is None
+        assert store.records(event_id) == []
+        assert store.stats(now=clock.now()).total == 1  # no follow-up
+        # The claim still holds: once its lease passes, another poller takes the event over.
+        assert self.claim(store, clock.now()) == []
+        (again,) = self.claim(store, clock.now() + LEASE)
+        assert (again.event.id, again.attempt, dict(again.done)) == (event_id, 2, {})
+
+    def test_batch_refuses_a_stale_token(self, store: Store, clock: FrozenClock) -> None:
+        self.require(store, "batched_delivery")
+        self.put(store, clock.now(), ("t", 1))
+        (stale,) = self.claim(store, clock.now())
+        (fresh,) = self.claim(store, clock.now() + LEASE)
+        with store.batch(now=clock.now() + LEASE) as batch:  # type: ignore[attr-defined]
+            with pytest.raises(LeaseLostError), batch.delivery(stale, now=clock.now() + LEASE):
+                pass
+            assert batch.settle(stale, Publish(), error=None, now=clock.now() + LEASE) is False
+            assert batch.extend([stale], lease=LEASE, now=clock.now() + LEASE) == []
+        assert store.settle(fresh, Publish(), error=None, now=clock.now() + LEASE) is True
+
     # -- settle (R8, R10, R12) ----------------------------------------------------------------
 
     def test_publish_sets_published_at(self, store: Store, clock: FrozenClock) -> None:

@@ -83,6 +83,36 @@ CREATE TABLE {deliveries} (
 );
 
 
+-- name: migration_2
+-- The commit guard. A transactional handler gets the delivery transaction's connection; a raw
+-- COMMIT through it would commit the handler's writes with no delivery record (and the handler
+-- would run again). lock_for_delivery marks the transaction as holding an open delivery (the
+-- transaction-local setting outboxkit.open_delivery) and touches the event row, which queues
+-- this deferred trigger; insert_record clears the mark. At COMMIT the trigger refuses to commit
+-- while a delivery is open, so the handler's COMMIT fails and everything in the transaction is
+-- rolled back. A savepoint rolled back takes its mark and its queued trigger with it. The WHEN
+-- clause picks the touch (token and lease unchanged) out of every other update of the table.
+CREATE FUNCTION {guard_function}() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF coalesce(current_setting('outboxkit.open_delivery', true), '') <> '' THEN
+        RAISE EXCEPTION 'outboxkit: a handler ended the delivery transaction of event %', NEW.id
+            USING DETAIL = 'Only outboxkit commits a delivery transaction, together with its '
+                           'delivery record; the transaction was rolled back.',
+                  HINT = 'Do not COMMIT or ROLLBACK through ctx.connection.';
+    END IF;
+    RETURN NULL;
+END
+$$;
+CREATE CONSTRAINT TRIGGER {guard_trigger}
+    AFTER UPDATE ON {events}
+    DEFERRABLE INITIALLY DEFERRED
+    FOR EACH ROW
+    WHEN (OLD.claim_token IS NOT NULL
+          AND NEW.claim_token = OLD.claim_token
+          AND NEW.locked_until IS NOT DISTINCT FROM OLD.locked_until)
+    EXECUTE FUNCTION {guard_function}();
+
+
 -- name: enqueue
 -- R1: one statement for the whole batch, through the caller's connection. The arrays are
 -- zipped by unnest; ids follow the batch order. The notification (no event data in it) is
@@ -130,19 +160,22 @@ RETURNING e.id, e.topic, e.payload::text, e.headers::text, e.key, e.created_at,
 
 -- name: lock_for_delivery
 -- R6: the delivery transaction's first statement. Blocks while another transaction holds the
--- row, then re-checks the token on the row's newest version.
-SELECT id
-  FROM {events}
+-- row, then re-checks the token on the row's newest version. The no-op update locks the row as
+-- FOR UPDATE would, and marks the delivery open for the commit guard (see migration_2).
+UPDATE {events}
+   SET claim_token = claim_token
  WHERE id = %(id)s
    AND claim_token = %(token)s::uuid
    AND published_at IS NULL
    AND failed_at IS NULL
-   FOR UPDATE
+RETURNING id, set_config('outboxkit.open_delivery', id::text, true)
 
 -- name: insert_record
+-- The record closes the open delivery for the commit guard (see migration_2).
 INSERT INTO {deliveries} (event_id, handler, outcome, attempt, recorded_at, reason)
 VALUES (%(event_id)s, %(handler)s, %(outcome)s, %(attempt)s,
         coalesce(%(now)s::timestamptz, now()), %(reason)s)
+RETURNING set_config('outboxkit.open_delivery', '', true)
 
 -- name: extend
 -- R13: every claim of the batch in one statement, fenced by its token.

@@ -57,9 +57,14 @@ def test_until_idle_drains_with_the_given_options(
         "7s",
         "--max-retries",
         "0",
+        "--transaction",
+        "per_batch",
     )
     ok(result)
-    assert "Poller(batch_size=2, lease=7.0s, interval=0.05s, max_retries=0)" in result.stderr
+    assert (
+        "Poller(batch_size=2, lease=7.0s, interval=0.05s, max_retries=0, "
+        "transaction='per_batch')" in result.stderr
+    )
     assert "draining" in result.stderr  # the progress bar (a terminal would see it move)
     assert (
         "drained: 6 claimed, 5 published, 0 retried later, 1 dead-lettered, 0 lease(s) lost, "
@@ -76,7 +81,10 @@ def test_until_idle_keeps_the_apps_defaults(
     result = cli("run", app.spec(), "--until-idle")
     ok(result)
     # The app says max_retries=5 and a one-hour backoff: the failure waits for its retry.
-    assert "Poller(batch_size=100, lease=30.0s, interval=0.5s, max_retries=5)" in result.stderr
+    assert (
+        "Poller(batch_size=100, lease=30.0s, interval=0.5s, max_retries=5, "
+        "transaction='per_event')" in result.stderr
+    )
     assert "1 retried later, 0 dead-lettered" in result.stderr
     event = store.get(failing)
     assert event is not None and event.state is State.PENDING and event.attempts == 1

@@ -65,21 +65,11 @@ def test_base_exception_records_nothing_uses_the_attempt_and_is_recovered_after_
         assert site.committed_orders() == 2
 
 
-PG_SQL_COMMIT_BUG = (
-    "known bug (issue 9): on PostgreSQL a handler's own SQL COMMIT is detected (HandlerCrashed) "
-    "but its writes (and any it makes after the COMMIT) stay committed without a delivery record, "
-    "so the retry writes them again; "
-    "SQLite's authorizer refuses the COMMIT instead"
-)
-
-
 @pytest.mark.parametrize("backend", SQL_BACKENDS)
 @pytest.mark.parametrize("how", ["commit", "sql-commit", "sql-commit-then-write", "close"])
 def test_a_handler_ending_its_connection_is_a_system_failure(
-    backend: str, how: str, tmp_path: Path, request: pytest.FixtureRequest
+    backend: str, how: str, tmp_path: Path
 ) -> None:
-    if backend == "pg" and how.startswith("sql-commit"):
-        request.applymarker(pytest.mark.xfail(reason=PG_SQL_COMMIT_BUG, strict=True))
     with open_site(backend, tmp_path) as site:
         clock = FrozenClock()
         bus = EventBus()

@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -83,6 +84,19 @@ class LoggingStore(MemoryStore):
         if not settled:
             self.log.append(("stale settle", claim.event.id, claim.token))
         return settled
+
+    @contextmanager
+    def delivery(self, claim: Claim, *, now: datetime | None) -> Iterator[Any]:
+        # An event is settled in the transaction of its last delivery: log that settlement too.
+        with super().delivery(claim, now=now) as tx:
+            settle_in_delivery = tx.settle
+
+            def settle(settlement: Settlement, *, error: str | None) -> None:
+                self.log.append(("settle", claim.event.id, claim.token))
+                settle_in_delivery(settlement, error=error)
+
+            tx.settle = settle  # type: ignore[method-assign]
+            yield tx
 
     def release(self, claims: Any, *, now: datetime | None) -> int:
         self.log.extend(("release", c.event.id, c.token) for c in claims)

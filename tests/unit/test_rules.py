@@ -815,7 +815,11 @@ class TakeOver:
             self.claims += self.store.claim(batch_size=1, lease=LEASE, now=self.clock.now())
 
 
-def test_r8_stale_settle_changes_nothing_and_emits_lease_lost(store, bus, outbox, clock, recorder):
+def test_r8_stale_settle_changes_nothing_and_emits_lease_lost(
+    store, bus, outbox, clock, recorder, monkeypatch
+):
+    # A separate settle (a store without settle_in_delivery): the window this test opens.
+    monkeypatch.setattr(store, "capabilities", store.capabilities - {"settle_in_delivery"})
     bus.subscribe("t", ok([]), name="h")
     event_id = enqueue(store, outbox)
     takeover = TakeOver(store, clock)
@@ -838,6 +842,23 @@ def test_r8_stale_settle_changes_nothing_and_emits_lease_lost(store, bus, outbox
     assert store.settle(fresh, Publish(), error=None, now=clock.now())
     assert row(store, event_id).published_at == T0 + LEASE
     assert not store.settle(fresh, Publish(), error=None, now=clock.now())
+
+
+def test_r8_settled_in_the_last_delivery_leaves_no_window_for_a_takeover(
+    store, bus, outbox, clock, recorder
+):
+    assert "settle_in_delivery" in store.capabilities
+    bus.subscribe("t", ok([]), name="h")
+    event_id = enqueue(store, outbox)
+    takeover = TakeOver(store, clock)
+    outbox.add_observer(takeover)
+    report = outbox.poller().run_once()
+    # The record and the settlement committed together: nothing is left to take over.
+    assert takeover.claims == []
+    assert report.published == [event_id]
+    assert report.lease_lost == []
+    r = row(store, event_id)
+    assert (r.attempts, r.published_at, r.token, r.locked_until) == (1, T0, None, None)
 
 
 # -- R9 unrouted --------------------------------------------------------------------------------

@@ -385,9 +385,11 @@ def test_concurrent_migrations_are_safe(pg_url: str, pg_schema: str) -> None:
             store.migrate()  # idempotent
         with psycopg.connect(pg_url) as conn:
             versions = conn.execute(
-                sql.SQL("SELECT version FROM {}").format(sql.Identifier(pg_schema, "outbox_schema"))
+                sql.SQL("SELECT version FROM {} ORDER BY version").format(
+                    sql.Identifier(pg_schema, "outbox_schema")
+                )
             ).fetchall()
-        assert versions == [(SCHEMA_VERSION,)]
+        assert versions == [(v,) for v in range(1, SCHEMA_VERSION + 1)]  # each applied once
     finally:
         for store in stores:
             store.close()

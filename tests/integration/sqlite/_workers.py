@@ -23,6 +23,7 @@ from outboxkit import EventBus, Message, Outbox, open_store
 from outboxkit._machine import Settlement
 from outboxkit._model import Claim
 from outboxkit_sqlite import SQLiteStore
+from tests.integration.pg._workers import spy_on_deliveries
 
 LEDGER_SQL = (
     "CREATE TABLE IF NOT EXISTS ledger ("
@@ -43,6 +44,17 @@ class ClaimLog(SQLiteStore):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.windows: dict[str, dict[str, Any]] = {}
+        spy_on_deliveries(self, self._settling, self._settled)
+
+    def _settling(self, claim: Claim) -> None:
+        window = self.windows.get(claim.token)
+        if window is not None:
+            window["until"] = time.time()
+
+    def _settled(self, claim: Claim) -> None:
+        window = self.windows.get(claim.token)
+        if window is not None:
+            window["settled"] = True
 
     def claim(self, *, batch_size: int, lease: timedelta, now: datetime | None) -> list[Claim]:
         claims = super().claim(batch_size=batch_size, lease=lease, now=now)
