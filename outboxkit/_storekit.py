@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
@@ -47,21 +47,56 @@ def validate_identifier(value: object, what: str) -> str:
     return value
 
 
-def validate_table_names(events: object, deliveries: object, schema_table: object) -> None:
-    """The three table names every SQL store has: each a safe identifier, all different.
+def validate_table_names(
+    events: object,
+    deliveries: object,
+    schema_table: object,
+    *,
+    derived: Callable[[str, str], Iterable[str]] | None = None,
+    ignore_case: bool = False,
+) -> None:
+    """The three table names every SQL store has: each a safe identifier, all different, and
+    none named like an object the store derives from a table's name.
+
+    Args:
+        derived: the names of the objects (indexes, sequences...) the store derives from a
+            table, as ``derived(option, table)`` with ``option`` one of ``events_table``,
+            ``deliveries_table``, ``schema_table``.
+        ignore_case: compare names ignoring (ASCII) case, as SQLite does.
 
     Raises:
         ConfigurationError: naming the bad option (``events_table``, ``deliveries_table``,
-            ``schema_table``) or the clash.
+            ``schema_table``) and value, or the clash.
     """
-    validate_identifier(events, "events_table")
-    validate_identifier(deliveries, "deliveries_table")
-    validate_identifier(schema_table, "schema_table")
-    if len({events, deliveries, schema_table}) != 3:
+    tables = {
+        "events_table": validate_identifier(events, "events_table"),
+        "deliveries_table": validate_identifier(deliveries, "deliveries_table"),
+        "schema_table": validate_identifier(schema_table, "schema_table"),
+    }
+
+    def key(name: str) -> str:
+        return name.lower() if ignore_case else name
+
+    if len({key(name) for name in tables.values()}) != 3:
         raise ConfigurationError(
-            "events_table, deliveries_table and schema_table must differ, got "
-            f"{events!r}, {deliveries!r}, {schema_table!r}"
+            "events_table, deliveries_table and schema_table must differ"
+            f"{' ignoring case' if ignore_case else ''}, got {events!r}, {deliveries!r}, "
+            f"{schema_table!r}"
         )
+    if derived is None:
+        return
+    own = {
+        key(name): (source, table, name)
+        for source, table in tables.items()
+        for name in derived(source, table)
+    }
+    for option, table in tables.items():
+        if key(table) in own:
+            source, base, name = own[key(table)]
+            raise ConfigurationError(
+                f"{option} must not be named like the store's own {name!r}, derived from "
+                f"{source} {base!r}, got {table!r}"
+            )
 
 
 def prefixed_table_names(prefix: object) -> tuple[str, str, str]:

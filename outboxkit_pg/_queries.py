@@ -15,8 +15,9 @@ from importlib import resources
 from psycopg import sql
 
 from outboxkit._storekit import validate_identifier, validate_table_names
+from outboxkit.errors import ConfigurationError
 
-__all__ = ["Names", "Queries", "load_templates"]
+__all__ = ["Names", "Queries", "load_templates", "validate_schema"]
 
 _NAME = re.compile(r"^-- name: ([a-z_0-9]+)\s*$")
 
@@ -44,13 +45,43 @@ def _index_name(table: str, suffix: str) -> str:
     return f"{table[: 62 - len(suffix)]}_{suffix}"
 
 
+# The objects the migration names after a table, in the same schema: the store's own indexes
+# and guard trigger/function on the events table (``_index_name``), and the ones PostgreSQL
+# names itself the same way (primary keys, identity sequences).
+_DERIVED = {
+    "events_table": ("due", "published", "dead", "guard", "pkey", "id_seq"),
+    "deliveries_table": ("pkey", "seq_seq"),
+    "schema_table": ("pkey",),
+}
+
+
+def _derived(option: str, table: str) -> list[str]:
+    return [_index_name(table, suffix) for suffix in _DERIVED[option]]
+
+
+def validate_schema(schema: object) -> str:
+    """``schema`` if it is a safe identifier and not reserved by PostgreSQL.
+
+    Raises:
+        ConfigurationError: naming ``schema`` and the bad value.
+    """
+    name = validate_identifier(schema, "schema")
+    if name.lower().startswith("pg_") or name.lower() == "information_schema":
+        raise ConfigurationError(
+            "schema: PostgreSQL reserves schema names starting with 'pg_' and "
+            f"information_schema (refused in any case), got {name!r}"
+        )
+    return name
+
+
 @dataclass(frozen=True, slots=True)
 class Names:
     """The identifiers the store's SQL uses, validated when constructed.
 
     Raises:
-        ConfigurationError: a name is not ``^[A-Za-z_][A-Za-z0-9_]{0,62}$`` (or two tables
-            share a name).
+        ConfigurationError: a name is not ``^[A-Za-z_][A-Za-z0-9_]{0,62}$``, the schema is
+            reserved (``pg_*``, ``information_schema``), two tables share a name, or a table is
+            named like an object derived from one (``outbox_events_due``...).
     """
 
     schema: str = "public"
@@ -60,8 +91,8 @@ class Names:
     channel: str = "outbox_events"
 
     def __post_init__(self) -> None:
-        validate_identifier(self.schema, "schema")
-        validate_table_names(self.events, self.deliveries, self.versions)
+        validate_schema(self.schema)
+        validate_table_names(self.events, self.deliveries, self.versions, derived=_derived)
         validate_identifier(self.channel, "channel")
 
     def slots(self) -> dict[str, sql.Composable]:

@@ -33,6 +33,7 @@ import weakref
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 from urllib.parse import quote, urlsplit
@@ -66,7 +67,7 @@ from outboxkit.errors import (
     StoreUnavailable,
 )
 
-from ._queries import Names, Queries
+from ._queries import Names, Queries, validate_schema
 from .listen import NotifyWaiter
 
 __all__ = ["MIGRATIONS", "SCHEMA_VERSION", "PostgresStore"]
@@ -149,7 +150,7 @@ class PostgresStore:
         pool_timeout: float = 10.0,
     ) -> None:
         # Names first: a hostile name is refused before anything else happens.
-        validate_identifier(schema, "schema")
+        validate_schema(schema)
         default_events, default_deliveries, default_versions = prefixed_table_names(table_prefix)
         events = events_table if events_table is not None else default_events
         self.names = Names(
@@ -632,45 +633,53 @@ class PostgresStore:
 
     @contextmanager
     def _delivering(
-        self, conn: Connection, claim: Claim, now: datetime | None
+        self, conn: Connection, claim: Claim, now: datetime | None, frame: _Frame | None = None
     ) -> Iterator[_Delivery]:
-        """A transaction on ``conn`` (a savepoint if one is open) with the event row locked
-        and the token checked; committed (released) on a normal exit."""
+        """A delivery on ``conn``: its own transaction (``frame`` None) or a savepoint of the
+        batch's, the event row locked and the token checked; committed (released) on a normal
+        exit, rolled back on an exception.
+
+        Round trips: the transaction (or savepoint) opens in the same simple-protocol query as
+        the row lock, and the record, the settlement and the COMMIT go in one query at the end
+        (values bound client-side, ``ClientCursor.mogrify``): a one-handler event costs the
+        handler's own statements plus two.
+        """
+        frame = frame or (_TRANSACTION if conn.autocommit else _IMPLICIT)
         doing = f"deliver event {claim.event.id}"
-        tx = psycopg.Transaction(conn)
         params = {"id": claim.event.id, "token": claim.token}
-        entered = False
         try:
-            tx.__enter__()
-            entered = True
-            owned = _fetch(conn, self._queries["lock_for_delivery"], params)
-            if not owned:
-                raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
+            with conn.cursor(row_factory=tuple_row) as cur:
+                cur.execute(frame.begin + self._bind(conn, "lock_for_delivery", params))
+                while cur.description is None and cur.nextset():
+                    pass
+                owned = cur.fetchall() if cur.description is not None else []
         except BaseException as exc:
-            if entered:
-                _abandon(tx, exc)
+            _abort(conn, frame)
             if isinstance(exc, psycopg.Error):
                 raise self._error(exc, doing) from exc
             raise
+        if not owned:
+            _abort(conn, frame)
+            raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
         delivery = _Delivery(self, conn, claim, now)
         try:
             yield delivery
             delivery.check_usable()
         except BaseException as exc:
             ended = _ended_by_handler(conn, exc)
-            if not _abandon(tx, exc):
-                if ended:
-                    raise HandlerCrashed(
-                        f"event {claim.event.id}: a handler may not commit or roll back its "
-                        "delivery transaction (outboxkit commits it together with the delivery "
-                        f"record); its writes were rolled back: {exc}"
-                    ) from exc
-                raise
-            return
-        try:
-            tx.__exit__(None, None, None)
-        except psycopg.Error as exc:
-            raise self._error(exc, f"commit the delivery of event {claim.event.id}") from exc
+            _abort(conn, frame)
+            if ended:
+                raise HandlerCrashed(
+                    f"event {claim.event.id}: a handler may not commit or roll back its "
+                    "delivery transaction (outboxkit commits it together with the delivery "
+                    f"record); its writes were rolled back: {exc}"
+                ) from exc
+            raise
+        delivery.finish(frame)
+
+    def _bind(self, conn: Connection, name: str, params: Mapping[str, Any]) -> bytes:
+        """Statement ``name`` with ``params`` bound client-side, for a multi-statement query."""
+        return psycopg.ClientCursor(conn).mogrify(self._queries[name], params).encode("utf-8")
 
     def extend(
         self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None
@@ -871,6 +880,37 @@ class PostgresStore:
             raise self._error(exc, "explain the claim") from exc
 
 
+@dataclass(frozen=True, slots=True)
+class _Frame:
+    """How a delivery opens, ends and abandons its transaction (or its savepoint of a batch's):
+    statement prefixes and suffixes of the simple-protocol queries ``_delivering`` sends."""
+
+    begin: bytes
+    end: bytes
+    abort: bytes
+
+
+_TRANSACTION = _Frame(begin=b"BEGIN; ", end=b"COMMIT", abort=b"ROLLBACK")
+# A connection without autocommit (a pool of the app's own): psycopg begins the transaction.
+_IMPLICIT = _Frame(begin=b"", end=b"COMMIT", abort=b"ROLLBACK")
+_SAVEPOINT = _Frame(
+    begin=b"SAVEPOINT outboxkit_delivery; ",
+    end=b"RELEASE SAVEPOINT outboxkit_delivery",
+    abort=b"ROLLBACK TO SAVEPOINT outboxkit_delivery; RELEASE SAVEPOINT outboxkit_delivery",
+)
+
+
+def _abort(conn: Connection, frame: _Frame) -> None:
+    """Roll a delivery back (to its savepoint), quietly: the error that brought us here is the
+    one to report, and a connection that cannot roll back is discarded by the pool."""
+    if conn.closed or conn.broken or conn.info.transaction_status == TransactionStatus.IDLE:
+        return
+    try:
+        conn.execute(frame.abort)
+    except psycopg.Error as exc:
+        log.debug("rollback of a delivery failed: %s", exc)
+
+
 class _Batch:
     """One transaction for a claimed batch (see ``PostgresStore.batch``)."""
 
@@ -882,7 +922,7 @@ class _Batch:
 
     def delivery(self, claim: Claim, *, now: datetime | None) -> AbstractContextManager[_Delivery]:
         self._check_open()
-        return self._store._delivering(self._conn, claim, now)
+        return self._store._delivering(self._conn, claim, now, _SAVEPOINT)
 
     def _check_open(self) -> None:
         """A batch whose transaction a handler ended would run every later step outside it
@@ -926,6 +966,7 @@ class _Delivery:
         self._conn = conn
         self._claim = claim
         self._now = now
+        self._tail: list[tuple[str, bytes]] = []  # what finish() writes with the commit
 
     @property
     def connection(self) -> Connection:
@@ -941,39 +982,61 @@ class _Delivery:
             raise self._store._error(exc, f"enqueue {len(events)} follow-up(s)") from exc
 
     def record(self, handler: str, outcome: Outcome, *, reason: str | None = None) -> None:
+        """Queue the record; it is written with the commit (``finish``), in the same query."""
         if not outcome.recorded:
             raise ValueError(f"only succeeded/rejected outcomes are recorded, got {outcome}")
         self.check_usable()
-        event_id = self._claim.event.id
-        try:
-            _fetch(
-                self._conn,
-                self._store._queries["insert_record"],
-                {
-                    "event_id": event_id,
-                    "handler": handler,
-                    "outcome": outcome.value,
-                    "attempt": self._claim.attempt,
-                    "now": self._now,
-                    "reason": reason,
-                },
-            )
-        except pg_errors.UniqueViolation as exc:
-            raise StoreError(
-                f"event {event_id} already has a delivery record for {handler!r}"
-            ) from exc
-        except psycopg.Error as exc:
-            raise self._store._error(exc, f"record {handler!r} for event {event_id}") from exc
+        params = {
+            "event_id": self._claim.event.id,
+            "handler": handler,
+            "outcome": outcome.value,
+            "attempt": self._claim.attempt,
+            "now": self._now,
+            "reason": reason,
+        }
+        self._tail.append(("record", self._store._bind(self._conn, "insert_record", params)))
 
     def settle(self, settlement: Settlement, *, error: str | None) -> None:
-        """R8 for this event, in this transaction (the ``settle_in_delivery`` capability)."""
+        """R8 for this event, written with the commit (the ``settle_in_delivery`` capability)."""
         self.check_usable()
+        values = settle_values(settlement)
+        params = {
+            "publish": values.publish,
+            "dead": values.dead,
+            "retry_after": values.retry_after,
+            "keeps_error": values.keeps_error,
+            "error": error,
+            "now": self._now,
+            "id": self._claim.event.id,
+            "token": self._claim.token,
+        }
+        self._tail.append(("settle", self._store._bind(self._conn, "settle", params)))
+
+    def finish(self, frame: _Frame) -> None:
+        """Write the queued record and settlement and commit (or release), in one query.
+
+        Raises:
+            StoreError / StoreUnavailable: the database refused or failed (rolled back).
+            LeaseLostError: the settlement found the token stale (cannot happen: the row is
+                locked and its token was checked in this transaction).
+        """
         event_id = self._claim.event.id
+        query = b"; ".join([statement for _, statement in self._tail] + [frame.end])
+        settled = True
         try:
-            settled = self._store._settle_on(self._conn, self._claim, settlement, error, self._now)
+            with self._conn.cursor(row_factory=tuple_row) as cur:
+                cur.execute(query)
+                for kind, _ in self._tail:
+                    if kind == "settle" and cur.rowcount != 1:
+                        settled = False
+                    cur.nextset()
+        except pg_errors.UniqueViolation as exc:
+            _abort(self._conn, frame)
+            raise StoreError(f"event {event_id} already has a delivery record") from exc
         except psycopg.Error as exc:
-            raise self._store._error(exc, f"settle event {event_id}") from exc
-        if not settled:  # cannot happen: the row is locked and its token was checked
+            _abort(self._conn, frame)
+            raise self._store._error(exc, f"commit the delivery of event {event_id}") from exc
+        if not settled:
             raise LeaseLostError(f"event {event_id}: claim token is stale")
 
     def check_usable(self) -> None:

@@ -11,8 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from outboxkit._storekit import prefixed_table_names, validate_identifier, validate_table_names
+from outboxkit.errors import ConfigurationError
 
-__all__ = ["EVENT_COLUMNS", "INSERT_COLUMNS", "Queries", "TableNames", "quote"]
+__all__ = [
+    "EVENT_COLUMNS",
+    "INDEX_SUFFIXES",
+    "INSERT_COLUMNS",
+    "Queries",
+    "TableNames",
+    "index_names",
+    "quote",
+]
 
 INSERT_COLUMNS = 6
 """Bound values per row of ``insert_events``."""
@@ -33,21 +42,55 @@ def quote(identifier: str, what: str = "identifier") -> str:
     return f'"{validate_identifier(identifier, what)}"'
 
 
+INDEX_SUFFIXES = ("due", "token", "failed", "published")
+"""The store's indexes on the events table are named ``{events}_{suffix}`` (``_schema``)."""
+
+RESERVED_PREFIX = "sqlite_"
+"""SQLite refuses to create tables whose name starts with this, in any case."""
+
+
+def index_names(events: str) -> list[str]:
+    """The names of the store's indexes on the events table ``events``."""
+    return [f"{events}_{suffix}" for suffix in INDEX_SUFFIXES]
+
+
+def _derived(option: str, table: str) -> list[str]:
+    return index_names(table) if option == "events_table" else []
+
+
+def _refuse_reserved(option: str, table: str) -> None:
+    if table.lower().startswith(RESERVED_PREFIX):
+        raise ConfigurationError(
+            f"{option}: SQLite reserves table names starting with {RESERVED_PREFIX!r} (in any "
+            f"case), got {table!r}"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class TableNames:
-    """The store's three tables. Each name is validated on construction."""
+    """The store's three tables. Each name is validated on construction: a safe identifier, not
+    ``sqlite_*`` (in any case), the three different ignoring case (as SQLite compares names), none
+    named like one of the store's indexes (``{events}_due`` ...)."""
 
     events: str = "outbox_events"
     deliveries: str = "outbox_deliveries"
     schema: str = "outbox_schema"
 
     def __post_init__(self) -> None:
-        validate_table_names(self.events, self.deliveries, self.schema)
+        validate_table_names(
+            self.events, self.deliveries, self.schema, derived=_derived, ignore_case=True
+        )
+        _refuse_reserved("events_table", self.events)
+        _refuse_reserved("deliveries_table", self.deliveries)
+        _refuse_reserved("schema_table", self.schema)
 
     @classmethod
     def with_prefix(cls, prefix: str) -> TableNames:
         """``{prefix}events``, ``{prefix}deliveries``, ``{prefix}schema``."""
-        return cls(*prefixed_table_names(prefix))
+        names = prefixed_table_names(prefix)
+        for table in names:
+            _refuse_reserved("table_prefix", table)
+        return cls(*names)
 
     def placeholders(self) -> dict[str, str]:
         """The quoted names for the ``{events}``, ``{deliveries}``, ``{schema}`` slots, plus
@@ -56,10 +99,10 @@ class TableNames:
             "events": quote(self.events),
             "deliveries": quote(self.deliveries),
             "schema": quote(self.schema),
-            "events_due": f'"{self.events}_due"',
-            "events_token": f'"{self.events}_token"',
-            "events_failed": f'"{self.events}_failed"',
-            "events_published": f'"{self.events}_published"',
+            **{
+                f"events_{suffix}": f'"{name}"'
+                for suffix, name in zip(INDEX_SUFFIXES, index_names(self.events), strict=True)
+            },
             "event_columns": EVENT_COLUMNS,
         }
 

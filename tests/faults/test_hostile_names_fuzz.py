@@ -10,7 +10,13 @@ The oracle, stated here independently of ``outboxkit._storekit.IDENTIFIER``: a v
 63 bytes of ASCII letters, digits and ``_``, not starting with a digit (the README's
 ``^[A-Za-z_][A-Za-z0-9_]{0,62}$``, read as a whole-string match: no trailing newline). For
 ``table_prefix`` the three names it makes (``{prefix}events``, ``{prefix}deliveries``,
-``{prefix}schema``) must each be valid; a table name must also differ from the other two.
+``{prefix}schema``) must each be valid; a table name must also differ from the other two and from
+the names of the objects the store derives from them (SQLite: the indexes ``{events}_due``,
+``_token``, ``_failed``, ``_published``; PostgreSQL: ``{events}_due``, ``_published``, ``_dead``,
+``_guard``, the primary keys ``{table}_pkey`` and the identity sequences ``{events}_id_seq``,
+``{deliveries}_seq_seq``, each shortened to 63 bytes as PostgreSQL does). SQLite compares names
+ignoring case and reserves ``sqlite_*`` (any case); PostgreSQL reserves ``pg_*`` schemas (refused
+in any case) and ``information_schema``.
 
 The property (the fuzz: ``test_*_names_are_accepted_iff_valid``, marked ``faults``: about 30 s
 for the ten options): a name the oracle accepts builds a store (PostgreSQL: without connecting; SQLite:
@@ -22,10 +28,10 @@ and no schema or table named by the fuzz exists. ``open_store`` is checked on a 
 hostile names, and valid edge names (63 bytes, upper case, SQL keywords, an empty prefix) are
 migrated, notified and delivered on both servers; those run in the default tier.
 
-A few names pass the documented rule but cannot work (``sqlite_*`` tables, names that differ only
-in case on SQLite, a table named like one of the store's own indexes, ``pg_*`` schemas): they are
-refused late, by the database, after the store has opened it. They are kept out of the fuzz and
-pinned as strict xfails at the end of the module.
+The names the databases reserve or the store derives (``sqlite_*`` tables, names that differ only
+in case on SQLite, a table named like one of the store's own indexes, ``pg_*`` schemas) used to
+pass construction and fail late, in the database; they are refused at construction now, pinned by
+the tests at the end of the module (default tier) as well as by the fuzz.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ from unittest.mock import patch
 
 import psycopg
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from psycopg import sql
 
@@ -97,14 +103,44 @@ def prefixed(prefix: str) -> tuple[str, str, str]:
     return (f"{prefix}events", f"{prefix}deliveries", f"{prefix}schema")
 
 
-def accepted(option: str, name: str) -> bool:
-    """Whether the documented rules accept ``name`` for ``option`` (the others left default)."""
-    if option == "table_prefix":
-        return all(valid_identifier(table) for table in prefixed(name))
-    if option in TABLE_OPTIONS:
-        others = {v for k, v in DEFAULT_TABLES.items() if k != option}
-        return valid_identifier(name) and name not in others
-    return valid_identifier(name)
+SQLITE_INDEXES = ("due", "token", "failed", "published")  # on the events table
+PG_DERIVED = {  # indexes, guard trigger/function, primary keys, identity sequences
+    "events_table": ("due", "published", "dead", "guard", "pkey", "id_seq"),
+    "deliveries_table": ("pkey", "seq_seq"),
+    "schema_table": ("pkey",),
+}
+
+
+def pg_derived(table: str, suffix: str) -> str:
+    """PostgreSQL's ``{table}_{suffix}`` within 63 bytes (the table part shortened)."""
+    return table[: 63 - len(suffix) - 1] + "_" + suffix
+
+
+def accepted(option: str, name: str, store: str) -> bool:
+    """Whether the documented rules accept ``name`` for ``option`` (the others left default)
+    on ``store`` (``"pg"`` or ``"sqlite"``)."""
+    if option == "schema":
+        reserved = name.lower().startswith("pg_") or name.lower() == "information_schema"
+        return valid_identifier(name) and not reserved
+    if option == "channel":
+        return valid_identifier(name)
+    tables = table_names(option, name)
+    if not all(valid_identifier(table) for table in tables.values()):
+        return False
+    fold = str.lower if store == "sqlite" else str
+    if len({fold(table) for table in tables.values()}) != 3:
+        return False
+    if store == "sqlite":
+        if any(table.lower().startswith("sqlite_") for table in tables.values()):
+            return False
+        derived = {f"{tables['events_table']}_{s}".lower() for s in SQLITE_INDEXES}
+    else:
+        derived = {
+            pg_derived(tables[table_option], suffix)
+            for table_option, suffixes in PG_DERIVED.items()
+            for suffix in suffixes
+        }
+    return not any(fold(table) in derived for table in tables.values())
 
 
 def shown(option: str, name: str) -> list[str]:
@@ -120,21 +156,6 @@ def check_refusal(error: ConfigurationError, option: str, name: str) -> None:
     assert any(part in message for part in shown(option, name)), (
         f"{message!r} does not show the bad value {name!r}"
     )
-
-
-def sqlite_known_issue(option: str, name: str) -> bool:
-    """Valid by the rule, refused late by SQLite (see the xfails below): kept out of the fuzz."""
-    tables = list(prefixed(name)) if option == "table_prefix" else [name]
-    if any(table.lower().startswith("sqlite_") for table in tables):
-        return True
-    if option not in TABLE_OPTIONS:
-        return False
-    names = {**DEFAULT_TABLES, option: name}
-    events = names["events_table"]
-    reserved = [v.lower() for k, v in names.items() if k != option]
-    if option != "events_table":
-        reserved += [f"{events}_{s}".lower() for s in ("due", "token", "failed", "published")]
-    return name.lower() in reserved
 
 
 # -- the names -----------------------------------------------------------------------------------
@@ -294,8 +315,7 @@ def test_sqlite_names_are_accepted_iff_valid(sqlite_canary: Path, option: str) -
     @FUZZ
     @given(name=hostile_names)
     def check(name: str) -> None:
-        assume(not sqlite_known_issue(option, name))
-        expected = accepted(option, name)
+        expected = accepted(option, name, "sqlite")
         outcome = build(lambda: SQLiteStore(sqlite_canary, **kw(option, name)))
         if expected:
             assert isinstance(outcome, Touched), f"{option}={name!r} refused: {outcome!r}"
@@ -351,7 +371,7 @@ def test_pg_names_are_accepted_iff_valid(
     def check(name: str) -> None:
         fuzzed.add(name)
         fuzzed.update(prefixed(name))
-        expected = accepted(option, name)
+        expected = accepted(option, name, "pg")
         factories: list[Callable[[], object]] = [
             lambda: PostgresStore(UNREACHABLE, **kw(option, name))
         ]
@@ -388,8 +408,9 @@ def test_pg_names_are_accepted_iff_valid(
 def test_open_store_refuses_like_the_constructors(tmp_path: Path, name: str) -> None:
     # open_store builds a plugin manager per call (a few ms): the fixed list, not the fuzz.
     path = tmp_path / "never.db"
-    for url, options in ((UNREACHABLE, PG_OPTIONS), (f"sqlite:///{path}", SQLITE_OPTIONS)):
-        for option in (o for o in options if not accepted(o, name)):  # "" is a valid prefix
+    stores = (("pg", UNREACHABLE, PG_OPTIONS), ("sqlite", f"sqlite:///{path}", SQLITE_OPTIONS))
+    for store, url, options in stores:
+        for option in (o for o in options if not accepted(o, name, store)):  # "" is a valid prefix
             outcome = build(functools.partial(open_store, url, **kw(option, name)))
             assert isinstance(outcome, ConfigurationError), f"{url} {option}={name!r}: {outcome!r}"
             check_refusal(outcome, option, name)
@@ -491,55 +512,89 @@ def test_sqlite_valid_edge_names_work(tmp_path: Path, options: dict[str, Any]) -
     assert found - {"sqlite_sequence"} == {tables.events, tables.deliveries, tables.schema}
 
 
-# -- valid by the rule, unusable: refused late (strict xfails; see the module docstring) ----------
+# -- reserved and derived names: refused at construction (they used to fail late, in the database) --
 
-LATE = "accepted at construction, then refused by the database after the store opened it"
+SQLITE_REFUSED: list[tuple[str, str]] = [
+    ("table_prefix", "sqlite_"),
+    ("table_prefix", "SQLite_"),
+    ("events_table", "sqlite_outbox"),
+    ("deliveries_table", "SQLITE_deliveries"),
+    ("schema_table", "Sqlite_Schema"),
+    ("events_table", "OUTBOX_DELIVERIES"),  # equal to the deliveries table, ignoring case
+    ("schema_table", "Outbox_Events"),
+    *(("deliveries_table", f"outbox_events_{s}") for s in SQLITE_INDEXES),
+    ("schema_table", "OUTBOX_EVENTS_DUE"),
+]
 
 
-@pytest.mark.xfail(
-    strict=True, raises=AssertionError, reason=f"SQLite reserves sqlite_* names: {LATE}"
-)
-@pytest.mark.parametrize(
-    "options", [{"table_prefix": "sqlite_"}, {"events_table": "sqlite_outbox"}], ids=str
-)
-def test_sqlite_reserved_names_are_refused_at_construction(
-    tmp_path: Path, options: dict[str, Any]
+@pytest.mark.parametrize(("option", "name"), SQLITE_REFUSED, ids=str)
+def test_sqlite_reserved_and_derived_names_are_refused_at_construction(
+    tmp_path: Path, option: str, name: str
 ) -> None:
-    path = tmp_path / "reserved.db"
-    outcome = build(lambda: SQLiteStore(path, **options))
+    assert not accepted(option, name, "sqlite")  # the oracle agrees
+    path = tmp_path / "refused.db"
+    outcome = build(lambda: SQLiteStore(path, **kw(option, name)))
     assert isinstance(outcome, ConfigurationError), outcome
+    check_refusal(outcome, option, name)
     assert not path.exists()
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=f"SQLite names ignore case: {LATE}")
-def test_sqlite_names_differing_only_in_case_are_refused_at_construction(tmp_path: Path) -> None:
-    path = tmp_path / "case.db"
-    outcome = build(lambda: SQLiteStore(path, events_table="OUTBOX_DELIVERIES"))
+def test_sqlite_names_a_derived_index_clash_on_both_options(tmp_path: Path) -> None:
+    # Both tables chosen: the refusal names the table option and the events table it came from.
+    with pytest.raises(ConfigurationError) as raised:
+        SQLiteStore(tmp_path / "x.db", events_table="jobs", deliveries_table="Jobs_Token")
+    message = str(raised.value)
+    assert "deliveries_table" in message and "'Jobs_Token'" in message
+    assert "events_table 'jobs'" in message and "'jobs_token'" in message
+
+
+PG_REFUSED: list[tuple[str, str]] = [
+    ("schema", "pg_outbox"),
+    ("schema", "PG_Outbox"),
+    ("schema", "pg_"),
+    ("schema", "information_schema"),
+    ("schema", "INFORMATION_SCHEMA"),
+    *(
+        ("deliveries_table", f"outbox_events_{s}")
+        for s in ("due", "published", "dead", "guard", "pkey", "id_seq")
+    ),
+    ("schema_table", "outbox_events_due"),
+    ("events_table", "outbox_schema_pkey"),
+    ("events_table", "outbox_deliveries_seq_seq"),
+]
+
+
+@pytest.mark.parametrize(("option", "name"), PG_REFUSED, ids=str)
+def test_pg_reserved_and_derived_names_are_refused_at_construction(option: str, name: str) -> None:
+    assert not accepted(option, name, "pg")  # the oracle agrees
+    outcome = build(lambda: PostgresStore(UNREACHABLE, **kw(option, name)))
     assert isinstance(outcome, ConfigurationError), outcome
-    assert not path.exists()
+    check_refusal(outcome, option, name)
 
 
-@pytest.mark.xfail(
-    strict=True, raises=AssertionError, reason=f"a table named like the store's own index: {LATE}"
+def test_pg_derived_names_are_shortened_like_postgresql() -> None:
+    # A 63-byte events table: its due index is the first 59 bytes plus "_due".
+    events = "E" * 63
+    outcome = build(
+        lambda: PostgresStore(UNREACHABLE, events_table=events, deliveries_table="E" * 59 + "_due")
+    )
+    assert isinstance(outcome, ConfigurationError), outcome
+    check_refusal(outcome, "deliveries_table", "E" * 59 + "_due")
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"schema": "pgx_outbox"},  # pg without the underscore
+        {"schema": "my_pg_outbox"},
+        {"deliveries_table": "outbox_events_due2"},
+        {"events_table": "Outbox_Deliveries"},  # PostgreSQL keeps case (quoted identifiers)
+        {"table_prefix": "sqlite"},  # sqliteevents: no underscore
+    ],
+    ids=str,
 )
-def test_sqlite_table_named_like_an_index_is_refused_at_construction(tmp_path: Path) -> None:
-    path = tmp_path / "index.db"
-    outcome = build(lambda: SQLiteStore(path, deliveries_table="outbox_events_due"))
-    assert isinstance(outcome, ConfigurationError), outcome
-    assert not path.exists()
-
-
-@pytest.mark.xfail(
-    strict=True, raises=AssertionError, reason=f"a table named like the store's own index: {LATE}"
-)
-def test_pg_table_named_like_an_index_is_refused_at_construction() -> None:
-    outcome = build(lambda: PostgresStore(UNREACHABLE, deliveries_table="outbox_events_due"))
-    assert isinstance(outcome, ConfigurationError), outcome
-
-
-@pytest.mark.xfail(
-    strict=True, raises=AssertionError, reason=f"PostgreSQL reserves pg_* schema names: {LATE}"
-)
-def test_pg_reserved_schema_is_refused_at_construction() -> None:
-    outcome = build(lambda: PostgresStore(UNREACHABLE, schema="pg_outbox"))
-    assert isinstance(outcome, ConfigurationError), outcome
+def test_pg_names_near_the_reserved_ones_are_accepted(options: dict[str, Any]) -> None:
+    assert all(accepted(option, name, "pg") for option, name in options.items())
+    outcome = build(lambda: PostgresStore(UNREACHABLE, **options))
+    assert isinstance(outcome, PostgresStore), outcome
+    outcome.close()
