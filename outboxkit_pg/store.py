@@ -378,9 +378,19 @@ class PostgresStore:
         except psycopg.Error as exc:
             raise self._error(exc, doing) from exc
 
-    def _error(self, exc: psycopg.Error, doing: str) -> StoreError:
-        """The outboxkit error for a driver error (the password scrubbed from the message)."""
+    def _error(self, exc: psycopg.Error, doing: str, conn: Connection | None = None) -> StoreError:
+        """The outboxkit error for a driver error (the password scrubbed from the message).
+
+        A connection the server ended (``exc.sqlstate`` in class 08, or one of
+        ``_CONNECTION_ENDED``), or ``conn`` found broken, is a ``StoreUnavailable`` whatever the
+        error's class: ``idle_in_transaction_session_timeout`` raises an ``InternalError``.
+        """
         message = self._scrub(str(exc).strip()) or type(exc).__name__
+        if _connection_ended(exc, conn):
+            return StoreUnavailable(
+                f"PostgreSQL at {self.where} is unavailable ({doing}): the connection was "
+                f"lost: {message}"
+            )
         if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
             return StoreUnavailable(
                 f"PostgreSQL at {self.where} is unavailable ({doing}): {message}"
@@ -509,7 +519,7 @@ class PostgresStore:
             try:
                 tx.__enter__()
             except psycopg.Error as exc:
-                raise self._error(exc, "begin a transaction") from exc
+                raise self._error(exc, "begin a transaction", conn) from exc
             try:
                 yield conn
             except BaseException as exc:
@@ -519,7 +529,7 @@ class PostgresStore:
             try:
                 tx.__exit__(None, None, None)
             except psycopg.Error as exc:
-                raise self._error(exc, "commit a transaction") from exc
+                raise self._error(exc, "commit a transaction", conn) from exc
 
     def enqueue(self, conn: Any, events: Sequence[NewEvent], *, now: datetime | None) -> list[int]:
         """Insert ``events`` through the app's ``psycopg.Connection``, in its transaction.
@@ -618,7 +628,7 @@ class PostgresStore:
             try:
                 tx.__enter__()
             except psycopg.Error as exc:
-                raise self._error(exc, "begin a batch") from exc
+                raise self._error(exc, "begin a batch", conn) from exc
             try:
                 yield _Batch(self, conn)
                 _check_usable(conn, self.where, "the batch")
@@ -629,7 +639,7 @@ class PostgresStore:
             try:
                 tx.__exit__(None, None, None)
             except psycopg.Error as exc:
-                raise self._error(exc, "commit the batch") from exc
+                raise self._error(exc, "commit the batch", conn) from exc
 
     @contextmanager
     def _delivering(
@@ -656,7 +666,7 @@ class PostgresStore:
         except BaseException as exc:
             _abort(conn, frame)
             if isinstance(exc, psycopg.Error):
-                raise self._error(exc, doing) from exc
+                raise self._error(exc, doing, conn) from exc
             raise
         if not owned:
             _abort(conn, frame)
@@ -942,7 +952,7 @@ class _Batch:
         try:
             return self._store._settle_on(self._conn, claim, settlement, error, now)
         except psycopg.Error as exc:
-            raise self._store._error(exc, f"settle event {claim.event.id}") from exc
+            raise self._store._error(exc, f"settle event {claim.event.id}", self._conn) from exc
 
     def extend(
         self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None
@@ -953,7 +963,7 @@ class _Batch:
         try:
             return self._store._extend_on(self._conn, claims, lease, now)
         except psycopg.Error as exc:
-            raise self._store._error(exc, f"extend {len(claims)} lease(s)") from exc
+            raise self._store._error(exc, f"extend {len(claims)} lease(s)", self._conn) from exc
 
 
 class _Delivery:
@@ -979,7 +989,9 @@ class _Delivery:
         try:
             return self._store._insert(self._conn, events, self._now)
         except psycopg.Error as exc:
-            raise self._store._error(exc, f"enqueue {len(events)} follow-up(s)") from exc
+            raise self._store._error(
+                exc, f"enqueue {len(events)} follow-up(s)", self._conn
+            ) from exc
 
     def record(self, handler: str, outcome: Outcome, *, reason: str | None = None) -> None:
         """Queue the record; it is written with the commit (``finish``), in the same query."""
@@ -1035,13 +1047,36 @@ class _Delivery:
             raise StoreError(f"event {event_id} already has a delivery record") from exc
         except psycopg.Error as exc:
             _abort(self._conn, frame)
-            raise self._store._error(exc, f"commit the delivery of event {event_id}") from exc
+            raise self._store._error(
+                exc, f"commit the delivery of event {event_id}", self._conn
+            ) from exc
         if not settled:
             raise LeaseLostError(f"event {event_id}: claim token is stale")
 
     def check_usable(self) -> None:
         """The transaction is still the one outboxkit opened (see ``_check_usable``)."""
         _check_usable(self._conn, self._store.where, f"event {self._claim.event.id}")
+
+
+_CONNECTION_ENDED = frozenset(
+    {
+        "25P03",  # idle_in_transaction_session_timeout
+        "57P01",  # admin_shutdown (also pg_terminate_backend)
+        "57P02",  # crash_shutdown
+        "57P03",  # cannot_connect_now
+        "57P05",  # idle_session_timeout
+    }
+)
+"""SQLSTATEs with which the server ends the session (besides class 08, connection exceptions)."""
+
+
+def _connection_ended(exc: psycopg.Error, conn: Connection | None = None) -> bool:
+    """Whether ``exc`` means the connection is gone: the server ended the session, the
+    connection failed (class 08), or ``conn`` is broken."""
+    state = exc.sqlstate or ""
+    if state.startswith("08") or state in _CONNECTION_ENDED:
+        return True
+    return conn is not None and conn.broken
 
 
 def _check_usable(conn: Connection, where: str, what: str) -> None:

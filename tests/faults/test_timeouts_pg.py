@@ -218,13 +218,6 @@ def _slow_then_return(world: World, topic: str) -> tuple[threading.Semaphore, li
     return returned, calls
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: a session ended by idle_in_transaction_session_timeout raises "
-    "IdleInTransactionSessionTimeout (SQLSTATE 25P03, a psycopg InternalError), which "
-    "PostgresStore._error maps to a plain StoreError, not StoreUnavailable, although the "
-    "connection is lost",
-)
 def test_idle_in_transaction_timeout_found_by_the_record_is_store_unavailable(
     world: World,
 ) -> None:

@@ -7,10 +7,13 @@ import logging
 import threading
 import traceback
 from datetime import timedelta
+from typing import Any
 
+import psycopg
 import pytest
+from psycopg import errors as pg_errors
 
-from outboxkit import Outbox, StoreUnavailable, open_store
+from outboxkit import Outbox, StoreError, StoreUnavailable, open_store
 from outboxkit_pg import PostgresStore
 
 PASSWORD = "s3cr3t-Pa55w0rd"
@@ -82,3 +85,44 @@ def test_poller_logs_the_outage_without_the_password(caplog: pytest.LogCaptureFi
     assert len(errors) == 1  # logged once per outage
     assert "127.0.0.1:1" in errors[0].getMessage()
     assert PASSWORD not in caplog.text
+
+
+# The mapping of a driver error to outboxkit's (no server needed: the errors are built here).
+
+ENDED = {
+    "25P03": "terminating connection due to idle-in-transaction timeout",
+    "57P01": "terminating connection due to administrator command",
+    "57P02": "terminating connection because of crash of another server process",
+    "57P03": "the database system is starting up",
+    "57P05": "terminating connection due to idle-session timeout",
+    "08006": "connection failure",
+    "08003": "connection does not exist",
+}
+
+
+@pytest.mark.parametrize("sqlstate", sorted(ENDED))
+def test_a_connection_the_server_ended_is_store_unavailable(sqlstate: str) -> None:
+    # 25P03 is a psycopg InternalError, not an OperationalError: the SQLSTATE decides.
+    exc = pg_errors.lookup(sqlstate)(ENDED[sqlstate])
+    assert exc.sqlstate == sqlstate
+    store = PostgresStore(URL)  # never connects
+    error = store._error(exc, "commit the delivery of event 7")
+    store.close()
+    assert isinstance(error, StoreUnavailable), repr(error)
+    assert "commit the delivery of event 7" in str(error) and ENDED[sqlstate] in str(error)
+    assert PASSWORD not in str(error)
+
+
+class _BrokenConnection:
+    broken = True
+
+
+def test_an_error_on_a_broken_connection_is_store_unavailable() -> None:
+    store = PostgresStore(URL)  # never connects
+    broken: Any = _BrokenConnection()
+    error = store._error(psycopg.DatabaseError("lost"), "settle event 7", broken)
+    assert isinstance(error, StoreUnavailable), repr(error)
+    # Any other database error stays a plain StoreError.
+    other = store._error(pg_errors.lookup("23505")("duplicate key"), "settle event 7")
+    assert type(other) is StoreError, repr(other)
+    store.close()
