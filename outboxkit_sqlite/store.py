@@ -10,6 +10,11 @@ Theory of operation:
   ``BEGIN`` is retried a few times with backoff on top of ``busy_timeout``.
 - The file runs in WAL mode (readers never block the writer) with ``synchronous=NORMAL``: a
   committed transaction survives any process crash; a power cut may lose the last few commits.
+  ``journal_size_limit`` shrinks the WAL file back once a checkpoint has reset it. A read
+  transaction held open elsewhere stops every checkpoint at its snapshot, so the WAL grows with
+  every commit: after a commit, at most every ``_WAL_CHECK_INTERVAL`` seconds, the store looks at
+  the WAL's size and, over ``wal_warn_bytes``, runs a passive checkpoint; if that cannot get
+  through the log, it logs a warning on ``outboxkit.sqlite`` (at most once a minute).
 - A claim is one ``UPDATE ... WHERE id IN (SELECT ... LIMIT n) RETURNING ...`` under the write
   lock: two claimers, in threads or processes, never get the same event (R3).
 - A delivery transaction holds the write lock while its handler runs, so handlers on SQLite
@@ -24,6 +29,7 @@ Theory of operation:
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sqlite3
@@ -62,8 +68,15 @@ __all__ = ["SQLiteStore"]
 
 T = TypeVar("T")
 
+log = logging.getLogger("outboxkit.sqlite")
+
 MEMORY = ":memory:"
 DEFAULT_BUSY_TIMEOUT = 30.0
+MIB = 1024 * 1024
+DEFAULT_WAL_WARN_BYTES = 64 * MIB
+_JOURNAL_SIZE_LIMIT = 32 * MIB  # what the WAL file shrinks back to once a checkpoint reset it
+_WAL_CHECK_INTERVAL = 5.0  # seconds between two looks at the WAL's size (one stat call)
+_WAL_WARN_INTERVAL = 60.0  # seconds between two warnings about it
 _BUSY_RETRIES = 8
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _MICROSECOND = timedelta(microseconds=1)
@@ -74,6 +87,7 @@ _OPTIONS = frozenset(
         "deliveries_table",
         "schema_table",
         "busy_timeout",
+        "wal_warn_bytes",
         "migrate",
     }
 )
@@ -348,6 +362,9 @@ class SQLiteStore:
             ``outbox_deliveries``, ``outbox_schema``).
         events_table, deliveries_table, schema_table: override one table name each.
         busy_timeout: seconds a connection waits for SQLite's write lock before giving up.
+        wal_warn_bytes: a write-ahead log larger than this (default 64 MiB) gets a passive
+            checkpoint; if a read transaction held open elsewhere keeps it from getting through,
+            a warning is logged on ``outboxkit.sqlite`` (at most once a minute).
         migrate: create or upgrade the schema on open (default). With False the schema is only
             checked not to be newer than this code; call :meth:`migrate` yourself.
 
@@ -367,6 +384,7 @@ class SQLiteStore:
         deliveries_table: str | None = None,
         schema_table: str | None = None,
         busy_timeout: float = DEFAULT_BUSY_TIMEOUT,
+        wal_warn_bytes: int = DEFAULT_WAL_WARN_BYTES,
         migrate: bool = True,
     ) -> None:
         defaults = TableNames.with_prefix(table_prefix)
@@ -385,6 +403,15 @@ class SQLiteStore:
                 f"busy_timeout must be a finite number of seconds >= 0, got {busy_timeout!r}"
             )
         self.busy_timeout = float(busy_timeout)
+        if (
+            not isinstance(wal_warn_bytes, int)
+            or isinstance(wal_warn_bytes, bool)
+            or (wal_warn_bytes <= 0)
+        ):
+            raise ConfigurationError(
+                f"wal_warn_bytes must be an integer number of bytes > 0, got {wal_warn_bytes!r}"
+            )
+        self.wal_warn_bytes = wal_warn_bytes
         self._queries = Queries.build(self.tables)
         self.memory = os.fspath(path) == MEMORY
         capabilities = {
@@ -407,7 +434,12 @@ class SQLiteStore:
             "deliveries_table": self.tables.deliveries,
             "schema_table": self.tables.schema,
             "busy_timeout": self.busy_timeout,
+            "wal_warn_bytes": self.wal_warn_bytes,
         }
+        # The WAL watch (file databases only): the next look at its size, the next warning.
+        self._wal_lock = threading.Lock()
+        self._wal_check_at = math.inf if self.memory else 0.0
+        self._wal_warn_at = 0.0
         self._connections = self._open_connections()
         try:
             if migrate:
@@ -487,6 +519,7 @@ class SQLiteStore:
             raise self._open_error(exc) from exc
         try:
             conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute(f"PRAGMA journal_size_limit={_JOURNAL_SIZE_LIMIT}")
         except sqlite3.Error as exc:
             conn.close()
             raise self._open_error(exc) from exc
@@ -522,7 +555,51 @@ class SQLiteStore:
         _retry_busy(lambda: conn.control(_BEGIN), busy_timeout=self.busy_timeout)
 
     def _commit(self, conn: _StoreConnection) -> None:
+        """Commit a write transaction (and look at the WAL's size, now and then)."""
         _retry_busy(lambda: conn.control(_COMMIT), busy_timeout=self.busy_timeout)
+        if time.monotonic() >= self._wal_check_at:  # the hot path's only cost
+            self._check_wal(conn)
+
+    def _check_wal(self, conn: _StoreConnection) -> None:
+        """Over ``wal_warn_bytes``, checkpoint (passively); if a reader's snapshot stops the
+        checkpoint, warn (at most every ``_WAL_WARN_INTERVAL`` seconds). Never raises."""
+        if not self._wal_lock.acquire(blocking=False):
+            return  # another thread is looking
+        try:
+            now = time.monotonic()
+            if now < self._wal_check_at:
+                return
+            self._wal_check_at = now + _WAL_CHECK_INTERVAL
+            wal = f"{self._where}-wal"
+            try:
+                size = os.path.getsize(wal)
+            except OSError:
+                return
+            if size <= self.wal_warn_bytes:
+                return
+            try:
+                row = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+            except sqlite3.Error as exc:
+                log.debug("SQLite database %s: passive checkpoint failed: %s", self._where, exc)
+                return
+            busy, frames, checkpointed = row if row is not None else (1, -1, -1)
+            if busy or checkpointed < 0 or checkpointed >= frames or now < self._wal_warn_at:
+                return
+            self._wal_warn_at = now + _WAL_WARN_INTERVAL
+            log.warning(
+                "SQLite database %s: the WAL file %s is %.1f MB (over wal_warn_bytes=%d) and a "
+                "checkpoint got through only %d of its %d frames: a connection holds a read "
+                "transaction open, so the WAL cannot be reset and grows with every commit; end "
+                "long-lived read transactions (a BEGIN without COMMIT, an unfinished cursor)",
+                self._where,
+                wal,
+                size / 1_000_000,
+                self.wal_warn_bytes,
+                checkpointed,
+                frames,
+            )
+        finally:
+            self._wal_lock.release()
 
     @staticmethod
     def _rollback_quietly(conn: _StoreConnection) -> None:
