@@ -6,11 +6,14 @@ claim comes back empty. The floor, measured in the same run on tables of its own
 psycopg / sqlite3 loop with the same transaction shape: claim a batch (PostgreSQL: a
 ``FOR UPDATE SKIP LOCKED`` CTE; SQLite: ``BEGIN IMMEDIATE`` + ``UPDATE ... RETURNING``), then per
 event: begin, token check (``SELECT ... FOR UPDATE`` on PostgreSQL), one ledger insert, one
-delivery-row insert, commit; then settle the whole batch in one statement.
+delivery-row insert, commit; then settle the whole batch in one statement. For the per_batch
+mode the floor runs the whole batch in one transaction instead (per event a savepoint, token
+check, ledger insert, delivery-row insert, release; then the settle; one commit), the same shape
+as outboxkit's ``transaction="per_batch"``.
 
     python bench/drain_throughput.py                          # PG 1 and 2 pollers, SQLite 1
     python bench/drain_throughput.py --backend sqlite --events 5000
-    python bench/drain_throughput.py --mode per_event         # skip the per_batch line
+    python bench/drain_throughput.py --mode per_event         # skip the per_batch lines
 
 Prints events/s for outboxkit and for the floor, and the ratio outboxkit / floor.
 """
@@ -18,13 +21,13 @@ Prints events/s for outboxkit and for the floor, and the ratio outboxkit / floor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
 import sqlite3
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.synchronize import Barrier
 from pathlib import Path
@@ -166,6 +169,7 @@ class Job:
     target: str  # PG URL or SQLite file path
     schema: str  # PG schema ("" for SQLite)
     batch_size: int
+    mode: str  # "per_event" | "per_batch"
 
 
 def _outboxkit_worker(job: Job, barrier: Barrier, results: Any) -> None:
@@ -193,7 +197,7 @@ def _outboxkit_worker(job: Job, barrier: Barrier, results: Any) -> None:
 
     bus.subscribe(TOPIC, ledger, name=HANDLER)
     outbox = Outbox(store, bus, load_entry_points=False)
-    poller = outbox.poller(batch_size=job.batch_size, waiter=ThreadWaiter())
+    poller = outbox.poller(batch_size=job.batch_size, waiter=ThreadWaiter(), transaction=job.mode)
     store.stats(now=None)  # connect (and check the schema) before the clock starts
     barrier.wait()
     started = time.monotonic()
@@ -220,16 +224,19 @@ def _pg_floor_worker(job: Job, barrier: Barrier, results: Any) -> None:
             break
         done_ids: list[int] = []
         done_tokens: list[str] = []
-        for event_id, token, attempt, payload in rows:
-            with conn.transaction():
-                if conn.execute(lock, {"id": event_id, "token": token}).fetchone() is None:
-                    continue
-                n = json.loads(payload)["n"]
-                conn.execute(insert_ledger, {"id": event_id, "n": n})
-                conn.execute(record, {"id": event_id, "handler": HANDLER, "attempt": attempt})
-            done_ids.append(event_id)
-            done_tokens.append(token)
-        conn.execute(settle, {"ids": done_ids, "tokens": done_tokens})
+        batch = conn.transaction() if job.mode == "per_batch" else contextlib.nullcontext()
+        with batch:
+            # per_event: each "with" is a transaction; per_batch: a savepoint of the batch's.
+            for event_id, token, attempt, payload in rows:
+                with conn.transaction():
+                    if conn.execute(lock, {"id": event_id, "token": token}).fetchone() is None:
+                        continue
+                    n = json.loads(payload)["n"]
+                    conn.execute(insert_ledger, {"id": event_id, "n": n})
+                    conn.execute(record, {"id": event_id, "handler": HANDLER, "attempt": attempt})
+                done_ids.append(event_id)
+                done_tokens.append(token)
+            conn.execute(settle, {"ids": done_ids, "tokens": done_tokens})
         delivered += len(done_ids)
     results.put((started, time.monotonic(), delivered))
     conn.close()
@@ -252,10 +259,19 @@ def _sqlite_floor_worker(job: Job, barrier: Barrier, results: Any) -> None:
         if not rows:
             break
         done: list[int] = []
-        for event_id, token, attempt, payload in rows:
+        batched = job.mode == "per_batch"
+        # per_event: a transaction per event; per_batch: one per batch, a savepoint per event.
+        begin, commit, rollback = (
+            ("SAVEPOINT e", "RELEASE e", "ROLLBACK TO e")
+            if batched
+            else ("BEGIN IMMEDIATE", "COMMIT", "ROLLBACK")
+        )
+        if batched:
             conn.execute("BEGIN IMMEDIATE")
+        for event_id, token, attempt, payload in rows:
+            conn.execute(begin)
             if conn.execute(SQLITE_FLOOR_OWNED, (event_id, token)).fetchone() is None:
-                conn.execute("ROLLBACK")
+                conn.execute(rollback)
                 continue
             n = json.loads(payload)["n"]
             conn.execute("INSERT INTO floor_ledger (event_id, n) VALUES (?, ?)", (event_id, n))
@@ -264,9 +280,10 @@ def _sqlite_floor_worker(job: Job, barrier: Barrier, results: Any) -> None:
                 " VALUES (?, ?, ?, ?)",
                 (event_id, HANDLER, attempt, _us()),
             )
-            conn.execute("COMMIT")
+            conn.execute(commit)
             done.append(event_id)
-        conn.execute("BEGIN IMMEDIATE")
+        if not batched:
+            conn.execute("BEGIN IMMEDIATE")
         conn.execute(SQLITE_FLOOR_SETTLE, {"now": _us(), "ids": json.dumps(done)})
         conn.execute("COMMIT")
         delivered += len(done)
@@ -322,7 +339,7 @@ def _report(label: str, n: int, kit: tuple[float, int], floor: tuple[float, int]
         print(f"  WARNING: expected {n} deliveries each, got {kit[1]} and {floor[1]}")
 
 
-def bench_pg(args: argparse.Namespace, processes: int) -> None:
+def bench_pg(args: argparse.Namespace, processes: int, mode: str) -> None:
     import psycopg
 
     from outboxkit import EventBus, Outbox
@@ -347,18 +364,22 @@ def bench_pg(args: argparse.Namespace, processes: int) -> None:
                 conn.execute(_pg("VACUUM ANALYZE {s}.floor_events", schema))
         finally:
             store.close()
-        floor = run_pollers(Job("pg", "floor", args.pg_url, schema, args.batch_size), processes)
-        kit = run_pollers(Job("pg", "outboxkit", args.pg_url, schema, args.batch_size), processes)
+        floor = run_pollers(
+            Job("pg", "floor", args.pg_url, schema, args.batch_size, mode), processes
+        )
+        kit = run_pollers(
+            Job("pg", "outboxkit", args.pg_url, schema, args.batch_size, mode), processes
+        )
         with psycopg.connect(args.pg_url, autocommit=True) as conn:
             row = conn.execute(_pg("SELECT count(*) FROM {s}.ledger", schema)).fetchone()
             ledger_rows = row[0] if row else 0
-        label = f"pg per_event, {processes} poller{'s' if processes > 1 else ''}"
+        label = f"pg {mode}, {processes} poller{'s' if processes > 1 else ''}"
         _report(label, args.events, kit, floor)
         if ledger_rows != args.events:
             print(f"  WARNING: ledger has {ledger_rows} rows, expected {args.events}")
 
 
-def bench_sqlite(args: argparse.Namespace) -> None:
+def bench_sqlite(args: argparse.Namespace, mode: str) -> None:
     from outboxkit import EventBus, Outbox
     from outboxkit_sqlite import SQLiteStore
 
@@ -388,14 +409,14 @@ def bench_sqlite(args: argparse.Namespace) -> None:
             conn.execute("ANALYZE")
         finally:
             conn.close()
-        floor = run_pollers(Job("sqlite", "floor", path, "", args.batch_size), 1)
-        kit = run_pollers(Job("sqlite", "outboxkit", path, "", args.batch_size), 1)
+        floor = run_pollers(Job("sqlite", "floor", path, "", args.batch_size, mode), 1)
+        kit = run_pollers(Job("sqlite", "outboxkit", path, "", args.batch_size, mode), 1)
         conn = sqlite3.connect(path)
         try:
             ledger_rows = conn.execute("SELECT count(*) FROM ledger").fetchone()[0]
         finally:
             conn.close()
-        _report("sqlite per_event, 1 poller", args.events, kit, floor)
+        _report(f"sqlite {mode}, 1 poller", args.events, kit, floor)
         if ledger_rows != args.events:
             print(f"  WARNING: ledger has {ledger_rows} rows, expected {args.events}")
 
@@ -414,21 +435,12 @@ def main() -> None:
         flush=True,
     )
     modes = MODES if args.mode == "all" else (args.mode,)
-    runs: dict[str, Callable[[], None]] = {}
-    if args.backend in ("pg", "all"):
-        runs["pg1"] = lambda: bench_pg(args, 1)
-        runs["pg2"] = lambda: bench_pg(args, 2)
-    if args.backend in ("sqlite", "all"):
-        runs["sqlite"] = lambda: bench_sqlite(args)
     for mode in modes:
-        if mode == "per_batch":
-            # The batched delivery mode (transaction="per_batch") is not in the library yet;
-            # when it is, pass it to outbox.poller() in _outboxkit_worker and add a floor that
-            # commits a batch's handler work in one transaction.
-            print("per_batch: not implemented yet")
-            continue
-        for run in runs.values():
-            run()
+        if args.backend in ("pg", "all"):
+            bench_pg(args, 1, mode)
+            bench_pg(args, 2, mode)
+        if args.backend in ("sqlite", "all"):
+            bench_sqlite(args, mode)
 
 
 if __name__ == "__main__":
