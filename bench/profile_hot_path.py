@@ -7,6 +7,7 @@ insert through ``ctx.connection``, as in ``drain_throughput.py``) and prints the
 
     python bench/profile_hot_path.py
     python bench/profile_hot_path.py --events 5000 --top 25 --sort cumulative
+    python bench/profile_hot_path.py --transaction per_batch
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=100)
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--sort", default="tottime", choices=("tottime", "cumulative"))
+    parser.add_argument("--transaction", default="per_event", choices=("per_event", "per_batch"))
     parser.add_argument("--pg-url", default=pg_url_default())
     args = parser.parse_args()
     with pg_schema(args.pg_url) as schema:
@@ -63,7 +65,9 @@ def main() -> None:
                         tx,
                         [(TOPIC, {"n": i}) for i in range(start, min(start + 1000, args.events))],
                     )
-            poller = outbox.poller(batch_size=args.batch_size, waiter=ThreadWaiter())
+            poller = outbox.poller(
+                batch_size=args.batch_size, waiter=ThreadWaiter(), transaction=args.transaction
+            )
             profiler = cProfile.Profile()
             delivered = 0
             started = time.perf_counter()

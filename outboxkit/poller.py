@@ -210,8 +210,9 @@ class Poller:
                 f"transaction='per_batch' needs a store with the 'batched_delivery' capability; "
                 f"{outbox.store!r} has {sorted(capabilities)}"
             )
-        # Per event: settle in the transaction of the event's last delivery where the store can.
-        self._fold = not self._batched and "settle_in_delivery" in capabilities
+        # Settle in the transaction (or, in a batch, the savepoint) of the event's last delivery
+        # where the store can: one commit per event, one round trip fewer in a batch.
+        self._fold = "settle_in_delivery" in capabilities
 
     def __repr__(self) -> str:
         o = self.options
@@ -342,7 +343,7 @@ class Poller:
                 return
             decide: _Decide | None = None
             if self._fold and n == len(to_run) - 1:
-                # The last delivery settles the event in its own transaction (one commit).
+                # The last delivery settles the event in its own transaction.
                 decide = self._decider(claim, subscribed, outcomes, errors, spec.name)
             delivery, written = self._deliver(ops, claim, spec, decide)
             report.deliveries.append(delivery)
@@ -351,7 +352,11 @@ class Poller:
                 return
             outcomes[spec.name] = delivery.outcome
             if written is not None:
-                self._announce(claim, written, "; ".join(errors) or None, report)
+                reason = "; ".join(errors) or None
+                if settled is not None:  # a batch: announced once it commits
+                    settled.append((claim, written, reason))
+                else:
+                    self._announce(claim, written, reason, report)
                 return
             if delivery.outcome is Outcome.FAILED:
                 errors.append(f"{spec.name}: {delivery.error}")
