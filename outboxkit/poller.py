@@ -178,6 +178,28 @@ _Decide = Callable[[Outcome], tuple[Settlement, str | None]]
 _Settled = tuple[Claim, Settlement, str | None]
 
 
+@dataclass(slots=True)
+class _Round:
+    """One ``process`` call's state.
+
+    Attributes:
+        ops: where deliveries, settlements and extensions go (the store, or the batch).
+        remaining: claims not started yet, in order.
+        deadlines: token -> the local lease deadline.
+        report: what happened.
+        written: settlements written but not committed yet (a batch): announced at its commit.
+        pending: settlements not written yet (a store with ``batched_settle``): written
+            together, with one ``settle_many``, when the round ends.
+    """
+
+    ops: _Ops
+    remaining: list[Claim]
+    deadlines: dict[str, datetime]
+    report: PollReport
+    written: list[_Settled] | None = None
+    pending: list[_Settled] | None = None
+
+
 class _HandlerError(Exception):
     """Wraps an exception a handler raised, to keep it apart from the store's own errors."""
 
@@ -210,9 +232,13 @@ class Poller:
                 f"transaction='per_batch' needs a store with the 'batched_delivery' capability; "
                 f"{outbox.store!r} has {sorted(capabilities)}"
             )
-        # Settle in the transaction (or, in a batch, the savepoint) of the event's last delivery
-        # where the store can: one commit per event, one round trip fewer in a batch.
-        self._fold = "settle_in_delivery" in capabilities
+        # How events are settled, cheapest first for the store at hand: per event, a store with
+        # batched_settle settles the round's events together when the round ends (the commit of
+        # each delivery stays small); else, where the store can, in the transaction of the
+        # event's last delivery (one commit per event); else in a transaction of its own. In a
+        # batch, in the last delivery's savepoint where the store can.
+        self._defer = not self._batched and "batched_settle" in capabilities
+        self._fold = not self._defer and "settle_in_delivery" in capabilities
 
     def __repr__(self) -> str:
         o = self.options
@@ -268,54 +294,54 @@ class Poller:
         for claim in claims:
             report.claimed.append(claim.event.id)
             outbox.emit(Claimed(claim.event.id, claim.event.topic, claim.attempt))
-        remaining = list(claims)
+        rnd = _Round(outbox.store, list(claims), deadlines, report)
         try:
             if self._batched:
-                settled: list[_Settled] = []
+                rnd.written = []
                 with outbox.store.batch(now=outbox.store_now()) as batch:  # type: ignore[attr-defined]
-                    self._deliver_all(batch, remaining, deadlines, report, settled)
+                    rnd.ops = batch
+                    self._deliver_all(rnd)
                 # Committed: only now are the batch's settlements true.
-                for claim, settlement, error in settled:
+                for claim, settlement, error in rnd.written:
                     self._announce(claim, settlement, error, report)
             else:
-                self._deliver_all(outbox.store, remaining, deadlines, report, None)
+                rnd.pending = [] if self._defer else None
+                try:
+                    self._deliver_all(rnd)
+                finally:
+                    if rnd.pending:
+                        self._settle_pending(rnd.pending, report)
         finally:
             # Stopping, or a handler raised BaseException: hand back the unstarted claims (after
             # a batch has ended: its transaction may hold their rows).
-            if remaining:
-                released = outbox.store.release(remaining, now=outbox.store_now())
-                report.released.extend(c.event.id for c in remaining)
+            if rnd.remaining:
+                released = outbox.store.release(rnd.remaining, now=outbox.store_now())
+                report.released.extend(c.event.id for c in rnd.remaining)
                 log.info("poller stopping: released %d unstarted claim(s)", released)
         return report
 
-    def _deliver_all(
-        self,
-        ops: _Ops,
-        remaining: list[Claim],
-        deadlines: dict[str, datetime],
-        report: PollReport,
-        settled: list[_Settled] | None,
-    ) -> None:
-        """Deliver ``remaining`` in order, popping each as it starts; stop early when asked
-        (what is left in ``remaining`` is then released by the caller).
+    def _deliver_all(self, rnd: _Round) -> None:
+        """Deliver ``rnd.remaining`` in order, popping each as it starts; stop early when asked
+        (what is left is then released by the caller)."""
+        while rnd.remaining and not self._stop.is_set():
+            claim = rnd.remaining.pop(0)
+            self._process(rnd, claim)
 
-        ``settled`` collects settlements to announce later (a batch not yet committed); with
-        None they are announced as they are written.
-        """
-        while remaining and not self._stop.is_set():
-            claim = remaining.pop(0)
-            self._process(ops, claim, remaining, deadlines, report, settled)
+    def _settle_pending(self, pending: list[_Settled], report: PollReport) -> None:
+        """Write the round's deferred settlements in one ``settle_many`` (R8, each fenced by
+        its token), then announce them."""
+        store: Any = self.outbox.store
+        done = store.settle_many(pending, now=self.outbox.store_now())
+        for (claim, settlement, error), ok in zip(pending, done, strict=True):
+            if ok:
+                self._announce(claim, settlement, error, report)
+            else:
+                self._lease_lost(claim, report, None)
+        pending.clear()
 
-    def _process(
-        self,
-        ops: _Ops,
-        claim: Claim,
-        rest: list[Claim],
-        deadlines: dict[str, datetime],
-        report: PollReport,
-        settled: list[_Settled] | None,
-    ) -> None:
+    def _process(self, rnd: _Round, claim: Claim) -> None:
         outbox = self.outbox
+        report = rnd.report
         event = claim.event
         specs = outbox.bus.handlers_for(event.topic)
         subscribed = [s.name for s in specs]
@@ -326,26 +352,25 @@ class Poller:
             outbox.emit(Unrouted(event.id, event.topic))
         if isinstance(event.payload, UndecodablePayload):
             # Retrying cannot fix a payload that is not JSON: dead-letter it at once.
-            self._apply(ops, claim, DeadLetter(), event.payload.error, report, settled)
+            self._apply(rnd, claim, DeadLetter(), event.payload.error)
             return
         if claim.attempt > self.options.max_retries + 1:
             # R4 + R11: earlier attempts crashed or lost their lease without settling and used
             # every attempt up. Run nothing (a poison event must not crash pollers forever);
             # settle it as it stands: published if every handler is recorded, else dead.
             error = f"attempts used up: attempt {claim.attempt - 1} crashed or lost its lease"
-            settlement = self._decide(claim, subscribed, outcomes)
-            self._apply(ops, claim, settlement, error, report, settled)
+            self._apply(rnd, claim, self._decide(claim, subscribed, outcomes), error)
             return
         to_run = [spec for spec in specs if spec.name not in outcomes]  # R5: recorded ones
         for n, spec in enumerate(to_run):
             # R13: keep the batch's leases alive; never start a handler once ours is gone.
-            if not self._keep_lease(ops, claim, rest, deadlines, report):
+            if not self._keep_lease(rnd, claim):
                 return
             decide: _Decide | None = None
             if self._fold and n == len(to_run) - 1:
                 # The last delivery settles the event in its own transaction.
                 decide = self._decider(claim, subscribed, outcomes, errors, spec.name)
-            delivery, written = self._deliver(ops, claim, spec, decide)
+            delivery, written = self._deliver(rnd.ops, claim, spec, decide)
             report.deliveries.append(delivery)
             if delivery.outcome is Outcome.CRASHED:  # lease lost mid-delivery
                 self._lease_lost(claim, report, spec.name)
@@ -353,15 +378,15 @@ class Poller:
             outcomes[spec.name] = delivery.outcome
             if written is not None:
                 reason = "; ".join(errors) or None
-                if settled is not None:  # a batch: announced once it commits
-                    settled.append((claim, written, reason))
+                if rnd.written is not None:  # a batch: announced once it commits
+                    rnd.written.append((claim, written, reason))
                 else:
                     self._announce(claim, written, reason, report)
                 return
             if delivery.outcome is Outcome.FAILED:
                 errors.append(f"{spec.name}: {delivery.error}")
         settlement = self._decide(claim, subscribed, outcomes)
-        self._apply(ops, claim, settlement, "; ".join(errors) or None, report, settled)
+        self._apply(rnd, claim, settlement, "; ".join(errors) or None)
 
     def _decider(
         self,
@@ -390,15 +415,9 @@ class Poller:
             backoff=self.options.backoff,
         )
 
-    def _keep_lease(
-        self,
-        ops: _Ops,
-        claim: Claim,
-        rest: list[Claim],
-        deadlines: dict[str, datetime],
-        report: PollReport,
-    ) -> bool:
+    def _keep_lease(self, rnd: _Round, claim: Claim) -> bool:
         outbox = self.outbox
+        deadlines, rest, report = rnd.deadlines, rnd.remaining, rnd.report
         now = outbox.clock.now()
         lease = self.options.lease
         if not lease_is_low(remaining=deadlines[claim.token] - now, lease=lease):
@@ -406,8 +425,10 @@ class Poller:
         if now >= deadlines[claim.token]:
             self._lease_lost(claim, report, None)
             return False
-        batch = [claim, *rest]
-        kept = {c.token for c in ops.extend(batch, lease=lease, now=outbox.store_now())}
+        # Events delivered but waiting for the round's settle_many keep their leases too.
+        waiting = [c for c, _, _ in rnd.pending or ()]
+        batch = [claim, *rest, *waiting]
+        kept = {c.token for c in rnd.ops.extend(batch, lease=lease, now=outbox.store_now())}
         for c in batch:
             if c.token in kept:
                 deadlines[c.token] = now + lease
@@ -507,23 +528,18 @@ class Poller:
             exception=exc,
         )
 
-    def _apply(
-        self,
-        ops: _Ops,
-        claim: Claim,
-        settlement: Settlement,
-        error: str | None,
-        report: PollReport,
-        settled: list[_Settled] | None,
-    ) -> None:
+    def _apply(self, rnd: _Round, claim: Claim, settlement: Settlement, error: str | None) -> None:
         """Write the settlement (R8, fenced by the token), then announce it; in a batch the
-        announcement waits for the batch's commit."""
-        if not ops.settle(claim, settlement, error=error, now=self.outbox.store_now()):
-            self._lease_lost(claim, report, None)
-        elif settled is not None:
-            settled.append((claim, settlement, error))
+        announcement waits for the batch's commit; with ``batched_settle`` the write waits for
+        the end of the round."""
+        if rnd.pending is not None:
+            rnd.pending.append((claim, settlement, error))
+        elif not rnd.ops.settle(claim, settlement, error=error, now=self.outbox.store_now()):
+            self._lease_lost(claim, rnd.report, None)
+        elif rnd.written is not None:
+            rnd.written.append((claim, settlement, error))
         else:
-            self._announce(claim, settlement, error, report)
+            self._announce(claim, settlement, error, rnd.report)
 
     def _announce(
         self, claim: Claim, settlement: Settlement, error: str | None, report: PollReport

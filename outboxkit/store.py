@@ -31,6 +31,7 @@ CAPABILITIES: dict[str, str] = {
     "settle_in_delivery": "a delivery transaction can settle its own event (one commit per event)",
     "batched_delivery": "batch() opens one transaction for a claimed batch, a savepoint per delivery",
     "concurrent_batches": "others may claim while a batch is open (row locks, not a database lock)",
+    "batched_settle": "settle_many() settles several events in one transaction",
 }
 """The capabilities a store may declare, with what each promises.
 
@@ -48,6 +49,12 @@ last delivery, so an event with one handler costs one commit instead of two.
 
 A store declaring ``batched_delivery`` also has ``batch(*, now) -> BatchTransaction``, used by
 pollers running with ``transaction="per_batch"``.
+
+A store declaring ``batched_settle`` also has ``settle_many(items, *, now) -> list[bool]``:
+``items`` are ``(claim, settlement, error)`` triples, settled as ``settle`` would (each fenced by
+its token) in one transaction; the result says which were. A poller delivering per event then
+settles a round's events together when the round ends, so each delivery's commit carries only
+the handler's writes and the record (the cheapest per-event shape on both SQL stores).
 """
 
 

@@ -268,6 +268,7 @@ class PostgresStore:
             "settle_in_delivery",
             "batched_delivery",
             "concurrent_batches",
+            "batched_settle",
         }
         if self.url is not None:
             caps.add("multiprocess")
@@ -733,6 +734,31 @@ class PostgresStore:
                 return self._settle_on(conn, claim, settlement, error, now)
         except psycopg.Error as exc:
             raise self._error(exc, doing) from exc
+
+    def settle_many(
+        self, items: Sequence[tuple[Claim, Settlement, str | None]], *, now: datetime | None
+    ) -> list[bool]:
+        """``settle`` for several events in one statement (the ``batched_settle`` capability);
+        which of them were settled, in order."""
+        if not items:
+            return []
+        values = [settle_values(settlement) for _, settlement, _ in items]
+        rows, _ = self._run(
+            "settle_many",
+            {
+                "now": now,
+                "ids": [claim.event.id for claim, _, _ in items],
+                "tokens": [claim.token for claim, _, _ in items],
+                "publish": [v.publish for v in values],
+                "dead": [v.dead for v in values],
+                "retry_after": [v.retry_after for v in values],
+                "keeps_error": [v.keeps_error for v in values],
+                "errors": [error for _, _, error in items],
+            },
+            f"settle {len(items)} event(s)",
+        )
+        settled = {row[0] for row in rows}
+        return [claim.token in settled for claim, _, _ in items]
 
     def _settle_on(
         self,

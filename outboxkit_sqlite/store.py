@@ -419,6 +419,7 @@ class SQLiteStore:
             "concurrent_claimers",
             "settle_in_delivery",
             "batched_delivery",
+            "batched_settle",
         }
         if self.memory:
             self.path: Path | None = None
@@ -864,6 +865,20 @@ class SQLiteStore:
     ) -> bool:
         with self._write(f"settle event {claim.event.id}") as conn:
             return self._settle_on(conn, claim, settlement, error, _now(now))
+
+    def settle_many(
+        self, items: Sequence[tuple[Claim, Settlement, str | None]], *, now: datetime | None
+    ) -> list[bool]:
+        """``settle`` for several events in one transaction (the ``batched_settle``
+        capability); which of them were settled, in order."""
+        if not items:
+            return []
+        at = _now(now)
+        with self._write(f"settle {len(items)} event(s)") as conn:
+            return [
+                self._settle_on(conn, claim, settlement, error, at)
+                for claim, settlement, error in items
+            ]
 
     def _settle_on(
         self,

@@ -321,6 +321,36 @@ class StoreLevelTests(ConformanceBase):
         assert store.get(follow_ups[0]) is not None
         assert store.get(follow_ups[1]) is None
 
+    def test_settle_many_settles_each_fenced_by_its_token(
+        self, store: Store, clock: FrozenClock
+    ) -> None:
+        self.require(store, "batched_settle")
+        ids = self.put(store, clock.now(), ("t", 1), ("t", 2), ("t", 3), ("t", 4))
+        claims = self.claim(store, clock.now(), batch_size=3)
+        (stale,) = self.claim(store, clock.now(), batch_size=1)
+        assert store.release([stale], now=clock.now()) == 1
+        (fresh,) = self.claim(store, clock.now(), batch_size=1)  # the 4th, a new token
+        assert (fresh.event.id, fresh.attempt) == (stale.event.id, 1)
+        later = clock.now() + S
+        done = store.settle_many(  # type: ignore[attr-defined]
+            [
+                (claims[0], Publish(), None),
+                (claims[1], Retry(delay=5 * S, retry=1), "h: boom"),
+                (claims[2], DeadLetter(), "h: always"),
+                (stale, Publish(), None),
+            ],
+            now=later,
+        )
+        assert done == [True, True, True, False]
+        one, two, three, four = (store.get(i) for i in ids)
+        assert one is not None and one.published_at == later
+        assert two is not None and two.available_at == later + 5 * S
+        assert two.last_error == "h: boom" and two.published_at is None
+        assert three is not None and three.failed_at == later and three.last_error == "h: always"
+        assert four is not None and four.published_at is None  # the stale token changed nothing
+        assert store.settle_many([(fresh, Publish(), None)], now=later) == [True]  # type: ignore[attr-defined]
+        assert store.settle_many([], now=later) == []  # type: ignore[attr-defined]
+
     def test_batch_that_raises_leaves_nothing(self, store: Store, clock: FrozenClock) -> None:
         self.require(store, "batched_delivery")
         (event_id,) = self.put(store, clock.now(), ("t", 1))

@@ -206,6 +206,30 @@ UPDATE {events}
    AND published_at IS NULL
    AND failed_at IS NULL
 
+-- name: settle_many
+-- R8 for a round's events in one statement, each fenced by its token; the flags come from
+-- outboxkit._storekit.settle_values, one array element per event. Returns the tokens settled.
+UPDATE {events} AS e
+   SET published_at = CASE WHEN s.publish
+                           THEN coalesce(%(now)s::timestamptz, now()) ELSE e.published_at END,
+       failed_at = CASE WHEN s.dead
+                        THEN coalesce(%(now)s::timestamptz, now()) ELSE e.failed_at END,
+       available_at = CASE WHEN s.retry_after IS NULL THEN e.available_at
+                           ELSE coalesce(%(now)s::timestamptz, now()) + s.retry_after
+                      END,
+       last_error = CASE WHEN s.keeps_error THEN s.error ELSE e.last_error END,
+       locked_until = NULL,
+       claim_token = NULL
+  FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(publish)s::boolean[],
+              %(dead)s::boolean[], %(retry_after)s::interval[], %(keeps_error)s::boolean[],
+              %(errors)s::text[])
+       AS s (id, token, publish, dead, retry_after, keeps_error, error)
+ WHERE e.id = s.id
+   AND e.claim_token = s.token
+   AND e.published_at IS NULL
+   AND e.failed_at IS NULL
+RETURNING s.token::text
+
 -- name: release
 -- Unstarted claims handed back: lease cleared and the attempt refunded, fenced by token.
 UPDATE {events} AS e
