@@ -165,6 +165,7 @@ class _Trace:
 
     def wrap(self, store: Any) -> None:
         claim, extend, settle, release = store.claim, store.extend, store.settle, store.release
+        settle_many = store.settle_many
         pid = os.getpid()
 
         def traced_claim(**kw: Any) -> Any:
@@ -198,6 +199,15 @@ class _Trace:
                 self.write([{"kind": "settle", "token": claim.token}])
             return done
 
+        def traced_settle_many(items: Any, **kw: Any) -> Any:
+            done = settle_many(items, **kw)
+            self.write(
+                {"kind": "settle", "token": claim.token}
+                for (claim, _, _), ok in zip(items, done, strict=True)
+                if ok
+            )
+            return done
+
         def traced_release(claims: Any, **kw: Any) -> Any:
             count = release(claims, **kw)
             if count:
@@ -206,6 +216,7 @@ class _Trace:
 
         store.claim, store.extend = traced_claim, traced_extend
         store.settle, store.release = traced_settle, traced_release
+        store.settle_many = traced_settle_many
         spy_on_deliveries(
             store,
             lambda claim: None,

@@ -13,7 +13,7 @@ import os
 import sqlite3
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import closing, contextmanager
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -73,6 +73,18 @@ class ClaimLog(SQLiteStore):
         if window is not None:
             window["settled"] = settled
         return settled
+
+    def settle_many(
+        self, items: Sequence[tuple[Claim, Settlement, str | None]], *, now: datetime | None
+    ) -> list[bool]:
+        for claim, _, _ in items:
+            self._settling(claim)
+        done = super().settle_many(items, now=now)
+        for (claim, _, _), ok in zip(items, done, strict=True):
+            window = self.windows.get(claim.token)
+            if window is not None:
+                window["settled"] = ok
+        return done
 
 
 class _Warnings(logging.Handler):
