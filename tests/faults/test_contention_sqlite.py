@@ -29,10 +29,11 @@ from tests.faults._harness_sqlite import (
     traced_events,
     wait_until,
 )
+from tests.faults._scale import scale
 
 pytestmark = [pytest.mark.faults]
 
-EVENTS = 600
+EVENTS = scale(pr=600, large=3000)
 PUBLISHERS = 2
 PER_TRANSACTION = 5
 POLLERS = 3

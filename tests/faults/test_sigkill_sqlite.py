@@ -29,14 +29,15 @@ from tests.faults._harness_sqlite import (
     open_outbox_file,
     wait_until,
 )
+from tests.faults._scale import scale
 
 pytestmark = [pytest.mark.faults]
 
-EVENTS = 900
+EVENTS = scale(pr=900, large=4500)
 CHUNK = 50
 POLLERS = 3
 BATCH = 10
-KILLS = 6
+KILLS = scale(pr=6, large=12)
 KILL_EVERY = 1.0
 LEASE = 2.0
 

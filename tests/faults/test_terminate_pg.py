@@ -28,15 +28,16 @@ import pytest
 from outboxkit import Outbox
 from outboxkit_pg import PostgresStore
 from tests.faults._harness import TOPICS, drain, enqueue, figures, with_application_name
+from tests.faults._scale import scale
 from tests.integration.pg._workers import Fleet, create_app_tables
 
 pytestmark = [pytest.mark.pg, pytest.mark.faults]
 
-EVENTS = 900
+EVENTS = scale(pr=900, large=4500)
 CHUNK = 100
 POLLERS = 3
 BATCH = 10
-STORMS = 5
+STORMS = scale(pr=5, large=10)
 STORM_EVERY = 1.0
 
 TERMINATE = (
