@@ -52,7 +52,11 @@ CREATE TABLE {s}.floor_events (
     locked_until timestamptz,
     token uuid,
     published_at timestamptz
-) WITH (fillfactor = 80);
+) WITH (
+    fillfactor = 80,
+    autovacuum_vacuum_scale_factor = 0.02,
+    autovacuum_analyze_scale_factor = 0.02
+);
 CREATE INDEX ON {s}.floor_events (available_at, id) WHERE published_at IS NULL;
 CREATE TABLE {s}.floor_deliveries (
     event_id bigint NOT NULL REFERENCES {s}.floor_events (id),

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import os
 import sqlite3
-import threading
 import time
 from collections.abc import Iterable
 from contextlib import closing
@@ -33,7 +32,14 @@ from typing import Any
 from outboxkit import Event, EventBus, Message, Outbox
 from outboxkit_sqlite import SQLiteStore
 from tests.faults._harness import TOPICS, Figures, _batch_overruns
-from tests.integration.pg._workers import Fleet, _Trace, lease_overlaps, read_traces, wait_until
+from tests.integration.pg._workers import (
+    Fleet,
+    _Trace,
+    lease_overlaps,
+    read_traces,
+    serve,
+    wait_until,
+)
 from tests.integration.sqlite._workers import _reporting
 
 __all__ = [
@@ -155,20 +161,8 @@ def run_poller(
     assert store.path is not None
     outside = _OutsideWorld(store.path)
     outbox = Outbox(store, make_bus(outside), load_entry_points=False)
-    poller = outbox.poller(**options)
-
-    def watch() -> None:
-        deadline = time.monotonic() + max_seconds
-        pause = threading.Event()
-        while not os.path.exists(stop_path) and time.monotonic() < deadline:
-            pause.wait(0.1)
-        poller.stop()
-
-    threading.Thread(target=watch, daemon=True).start()
     try:
-        poller.run_once()
-        Path(f"{trace_path}.ready").touch()
-        poller.run_forever()
+        serve(outbox.poller(**options), trace_path, stop_path, max_seconds)
     finally:
         outside.close()
         trace.close()

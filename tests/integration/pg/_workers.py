@@ -254,7 +254,17 @@ def run_poller(
     trace.wrap(store)
     outside = _OutsideWorld(side_url, schema)
     outbox = Outbox(store, make_bus(schema, outside, topics, hold_dir))
-    poller = outbox.poller(**options)
+    try:
+        serve(outbox.poller(**options), trace_path, stop_path, max_seconds)
+    finally:
+        outside.close()
+        trace.close()
+        store.close()
+
+
+def serve(poller: Any, trace_path: str, stop_path: str, max_seconds: float) -> None:
+    """Poll once, say ready (``{trace_path}.ready``), then run until the file ``stop_path``
+    exists or ``max_seconds`` pass."""
 
     def watch() -> None:
         deadline = time.monotonic() + max_seconds
@@ -264,14 +274,9 @@ def run_poller(
         poller.stop()
 
     threading.Thread(target=watch, daemon=True).start()
-    try:
-        poller.run_once()
-        Path(f"{trace_path}.ready").touch()
-        poller.run_forever()
-    finally:
-        outside.close()
-        trace.close()
-        store.close()
+    poller.run_once()
+    Path(f"{trace_path}.ready").touch()
+    poller.run_forever()
 
 
 # -- what the parent checks -------------------------------------------------------------------
