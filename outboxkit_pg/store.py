@@ -650,20 +650,21 @@ class PostgresStore:
         batch's, the event row locked and the token checked; committed (released) on a normal
         exit, rolled back on an exception.
 
-        Round trips: the transaction (or savepoint) opens in the same simple-protocol query as
-        the row lock, and the record, the settlement and the COMMIT go in one query at the end
-        (values bound client-side, ``ClientCursor.mogrify``): a one-handler event costs the
-        handler's own statements plus two.
+        Round trips: the transaction (or savepoint) opens in the same pipeline sync as the row
+        lock, and the record, the settlement and the COMMIT go in one more sync at the end
+        (psycopg's pipeline mode, prepared statements): a one-handler event costs the handler's
+        own statements plus two.
         """
         frame = frame or (_TRANSACTION if conn.autocommit else _IMPLICIT)
         doing = f"deliver event {claim.event.id}"
         params = {"id": claim.event.id, "token": claim.token}
         try:
             with conn.cursor(row_factory=tuple_row) as cur:
-                cur.execute(frame.begin + self._bind(conn, "lock_for_delivery", params))
-                while cur.description is None and cur.nextset():
-                    pass
-                owned = cur.fetchall() if cur.description is not None else []
+                with conn.pipeline():
+                    if frame.begin:
+                        conn.execute(frame.begin)
+                    cur.execute(self._queries["lock_for_delivery"], params)
+                owned = cur.fetchall()
         except BaseException as exc:
             _abort(conn, frame)
             if isinstance(exc, psycopg.Error):
@@ -687,10 +688,6 @@ class PostgresStore:
                 ) from exc
             raise
         delivery.finish(frame)
-
-    def _bind(self, conn: Connection, name: str, params: Mapping[str, Any]) -> bytes:
-        """Statement ``name`` with ``params`` bound client-side, for a multi-statement query."""
-        return psycopg.ClientCursor(conn).mogrify(self._queries[name], params).encode("utf-8")
 
     def extend(
         self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None
@@ -919,20 +916,20 @@ class PostgresStore:
 @dataclass(frozen=True, slots=True)
 class _Frame:
     """How a delivery opens, ends and abandons its transaction (or its savepoint of a batch's):
-    statement prefixes and suffixes of the simple-protocol queries ``_delivering`` sends."""
+    the statements ``_delivering`` sends in the pipeline syncs around the delivery."""
 
-    begin: bytes
+    begin: bytes  # empty: psycopg begins (a connection without autocommit)
     end: bytes
-    abort: bytes
+    abort: tuple[bytes, ...]
 
 
-_TRANSACTION = _Frame(begin=b"BEGIN; ", end=b"COMMIT", abort=b"ROLLBACK")
+_TRANSACTION = _Frame(begin=b"BEGIN", end=b"COMMIT", abort=(b"ROLLBACK",))
 # A connection without autocommit (a pool of the app's own): psycopg begins the transaction.
-_IMPLICIT = _Frame(begin=b"", end=b"COMMIT", abort=b"ROLLBACK")
+_IMPLICIT = _Frame(begin=b"", end=b"COMMIT", abort=(b"ROLLBACK",))
 _SAVEPOINT = _Frame(
-    begin=b"SAVEPOINT outboxkit_delivery; ",
+    begin=b"SAVEPOINT outboxkit_delivery",
     end=b"RELEASE SAVEPOINT outboxkit_delivery",
-    abort=b"ROLLBACK TO SAVEPOINT outboxkit_delivery; RELEASE SAVEPOINT outboxkit_delivery",
+    abort=(b"ROLLBACK TO SAVEPOINT outboxkit_delivery", b"RELEASE SAVEPOINT outboxkit_delivery"),
 )
 
 
@@ -942,7 +939,8 @@ def _abort(conn: Connection, frame: _Frame) -> None:
     if conn.closed or conn.broken or conn.info.transaction_status == TransactionStatus.IDLE:
         return
     try:
-        conn.execute(frame.abort)
+        for statement in frame.abort:
+            conn.execute(statement)
     except psycopg.Error as exc:
         log.debug("rollback of a delivery failed: %s", exc)
 
@@ -1002,7 +1000,8 @@ class _Delivery:
         self._conn = conn
         self._claim = claim
         self._now = now
-        self._tail: list[tuple[str, bytes]] = []  # what finish() writes with the commit
+        # What finish() writes with the commit: (kind, statement, parameters).
+        self._tail: list[tuple[str, bytes, Mapping[str, Any]]] = []
 
     @property
     def connection(self) -> Connection:
@@ -1032,7 +1031,7 @@ class _Delivery:
             "now": self._now,
             "reason": reason,
         }
-        self._tail.append(("record", self._store._bind(self._conn, "insert_record", params)))
+        self._tail.append(("record", self._store._queries["insert_record"], params))
 
     def settle(self, settlement: Settlement, *, error: str | None) -> None:
         """R8 for this event, written with the commit (the ``settle_in_delivery`` capability)."""
@@ -1048,35 +1047,33 @@ class _Delivery:
             "id": self._claim.event.id,
             "token": self._claim.token,
         }
-        self._tail.append(("settle", self._store._bind(self._conn, "settle", params)))
+        self._tail.append(("settle", self._store._queries["settle"], params))
 
     def finish(self, frame: _Frame) -> None:
-        """Write the queued record and settlement and commit (or release), in one query.
+        """Write the queued record and settlement and commit (or release), in one pipeline sync.
 
         Raises:
             StoreError / StoreUnavailable: the database refused or failed (rolled back).
             LeaseLostError: the settlement found the token stale (cannot happen: the row is
                 locked and its token was checked in this transaction).
         """
+        conn = self._conn
         event_id = self._claim.event.id
-        query = b"; ".join([statement for _, statement in self._tail] + [frame.end])
-        settled = True
+        cursors: list[tuple[str, psycopg.Cursor[Any]]] = []
         try:
-            with self._conn.cursor(row_factory=tuple_row) as cur:
-                cur.execute(query)
-                for kind, _ in self._tail:
-                    if kind == "settle" and cur.rowcount != 1:
-                        settled = False
-                    cur.nextset()
+            with conn.pipeline():
+                for kind, statement, params in self._tail:
+                    cur = conn.cursor()
+                    cur.execute(statement, params)
+                    cursors.append((kind, cur))
+                conn.execute(frame.end)
         except pg_errors.UniqueViolation as exc:
-            _abort(self._conn, frame)
+            _abort(conn, frame)
             raise StoreError(f"event {event_id} already has a delivery record") from exc
         except psycopg.Error as exc:
-            _abort(self._conn, frame)
-            raise self._store._error(
-                exc, f"commit the delivery of event {event_id}", self._conn
-            ) from exc
-        if not settled:
+            _abort(conn, frame)
+            raise self._store._error(exc, f"commit the delivery of event {event_id}", conn) from exc
+        if any(kind == "settle" and cur.rowcount != 1 for kind, cur in cursors):
             raise LeaseLostError(f"event {event_id}: claim token is stale")
 
     def check_usable(self) -> None:

@@ -182,7 +182,8 @@ RETURNING set_config('outboxkit.open_delivery', '', true)
 UPDATE {events} AS e
    SET locked_until = coalesce(%(now)s::timestamptz, now()) + %(lease)s::interval
   FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS c (id, token)
- WHERE e.id = c.id
+ WHERE e.id = ANY(%(ids)s::bigint[])
+   AND e.id = c.id
    AND e.claim_token = c.token
    AND e.published_at IS NULL
    AND e.failed_at IS NULL
@@ -209,6 +210,8 @@ UPDATE {events}
 -- name: settle_many
 -- R8 for a round's events in one statement, each fenced by its token; the flags come from
 -- outboxkit._storekit.settle_values, one array element per event. Returns the tokens settled.
+-- The id = ANY(...) condition lets the planner reach the rows through the primary key: joined
+-- with the unnest alone it estimates one row and scans the whole table (so do extend, release).
 UPDATE {events} AS e
    SET published_at = CASE WHEN s.publish
                            THEN coalesce(%(now)s::timestamptz, now()) ELSE e.published_at END,
@@ -224,7 +227,8 @@ UPDATE {events} AS e
               %(dead)s::boolean[], %(retry_after)s::interval[], %(keeps_error)s::boolean[],
               %(errors)s::text[])
        AS s (id, token, publish, dead, retry_after, keeps_error, error)
- WHERE e.id = s.id
+ WHERE e.id = ANY(%(ids)s::bigint[])
+   AND e.id = s.id
    AND e.claim_token = s.token
    AND e.published_at IS NULL
    AND e.failed_at IS NULL
@@ -237,7 +241,8 @@ UPDATE {events} AS e
        claim_token = NULL,
        attempts = greatest(e.attempts - 1, 0)
   FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS c (id, token)
- WHERE e.id = c.id
+ WHERE e.id = ANY(%(ids)s::bigint[])
+   AND e.id = c.id
    AND e.claim_token = c.token
    AND e.published_at IS NULL
    AND e.failed_at IS NULL
