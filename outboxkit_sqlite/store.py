@@ -366,7 +366,8 @@ class SQLiteStore:
             checkpoint; if a read transaction held open elsewhere keeps it from getting through,
             a warning is logged on ``outboxkit.sqlite`` (at most once a minute).
         migrate: create or upgrade the schema on open (default). With False the schema is only
-            checked not to be newer than this code; call :meth:`migrate` yourself.
+            checked, and :meth:`migrate` is yours to call: a newer schema is refused here, an
+            older one at the first claim (a poller's first poll).
 
     Raises:
         ConfigurationError: a bad option or table name; the directory is missing; the file or
@@ -442,6 +443,8 @@ class SQLiteStore:
         self._wal_check_at = math.inf if self.memory else 0.0
         self._wal_warn_at = 0.0
         self._connections = self._open_connections()
+        # An older schema found with migrate=False: pollers are refused until migrate().
+        self._older: int | None = None
         try:
             if migrate:
                 self.migrate()
@@ -449,6 +452,8 @@ class SQLiteStore:
                 with self._read("check the schema version") as conn:
                     found = _schema.current_version(conn, self.tables)
                 _schema.check_version(found, self._where)
+                if 0 < found < _schema.SCHEMA_VERSION:
+                    self._older = found
         except BaseException:
             self._connections.close()
             raise
@@ -678,6 +683,7 @@ class SQLiteStore:
             _schema.migrate(
                 conn, self.tables, applied_at=_to_us(datetime.now(UTC)), where=self._where
             )
+        self._older = None
 
     def close(self) -> None:
         """Close every connection. The store is unusable afterwards; closing twice is fine."""
@@ -735,6 +741,11 @@ class SQLiteStore:
         return ids
 
     def claim(self, *, batch_size: int, lease: timedelta, now: datetime | None) -> list[Claim]:
+        if self._older is not None:
+            raise SchemaError(
+                f"SQLite database {self._where} has outboxkit schema version {self._older}, "
+                f"older than version {_schema.SCHEMA_VERSION} this outboxkit needs: run migrate()"
+            )
         at = _now(now)
         with self._write("claim events") as conn:
             rows = conn.execute(
