@@ -20,6 +20,9 @@ process with the same handlers; then SQL checks give one line of figures::
 from __future__ import annotations
 
 import json
+import random
+import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,20 +82,58 @@ def drain(url: str, schema: str, *, timeout: float, lease: float = 5.0) -> bool:
     store = PostgresStore(url, schema=schema)
     outside = _OutsideWorld(url, schema)
     try:
-        poller = Outbox(store, make_bus(schema, outside, TOPICS)).poller(
-            batch_size=100, lease=lease
-        )
-
-        def done() -> bool:
-            while poller.run_once().claimed:
-                pass
-            stats = store.stats(now=None)
-            return stats.pending + stats.claimed == 0
-
-        return wait_until(done, timeout, step=0.1)
+        outbox = Outbox(store, make_bus(schema, outside, TOPICS))
+        return drain_until_done(outbox, timeout=timeout, lease=lease)
     finally:
         outside.close()
         store.close()
+
+
+def drain_until_done(outbox: Outbox, *, timeout: float, lease: float) -> bool:
+    """Poll until nothing is pending or claimed (bounded by ``timeout``); True if it got there."""
+    poller = outbox.poller(batch_size=100, lease=lease)
+
+    def done() -> bool:
+        while poller.run_once().claimed:
+            pass
+        stats = outbox.store.stats(now=None)
+        return stats.pending + stats.claimed == 0
+
+    return wait_until(done, timeout, step=0.1)
+
+
+def chaos(
+    fleet: Any,
+    send: Any,
+    *,
+    events: int,
+    chunk: int,
+    kills: int,
+    every: float,
+    rng: random.Random,
+    before_kill: Any = None,
+) -> None:
+    """The SIGKILL chaos loop: ``send(count, start)`` events in chunks spread over the kills,
+    one random live poller SIGKILLed every ``every`` seconds (after ``before_kill()``, if
+    given) and a new one spawned in its place."""
+    started = time.monotonic()
+    kill_at = [started + every * (k + 1) for k in range(kills)]
+    chunk_at = started
+    sent = 0
+    pause = threading.Event()
+    while kill_at or sent < events:
+        now = time.monotonic()
+        if sent < events and now >= chunk_at:
+            send(min(chunk, events - sent), sent)
+            sent += chunk
+            chunk_at += every * kills / (events / chunk)
+        if kill_at and now >= kill_at[0]:
+            kill_at.pop(0)
+            if before_kill is not None:
+                before_kill()
+            fleet.kill(rng.choice(fleet.live()))
+            fleet.spawn()
+        pause.wait(0.01)
 
 
 def _one(admin: psycopg.Connection[Any], query: str, schema: str, *tables: str) -> Any:

@@ -31,7 +31,7 @@ from typing import Any
 
 from outboxkit import Event, EventBus, Message, Outbox
 from outboxkit_sqlite import SQLiteStore
-from tests.faults._harness import TOPICS, Figures, _batch_overruns
+from tests.faults._harness import TOPICS, Figures, _batch_overruns, drain_until_done
 from tests.integration.pg._workers import (
     Fleet,
     _Trace,
@@ -246,17 +246,8 @@ def drain(path: Path, *, timeout: float, lease: float = 5.0) -> bool:
     outside = _OutsideWorld(path)
     with SQLiteStore(path) as store:
         try:
-            poller = Outbox(store, make_bus(outside), load_entry_points=False).poller(
-                batch_size=100, lease=lease
-            )
-
-            def done() -> bool:
-                while poller.run_once().claimed:
-                    pass
-                stats = store.stats(now=None)
-                return stats.pending + stats.claimed == 0
-
-            return wait_until(done, timeout, step=0.1)
+            outbox = Outbox(store, make_bus(outside), load_entry_points=False)
+            return drain_until_done(outbox, timeout=timeout, lease=lease)
         finally:
             outside.close()
 

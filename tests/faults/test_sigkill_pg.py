@@ -12,8 +12,6 @@ Sizes: 900 events and 6 kills; with ``OUTBOXKIT_FAULTS_SCALE=large``, 4,500 even
 from __future__ import annotations
 
 import random
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +20,7 @@ import pytest
 
 from outboxkit import Outbox
 from outboxkit_pg import PostgresStore
-from tests.faults._harness import TOPICS, drain, enqueue, figures
+from tests.faults._harness import TOPICS, chaos, drain, enqueue, figures
 from tests.faults._scale import scale
 from tests.integration.pg._workers import Fleet, create_app_tables
 
@@ -54,22 +52,15 @@ def test_sigkill_chaos_with_respawn(
             for _ in range(POLLERS):
                 fleet.spawn()
             assert fleet.wait_ready(60), "poller processes did not start"
-            started = time.monotonic()
-            kill_at = [started + KILL_EVERY * (k + 1) for k in range(KILLS)]
-            chunk_at = started
-            sent = 0
-            pause = threading.Event()
-            while kill_at or sent < EVENTS:
-                now = time.monotonic()
-                if sent < EVENTS and now >= chunk_at:
-                    enqueue(pg_url, outbox, min(CHUNK, EVENTS - sent), start=sent)
-                    sent += CHUNK
-                    chunk_at += KILL_EVERY * KILLS / (EVENTS / CHUNK)
-                if kill_at and now >= kill_at[0]:
-                    kill_at.pop(0)
-                    fleet.kill(rng.choice(fleet.live()))
-                    fleet.spawn()
-                pause.wait(0.01)
+            chaos(
+                fleet,
+                lambda count, start: enqueue(pg_url, outbox, count, start=start),
+                events=EVENTS,
+                chunk=CHUNK,
+                kills=KILLS,
+                every=KILL_EVERY,
+                rng=rng,
+            )
             exit_codes = fleet.shutdown()
             kills = fleet.kills
         assert drain(pg_url, pg_schema, timeout=60)

@@ -12,7 +12,6 @@ after a kill) bounded by kills x batch size.
 from __future__ import annotations
 
 import random
-import threading
 import time
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import pytest
 
 from outboxkit import Outbox
 from outboxkit_sqlite import SQLiteStore
+from tests.faults._harness import chaos
 from tests.faults._harness_sqlite import (
     SQLiteFleet,
     drain,
@@ -54,24 +54,19 @@ def test_sigkill_chaos_with_respawn(tmp_path: Path, capsys: pytest.CaptureFixtur
             for _ in range(POLLERS):
                 fleet.spawn()
             assert fleet.wait_ready(30), "poller processes did not start"
-            chaos_from = time.monotonic()
-            kill_at = [chaos_from + KILL_EVERY * (k + 1) for k in range(KILLS)]
-            chunk_at = chaos_from
-            sent = 0
-            pause = threading.Event()
-            while kill_at or sent < EVENTS:
-                now = time.monotonic()
-                if sent < EVENTS and now >= chunk_at:
-                    enqueue(path, outbox, min(CHUNK, EVENTS - sent), start=sent)
-                    sent += CHUNK
-                    chunk_at += KILL_EVERY * KILLS / (EVENTS / CHUNK)
-                if kill_at and now >= kill_at[0]:
-                    kill_at.pop(0)
-                    # Aim at work in flight: kill once some lease is held (bounded wait).
-                    wait_until(lambda: store.stats(now=None).claimed > 0, 0.5, step=0.002)
-                    fleet.kill(rng.choice(fleet.live()))
-                    fleet.spawn()
-                pause.wait(0.01)
+            chaos(
+                fleet,
+                lambda count, start: enqueue(path, outbox, count, start=start),
+                events=EVENTS,
+                chunk=CHUNK,
+                kills=KILLS,
+                every=KILL_EVERY,
+                rng=rng,
+                # Aim at work in flight: kill once some lease is held (bounded wait).
+                before_kill=lambda: wait_until(
+                    lambda: store.stats(now=None).claimed > 0, 0.5, step=0.002
+                ),
+            )
             exit_codes = fleet.shutdown()
             kills = fleet.kills
             traces = fleet.traces()
