@@ -205,6 +205,30 @@ def settle_values(settlement: Settlement) -> SettleValues:
     raise TypeError(f"unknown settlement {settlement!r}")  # pragma: no cover - closed union
 
 
+def settle_params(
+    claim: Claim,
+    settlement: Settlement,
+    *,
+    error: str | None,
+    now: object,
+    retry_after: Callable[[timedelta], object] = lambda delay: delay,
+) -> dict[str, Any]:
+    """The parameters of a store's one-event ``settle`` statement (R8, fenced by the token):
+    the ``settle_values`` flags, the error, ``now`` and the claim's id and token.
+    ``retry_after`` converts the retry delay to the store's unit."""
+    values = settle_values(settlement)
+    return {
+        "publish": values.publish,
+        "dead": values.dead,
+        "retry_after": None if values.retry_after is None else retry_after(values.retry_after),
+        "keeps_error": values.keeps_error,
+        "error": error,
+        "now": now,
+        "id": claim.event.id,
+        "token": claim.token,
+    }
+
+
 def still_owned(claims: Iterable[Claim], lease_ends: Mapping[str, datetime]) -> list[Claim]:
     """The claims whose token the store extended (``token -> new lease end``), updated."""
     return [

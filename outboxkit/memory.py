@@ -164,11 +164,14 @@ class MemoryTransaction:
 class _MemoryDelivery:
     """A delivery transaction: a MemoryTransaction plus the claim it is fenced by."""
 
-    def __init__(self, store: MemoryStore, claim: Claim, now: datetime) -> None:
+    def __init__(
+        self, store: MemoryStore, claim: Claim, now: datetime, tx: MemoryTransaction | None = None
+    ) -> None:
         self._store = store
         self._claim = claim
         self._now = now
-        self.tx = MemoryTransaction(store, managed=True)
+        # Its own transaction, or (in a batch) the batch's.
+        self.tx = tx if tx is not None else MemoryTransaction(store, managed=True)
 
     @property
     def connection(self) -> MemoryTransaction:
@@ -211,8 +214,7 @@ class _MemoryBatch:
     def delivery(self, claim: Claim, *, now: datetime | None) -> Iterator[_MemoryDelivery]:
         store = self._store
         self._lock(claim)
-        delivery = _MemoryDelivery(store, claim, _now(now))
-        delivery.tx = self.tx
+        delivery = _MemoryDelivery(store, claim, _now(now), self.tx)
         mark = self.tx._pending.mark()
         try:
             yield delivery

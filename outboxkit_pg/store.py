@@ -52,6 +52,7 @@ from outboxkit._storekit import (
     event_from_row,
     prefixed_table_names,
     record_from_row,
+    settle_params,
     settle_values,
     sort_claims,
     still_owned,
@@ -515,12 +516,19 @@ class PostgresStore:
         Raises:
             StoreUnavailable / StoreError: the database failed to begin or commit.
         """
-        with self._connection("open a transaction") as conn:
+        with self._open_transaction("a transaction") as conn:
+            yield conn
+
+    @contextmanager
+    def _open_transaction(self, what: str) -> Iterator[Connection]:
+        """A pooled connection in a psycopg transaction: committed when the block ends, rolled
+        back if it raises; driver errors mapped, naming ``what`` (``transaction``, ``batch``)."""
+        with self._connection(f"open {what}") as conn:
             tx = psycopg.Transaction(conn)
             try:
                 tx.__enter__()
             except psycopg.Error as exc:
-                raise self._error(exc, "begin a transaction", conn) from exc
+                raise self._error(exc, f"begin {what}", conn) from exc
             try:
                 yield conn
             except BaseException as exc:
@@ -530,7 +538,7 @@ class PostgresStore:
             try:
                 tx.__exit__(None, None, None)
             except psycopg.Error as exc:
-                raise self._error(exc, "commit a transaction", conn) from exc
+                raise self._error(exc, f"commit {what}", conn) from exc
 
     def enqueue(self, conn: Any, events: Sequence[NewEvent], *, now: datetime | None) -> list[int]:
         """Insert ``events`` through the app's ``psycopg.Connection``, in its transaction.
@@ -624,23 +632,9 @@ class PostgresStore:
         """One transaction for a claimed batch (``transaction="per_batch"``) on a pooled
         connection: each delivery in a savepoint of it, settlements and lease extensions in
         it, one commit at the end. The rows it delivers stay locked until then."""
-        with self._connection("deliver a batch") as conn:
-            tx = psycopg.Transaction(conn)
-            try:
-                tx.__enter__()
-            except psycopg.Error as exc:
-                raise self._error(exc, "begin a batch", conn) from exc
-            try:
-                yield _Batch(self, conn)
-                _check_usable(conn, self.where, "the batch")
-            except BaseException as exc:
-                if not _abandon(tx, exc):
-                    raise
-                return
-            try:
-                tx.__exit__(None, None, None)
-            except psycopg.Error as exc:
-                raise self._error(exc, "commit the batch", conn) from exc
+        with self._open_transaction("the batch") as conn:
+            yield _Batch(self, conn)
+            _check_usable(conn, self.where, "the batch")
 
     @contextmanager
     def _delivering(
@@ -765,20 +759,9 @@ class PostgresStore:
         error: str | None,
         now: datetime | None,
     ) -> bool:
-        values = settle_values(settlement)
         with conn.cursor() as cur:
             cur.execute(
-                self._queries["settle"],
-                {
-                    "publish": values.publish,
-                    "dead": values.dead,
-                    "retry_after": values.retry_after,
-                    "keeps_error": values.keeps_error,
-                    "error": error,
-                    "now": now,
-                    "id": claim.event.id,
-                    "token": claim.token,
-                },
+                self._queries["settle"], settle_params(claim, settlement, error=error, now=now)
             )
             return cur.rowcount == 1
 
@@ -1036,17 +1019,7 @@ class _Delivery:
     def settle(self, settlement: Settlement, *, error: str | None) -> None:
         """R8 for this event, written with the commit (the ``settle_in_delivery`` capability)."""
         self.check_usable()
-        values = settle_values(settlement)
-        params = {
-            "publish": values.publish,
-            "dead": values.dead,
-            "retry_after": values.retry_after,
-            "keeps_error": values.keeps_error,
-            "error": error,
-            "now": self._now,
-            "id": self._claim.event.id,
-            "token": self._claim.token,
-        }
+        params = settle_params(self._claim, settlement, error=error, now=self._now)
         self._tail.append(("settle", self._store._queries["settle"], params))
 
     def finish(self, frame: _Frame) -> None:

@@ -172,6 +172,29 @@ class Queries:
          WHERE id = :id AND token = :token AND published_at IS NULL AND failed_at IS NULL
     """
 
+    # R8 for several events in one statement, each fenced by its token: :items is a JSON array
+    # of [id, token, publish, dead, retry_after, keeps_error, error] (settle's flags per event).
+    # RETURNING may not name the FROM table, so the settled rows come back by id.
+    settle_many: str = """
+        UPDATE {events}
+           SET published_at = CASE WHEN s.publish THEN :now ELSE published_at END,
+               failed_at = CASE WHEN s.dead THEN :now ELSE failed_at END,
+               available_at = CASE WHEN s.retry_after IS NOT NULL
+                                   THEN :now + s.retry_after ELSE available_at END,
+               last_error = CASE WHEN s.keeps_error THEN s.error ELSE last_error END,
+               locked_until = NULL,
+               token = NULL
+          FROM (SELECT json_extract(value, '$[0]') AS id, json_extract(value, '$[1]') AS token,
+                       json_extract(value, '$[2]') AS publish, json_extract(value, '$[3]') AS dead,
+                       json_extract(value, '$[4]') AS retry_after,
+                       json_extract(value, '$[5]') AS keeps_error,
+                       json_extract(value, '$[6]') AS error
+                  FROM json_each(:items)) AS s
+         WHERE {events}.id = s.id AND {events}.token = s.token
+           AND published_at IS NULL AND failed_at IS NULL
+        RETURNING id
+    """
+
     release: str = """
         UPDATE {events}
            SET locked_until = NULL, token = NULL, attempts = max(0, attempts - 1)

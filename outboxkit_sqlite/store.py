@@ -47,7 +47,7 @@ from outboxkit._storekit import (
     done_from_pairs,
     event_from_row,
     record_from_row,
-    settle_values,
+    settle_params,
     sort_claims,
     still_owned,
 )
@@ -159,6 +159,8 @@ _BEGIN = "BEGIN IMMEDIATE -- outboxkit"
 _COMMIT = "COMMIT -- outboxkit"
 _ROLLBACK = "ROLLBACK -- outboxkit"
 _BEGIN_READ = "BEGIN DEFERRED -- outboxkit"
+# The order of each event's values in settle_many's :items array (see _sql.Queries).
+_SETTLE_MANY_COLUMNS = ("id", "token", "publish", "dead", "retry_after", "keeps_error", "error")
 _SAVEPOINT = "SAVEPOINT outboxkit_delivery"
 _ROLLBACK_TO_SAVEPOINT = "ROLLBACK TO outboxkit_delivery"
 _RELEASE_SAVEPOINT = "RELEASE outboxkit_delivery"
@@ -885,11 +887,18 @@ class SQLiteStore:
         if not items:
             return []
         at = _now(now)
+        rows = [
+            [params[key] for key in _SETTLE_MANY_COLUMNS]
+            for params in (self._settle_params(c, s, e, at) for c, s, e in items)
+        ]
         with self._write(f"settle {len(items)} event(s)") as conn:
-            return [
-                self._settle_on(conn, claim, settlement, error, at)
-                for claim, settlement, error in items
-            ]
+            settled = {
+                row[0]
+                for row in conn.execute(
+                    self._queries.settle_many, {"now": _to_us(at), "items": json.dumps(rows)}
+                )
+            }
+        return [claim.event.id in settled for claim, _, _ in items]
 
     def _settle_on(
         self,
@@ -899,22 +908,20 @@ class SQLiteStore:
         error: str | None,
         at: datetime,
     ) -> bool:
-        values = settle_values(settlement)
-        retry_after = None if values.retry_after is None else values.retry_after // _MICROSECOND
-        cursor = conn.execute(
-            self._queries.settle,
-            {
-                "publish": values.publish,
-                "dead": values.dead,
-                "retry_after": retry_after,
-                "keeps_error": values.keeps_error,
-                "error": error,
-                "now": _to_us(at),
-                "id": claim.event.id,
-                "token": claim.token,
-            },
+        params = self._settle_params(claim, settlement, error, at)
+        return conn.execute(self._queries.settle, params).rowcount == 1
+
+    @staticmethod
+    def _settle_params(
+        claim: Claim, settlement: Settlement, error: str | None, at: datetime
+    ) -> dict[str, Any]:
+        return settle_params(
+            claim,
+            settlement,
+            error=error,
+            now=_to_us(at),
+            retry_after=lambda delay: delay // _MICROSECOND,
         )
-        return cursor.rowcount == 1
 
     def release(self, claims: Sequence[Claim], *, now: datetime | None) -> int:
         if not claims:
