@@ -4,7 +4,8 @@ Both run on the same app connection, one after the other in alternating rounds, 
 every ``--commit-every`` operations (default 1: one app transaction per operation, the way an
 app enqueues). The bare INSERT writes the same columns of the store's own events table with
 plain ``INSERT ... VALUES``. Then ``enqueue_many`` of 100 events vs 100 single ``enqueue`` calls,
-each in one transaction, compared per event.
+each in one transaction, compared per event, next to the same comparison in bare SQL (100
+single INSERTs vs one 100-row INSERT): the ceiling the database itself puts on that ratio.
 
     python bench/enqueue_overhead.py                     # PostgreSQL and SQLite
     python bench/enqueue_overhead.py --backend sqlite --ops 5000 --commit-every 10
@@ -27,6 +28,10 @@ from outboxkit import EventBus, Outbox
 
 TOPIC = "bench.enqueue"
 ROUND = 50  # operations per alternating round
+SQLITE_MANY_HEAD = (
+    "INSERT INTO outbox_events (topic, payload, headers, key, created_at, available_at) VALUES "
+)
+SQLITE_MANY_TAIL = " RETURNING id"
 
 
 def _payload(i: int) -> dict[str, Any]:
@@ -52,6 +57,7 @@ def compare(
     enqueue_one: Callable[[int], object],
     bare_insert: Callable[[int], object],
     enqueue_many: Callable[[int], object],
+    bare_many: Callable[[int], object],
     commit: Callable[[], None],
     args: argparse.Namespace,
 ) -> None:
@@ -65,25 +71,41 @@ def compare(
         f"us/op | ratio {kit / bare:.2f}x ({done} ops each, commit every {args.commit_every})",
         flush=True,
     )
+    kit_single, kit_many = _per_event(enqueue_one, enqueue_many, commit, args.batches)
+    bare_single, bare_batch = _per_event(bare_insert, bare_many, commit, args.batches)
+    print(
+        f"{label}: 100 single enqueues {kit_single * 1e6:7.1f} us/event | enqueue_many(100) "
+        f"{kit_many * 1e6:7.1f} us/event | enqueue_many is {kit_single / kit_many:.1f}x faster "
+        f"per event (median of {args.batches} transactions each)",
+        flush=True,
+    )
+    print(
+        f"{label}: bare SQL, 100 single INSERTs {bare_single * 1e6:7.1f} us/event | one 100-row "
+        f"INSERT {bare_batch * 1e6:7.1f} us/event | {bare_single / bare_batch:.1f}x (the ceiling)",
+        flush=True,
+    )
+
+
+def _per_event(
+    one: Callable[[int], object],
+    many: Callable[[int], object],
+    commit: Callable[[], None],
+    transactions: int,
+) -> tuple[float, float]:
+    """Median seconds per event: 100 ``one`` calls in a transaction, and one ``many(100)``."""
     singles: list[float] = []
     batches: list[float] = []
-    for _ in range(args.batches):
+    for _ in range(transactions):
         started = time.perf_counter()
         for i in range(100):
-            enqueue_one(i)
+            one(i)
         commit()
         singles.append((time.perf_counter() - started) / 100)
         started = time.perf_counter()
-        enqueue_many(100)
+        many(100)
         commit()
         batches.append((time.perf_counter() - started) / 100)
-    s, b = median(singles), median(batches)
-    print(
-        f"{label}: 100 single enqueues {s * 1e6:7.1f} us/event | enqueue_many(100) "
-        f"{b * 1e6:7.1f} us/event | enqueue_many is {s / b:.1f}x faster per event "
-        f"(median of {args.batches} transactions each)",
-        flush=True,
-    )
+    return median(singles), median(batches)
 
 
 def bench_pg(args: argparse.Namespace) -> None:
@@ -102,6 +124,12 @@ def bench_pg(args: argparse.Namespace) -> None:
                 "(topic, payload, headers, key, created_at, available_at) "
                 "VALUES (%s, %s::jsonb, '{{}}'::jsonb, NULL, now(), now()) RETURNING id"
             ).format(sql.Identifier(schema))
+            bare_many_sql = sql.SQL(
+                "INSERT INTO {}.outbox_events "
+                "(topic, payload, headers, key, created_at, available_at) "
+                "SELECT t, p::jsonb, '{{}}'::jsonb, NULL, now(), now() "
+                "FROM unnest(%b::text[], %b::text[]) AS n (t, p) RETURNING id"
+            ).format(sql.Identifier(schema))
             with psycopg.connect(args.pg_url) as conn:
                 outbox.enqueue(conn, TOPIC, _payload(0))  # warm up (schema check, prepare)
                 conn.commit()
@@ -109,11 +137,16 @@ def bench_pg(args: argparse.Namespace) -> None:
                 def bare(i: int) -> None:
                     conn.execute(bare_sql, (TOPIC, json.dumps(_payload(i)))).fetchone()
 
+                def bare_many(n: int) -> None:
+                    payloads = [json.dumps(_payload(i)) for i in range(n)]
+                    conn.execute(bare_many_sql, ([TOPIC] * n, payloads)).fetchall()
+
                 compare(
                     "pg",
                     lambda i: outbox.enqueue(conn, TOPIC, _payload(i)),
                     bare,
                     lambda n: outbox.enqueue_many(conn, [(TOPIC, _payload(i)) for i in range(n)]),
+                    bare_many,
                     conn.commit,
                     args,
                 )
@@ -141,11 +174,20 @@ def bench_sqlite(args: argparse.Namespace) -> None:
                     now = time.time_ns() // 1000
                     conn.execute(bare_sql, (TOPIC, json.dumps(_payload(i)), now, now)).fetchone()
 
+                def bare_many(n: int) -> None:
+                    now = time.time_ns() // 1000
+                    values: list[object] = []
+                    for i in range(n):
+                        values += (TOPIC, json.dumps(_payload(i)), now, now)
+                    rows = ", ".join(["(?, ?, '{}', NULL, ?, ?)"] * n)  # placeholders only
+                    conn.execute(SQLITE_MANY_HEAD + rows + SQLITE_MANY_TAIL, values).fetchall()
+
                 compare(
                     "sqlite",
                     lambda i: outbox.enqueue(conn, TOPIC, _payload(i)),
                     bare,
                     lambda n: outbox.enqueue_many(conn, [(TOPIC, _payload(i)) for i in range(n)]),
+                    bare_many,
                     conn.commit,
                     args,
                 )

@@ -10,6 +10,7 @@ import json
 import math
 from collections.abc import Mapping
 from datetime import timedelta
+from types import MappingProxyType
 from typing import Any
 
 from ._model import NewEvent, UndecodablePayload
@@ -41,17 +42,29 @@ def build_event(
             non-JSON types, cycles) or is larger than ``max_payload_bytes``, headers that are not
             a str->str mapping, a key that is not a string, a negative or non-finite delay.
     """
-    _check_text("topic", topic, MAX_TOPIC_LENGTH, allow_empty=False)
+    if not _plain_text(topic, MAX_TOPIC_LENGTH):
+        _check_text("topic", topic, MAX_TOPIC_LENGTH, allow_empty=False)
     assert isinstance(topic, str)
-    if key is not None:
+    if key is not None and not _plain_text(key, MAX_KEY_LENGTH):
         _check_text("key", key, MAX_KEY_LENGTH, allow_empty=False)
-        assert isinstance(key, str)
+    assert key is None or isinstance(key, str)
     return NewEvent(
-        topic=topic,
-        payload_json=_encode_payload(payload, max_payload_bytes),
-        headers=_check_headers(headers),
-        key=key,
-        delay=_check_delay(delay),
+        topic,
+        _encode_payload(payload, max_payload_bytes),
+        _NO_HEADERS if headers is None else _check_headers(headers),
+        key,
+        _NO_DELAY if delay is None else _check_delay(delay),
+    )
+
+
+def _plain_text(value: object, max_length: int) -> bool:
+    """True for the common case the checks would pass at once: a non-empty ``str`` of ASCII
+    without NUL within ``max_length`` (False sends it through ``_check_text``)."""
+    return (
+        type(value) is str
+        and 0 < len(value) <= max_length
+        and value.isascii()
+        and "\x00" not in value
     )
 
 
@@ -99,9 +112,13 @@ def _check_headers(headers: object) -> Mapping[str, str]:
     return checked
 
 
+_NO_DELAY = timedelta(0)
+_NO_HEADERS: Mapping[str, str] = MappingProxyType({})
+
+
 def _check_delay(delay: object) -> timedelta:
     if delay is None:
-        return timedelta(0)
+        return _NO_DELAY
     if isinstance(delay, timedelta):
         seconds = delay.total_seconds()
     elif isinstance(delay, int | float) and not isinstance(delay, bool):
@@ -115,18 +132,60 @@ def _check_delay(delay: object) -> timedelta:
     return delay if isinstance(delay, timedelta) else timedelta(seconds=seconds)
 
 
+_dumps = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode
+
+
 def _encode_payload(payload: object, max_bytes: int) -> str:
-    _check_json(payload, "payload", 0, set())
-    # The walk above already refused NaN, cycles and foreign types; what is left to fail is an
-    # int longer than Python's int-to-str digit limit (sys.get_int_max_str_digits).
+    """The payload as compact JSON text, or ``InvalidEvent`` naming where it is not plain JSON.
+
+    The fast path lets the C encoder do the checking: it refuses NaN, cycles and foreign
+    types itself, a lone surrogate fails the UTF-8 encoding the size check needs anyway, and a
+    NUL can only show up in the text as an escape. What the encoder would let through silently
+    (non-string keys, which it turns into strings, and nesting past ``_MAX_DEPTH``) is checked by
+    ``_plain_shape`` first. Anything suspicious goes to ``_check_json``, the precise walk that
+    names the bad part.
+    """
+    if not _plain_shape(payload, 0):
+        _check_json(payload, "payload", 0, set())
     try:
-        text = json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    except ValueError as exc:
+        text = _dumps(payload)
+        encoded = text.encode("utf-8")
+    except (TypeError, ValueError, RecursionError) as exc:  # UnicodeEncodeError is a ValueError
+        _check_json(payload, "payload", 0, set())
+        # The walk found nothing: what is left to fail is an int longer than Python's
+        # int-to-str digit limit (sys.get_int_max_str_digits).
         raise InvalidEvent(f"payload cannot be encoded as JSON: {exc}") from None
-    size = len(text.encode("utf-8"))
+    if "\\u0000" in text:  # a NUL escaped, or a literal backslash-u0000: the walk tells which
+        _check_json(payload, "payload", 0, set())
+    size = len(encoded)
     if size > max_bytes:
         raise InvalidEvent(f"payload is {size} bytes encoded; max_payload_bytes is {max_bytes}")
     return text
+
+
+_SCALARS = frozenset({str, int, float, bool, type(None)})
+
+
+def _plain_shape(value: object, depth: int) -> bool:
+    """True if ``value`` is built of exactly dict, list, tuple and JSON's scalar types (no
+    subclasses), every object key is a ``str`` and nothing nests deeper than ``_MAX_DEPTH``
+    (a cycle, too, ends as too deep). False sends the payload through the precise walk."""
+    kind = type(value)
+    if depth >= _MAX_DEPTH and (kind not in _SCALARS or depth > _MAX_DEPTH):
+        return False  # a container this deep, whose items would be too deep: let the walk say
+    if kind is dict:
+        for name, item in value.items():  # type: ignore[attr-defined]
+            if type(name) is not str:
+                return False
+            if type(item) not in _SCALARS and not _plain_shape(item, depth + 1):
+                return False
+    elif kind is list or kind is tuple:
+        for item in value:  # type: ignore[attr-defined]
+            if type(item) not in _SCALARS and not _plain_shape(item, depth + 1):
+                return False
+    elif kind not in _SCALARS:
+        return False
+    return True
 
 
 def _check_json(value: object, path: str, depth: int, seen: set[int]) -> None:

@@ -21,6 +21,7 @@ __all__ = [
     "IDENTIFIER",
     "SettleValues",
     "decode_headers",
+    "encode_headers",
     "event_from_row",
     "prefixed_table_names",
     "record_from_row",
@@ -111,6 +112,11 @@ def prefixed_table_names(prefix: object) -> tuple[str, str, str]:
     for name in names:
         validate_identifier(name, "table_prefix")
     return names
+
+
+def encode_headers(headers: Mapping[str, str]) -> str:
+    """Validated headers (``build_event``) as the JSON object text a store keeps."""
+    return json.dumps(dict(headers), ensure_ascii=False, separators=(",", ":")) if headers else "{}"
 
 
 def decode_headers(raw: str | bytes | Mapping[str, str] | None) -> dict[str, str]:

@@ -221,24 +221,26 @@ class Outbox:
             StoreError: the store failed to write.
         """
         built: list[NewEvent] = []
+        limit = self.max_payload_bytes
         for index, item in enumerate(events):
-            if isinstance(item, tuple) and len(item) == 2:
-                item = Message(item[0], item[1])
-            if not isinstance(item, Message):
-                raise InvalidEvent(
-                    f"event #{index}: expected a Message or a (topic, payload) pair, got {item!r:.80}"
-                )
             try:
-                built.append(
-                    build_event(
-                        item.topic,
-                        item.payload,
-                        headers=item.headers,
-                        key=item.key,
-                        delay=item.delay,
-                        max_payload_bytes=self.max_payload_bytes,
+                if isinstance(item, tuple) and len(item) == 2:
+                    built.append(build_event(item[0], item[1], max_payload_bytes=limit))
+                elif isinstance(item, Message):
+                    built.append(
+                        build_event(
+                            item.topic,
+                            item.payload,
+                            headers=item.headers,
+                            key=item.key,
+                            delay=item.delay,
+                            max_payload_bytes=limit,
+                        )
                     )
-                )
+                else:
+                    raise InvalidEvent(
+                        f"expected a Message or a (topic, payload) pair, got {item!r:.80}"
+                    )
             except InvalidEvent as exc:
                 raise InvalidEvent(f"event #{index}: {exc}") from None
         if not built:
@@ -277,6 +279,8 @@ class Outbox:
 
     def wake(self) -> None:
         """Nudge this process's pollers to poll now instead of at their next interval."""
+        if not self._waiters:  # no poller in this process (the usual app): nothing to nudge
+            return
         with self._waiters_lock:
             waiters = list(self._waiters)
         for waiter in waiters:

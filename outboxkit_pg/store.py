@@ -49,6 +49,7 @@ from outboxkit._machine import Settlement
 from outboxkit._model import Claim, DeadLetter, DeliveryRecord, Event, NewEvent, Outcome, Stats
 from outboxkit._storekit import (
     done_from_pairs,
+    encode_headers,
     event_from_row,
     prefixed_table_names,
     record_from_row,
@@ -577,16 +578,31 @@ class PostgresStore:
     def _insert(
         self, conn: Connection, events: Sequence[NewEvent], now: datetime | None
     ) -> list[int]:
+        if len(events) == 1:
+            (event,) = events
+            with conn.cursor(row_factory=tuple_row) as cur:
+                cur.execute(
+                    self._queries["enqueue_one"],
+                    {
+                        "now": now,
+                        "topic": event.topic,
+                        "payload": event.payload_json,
+                        "headers": encode_headers(event.headers),
+                        "key": event.key,
+                        "delay": event.delay,
+                        "channel": self.names.channel,
+                        "notify": self._notify,
+                    },
+                )
+                row = cur.fetchone()
+            assert row is not None  # an INSERT ... VALUES ... RETURNING returns its row
+            return [row[0]]
         rows = _fetch(
             conn,
             self._queries["enqueue"],
             {
                 "now": now,
-                "topics": [e.topic for e in events],
-                "payloads": [e.payload_json for e in events],
-                "headers": [json.dumps(dict(e.headers)) for e in events],
-                "keys": [e.key for e in events],
-                "delays": [e.delay for e in events],
+                "events": _batch_document(events),
                 "channel": self.names.channel,
                 "notify": self._notify,
             },
@@ -1119,6 +1135,25 @@ def _fetch(conn: Connection, query: bytes, params: Mapping[str, Any] | None) -> 
     with conn.cursor(row_factory=tuple_row) as cur:
         cur.execute(query, params)
         return cur.fetchall() if cur.description is not None else []
+
+
+_json_text = json.JSONEncoder(ensure_ascii=False).encode
+_MICROSECOND = timedelta(microseconds=1)
+
+
+def _batch_document(events: Sequence[NewEvent]) -> str:
+    """The ``enqueue`` statement's parameter: a JSON array of ``[topic, payload, headers, key,
+    delay_us]``, one per event, built from the already-encoded payloads (no re-encoding; each
+    distinct topic is encoded once)."""
+    topics = {topic: _json_text(topic) for topic in {e.topic for e in events}}
+    return "[{}]".format(
+        ",".join(
+            f"[{topics[e.topic]},{e.payload_json},{encode_headers(e.headers)},"
+            f"{'null' if e.key is None else _json_text(e.key)},"
+            f"{e.delay // _MICROSECOND if e.delay else 0}]"
+            for e in events
+        )
+    )
 
 
 def _event(row: Row) -> Event:

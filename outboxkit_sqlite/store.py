@@ -45,6 +45,7 @@ from outboxkit._machine import Settlement
 from outboxkit._model import Claim, DeadLetter, DeliveryRecord, Event, NewEvent, Outcome, Stats
 from outboxkit._storekit import (
     done_from_pairs,
+    encode_headers,
     event_from_row,
     record_from_row,
     settle_params,
@@ -416,6 +417,7 @@ class SQLiteStore:
             )
         self.wal_warn_bytes = wal_warn_bytes
         self._queries = Queries.build(self.tables)
+        self._insert_one = self._queries.insert_events(1)
         self.memory = os.fspath(path) == MEMORY
         capabilities = {
             "transactional_handlers",
@@ -709,26 +711,22 @@ class SQLiteStore:
             SchemaError: the connection's database has no outboxkit tables.
             StoreError: SQLite failed (the app's transaction is left to the app).
         """
-        target = _app_connection(conn)
-        if not events:
-            return []
-        return self._insert(target, events, _now(now))
+        return self._insert(_app_connection(conn), events, now)
 
     def _insert(
-        self, conn: sqlite3.Connection, events: Sequence[NewEvent], at: datetime
+        self, conn: sqlite3.Connection, events: Sequence[NewEvent], now: datetime | None
     ) -> list[int]:
-        created = _to_us(at)
-        rows = [
-            (
-                e.topic,
-                e.payload_json,
-                json.dumps(dict(e.headers), ensure_ascii=False, separators=(",", ":")),
-                e.key,
-                created,
-                _to_us(at + e.delay),
-            )
-            for e in events
-        ]
+        if not events:
+            return []
+        # The store's clock is the system clock: microseconds straight from it.
+        created = _to_us(now) if now is not None else time.time_ns() // 1000
+        if len(events) == 1:  # Outbox.enqueue, the hot path: one cached statement, no chunking
+            try:
+                (event_id,) = conn.execute(self._insert_one, _row(events[0], created)).fetchone()
+            except sqlite3.Error as exc:
+                raise self._store_error(exc, "enqueue 1 event") from exc
+            return [event_id]
+        rows = [_row(e, created) for e in events]
         ids: list[int] = []
         with self._mapped(f"enqueue {len(rows)} event(s)"):
             per_statement = max(
@@ -1068,6 +1066,19 @@ def _event(row: Sequence[Any]) -> Event:
         failed_at=_from_us_or_none(row[9]),
         locked_until=_from_us_or_none(row[10]),
         last_error=row[11],
+    )
+
+
+def _row(event: NewEvent, created: int) -> tuple[Any, ...]:
+    """The ``insert_events`` values of one event, created at ``created`` (microseconds)."""
+    available = created + event.delay // _MICROSECOND if event.delay else created
+    return (
+        event.topic,
+        event.payload_json,
+        encode_headers(event.headers),
+        event.key,
+        created,
+        available,
     )
 
 

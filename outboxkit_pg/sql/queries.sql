@@ -3,7 +3,8 @@
 -- Identifiers are slots: {schema}, {events}, {deliveries}, {versions} (schema-qualified tables),
 -- {due_index} and friends (index names) and {channel}; outboxkit_pg fills them with
 -- psycopg.sql.Identifier, after validate_identifier. Values are always bound parameters,
--- %(name)s. Comment lines (starting with two dashes) are dropped by the loader, so they may
+-- %(name)s; arrays as %(name)b, in binary (psycopg's text format escapes every element of
+-- a text array through a regular expression: milliseconds per hundred). Comment lines (starting with two dashes) are dropped by the loader, so they may
 -- say anything.
 --
 -- Time: every statement that needs "now" takes it as %(now)s and falls back to the database
@@ -114,18 +115,27 @@ CREATE CONSTRAINT TRIGGER {guard_trigger}
 
 
 -- name: enqueue
--- R1: one statement for the whole batch, through the caller's connection. The arrays are
--- zipped by unnest; ids follow the batch order. The notification (no event data in it) is
--- queued by the same statement and delivered by PostgreSQL only when the caller commits; the
--- scalar subquery runs once per statement.
+-- R1: one statement for the whole batch, through the caller's connection. The batch comes as
+-- one JSON document, an array of [topic, payload, headers, key, delay in microseconds] per
+-- event (one text parameter: psycopg adapts a list parameter element by element in Python,
+-- which cost more than PostgreSQL parsing the document). Ids follow the batch order. The
+-- notification (no event data in it) is queued by the same statement and delivered by
+-- PostgreSQL only when the caller commits; the scalar subquery runs once per statement.
 INSERT INTO {events} (topic, payload, headers, key, created_at, available_at)
-SELECT n.topic, n.payload::jsonb, n.headers::jsonb, n.key,
+SELECT n.e ->> 0, n.e -> 1, n.e -> 2, n.e ->> 3,
        coalesce(%(now)s::timestamptz, now()),
-       coalesce(%(now)s::timestamptz, now()) + n.delay
-  FROM unnest(%(topics)s::text[], %(payloads)s::text[], %(headers)s::text[],
-              %(keys)s::text[], %(delays)s::interval[])
-       WITH ORDINALITY AS n (topic, payload, headers, key, delay, position)
+       coalesce(%(now)s::timestamptz, now()) + (n.e ->> 4)::bigint * interval '1 microsecond'
+  FROM jsonb_array_elements(%(events)s::jsonb) WITH ORDINALITY AS n (e, position)
  ORDER BY n.position
+RETURNING id, (SELECT pg_notify(%(channel)s, '') WHERE %(notify)s::boolean)
+
+-- name: enqueue_one
+-- R1 for a single event (Outbox.enqueue): the same row and notification as `enqueue`, as a plain
+-- VALUES insert; the unnest plan costs a fifth of a millisecond more on every call.
+INSERT INTO {events} (topic, payload, headers, key, created_at, available_at)
+VALUES (%(topic)s, %(payload)s::jsonb, %(headers)s::jsonb, %(key)s::text,
+        coalesce(%(now)s::timestamptz, now()),
+        coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval)
 RETURNING id, (SELECT pg_notify(%(channel)s, '') WHERE %(notify)s::boolean)
 
 -- name: claim
@@ -181,8 +191,8 @@ RETURNING set_config('outboxkit.open_delivery', '', true)
 -- R13: every claim of the batch in one statement, fenced by its token.
 UPDATE {events} AS e
    SET locked_until = coalesce(%(now)s::timestamptz, now()) + %(lease)s::interval
-  FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS c (id, token)
- WHERE e.id = ANY(%(ids)s::bigint[])
+  FROM unnest(%(ids)b::bigint[], %(tokens)b::uuid[]) AS c (id, token)
+ WHERE e.id = ANY(%(ids)b::bigint[])
    AND e.id = c.id
    AND e.claim_token = c.token
    AND e.published_at IS NULL
@@ -223,11 +233,11 @@ UPDATE {events} AS e
        last_error = CASE WHEN s.keeps_error THEN s.error ELSE e.last_error END,
        locked_until = NULL,
        claim_token = NULL
-  FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(publish)s::boolean[],
-              %(dead)s::boolean[], %(retry_after)s::interval[], %(keeps_error)s::boolean[],
-              %(errors)s::text[])
+  FROM unnest(%(ids)b::bigint[], %(tokens)b::uuid[], %(publish)b::boolean[],
+              %(dead)b::boolean[], %(retry_after)b::interval[], %(keeps_error)b::boolean[],
+              %(errors)b::text[])
        AS s (id, token, publish, dead, retry_after, keeps_error, error)
- WHERE e.id = ANY(%(ids)s::bigint[])
+ WHERE e.id = ANY(%(ids)b::bigint[])
    AND e.id = s.id
    AND e.claim_token = s.token
    AND e.published_at IS NULL
@@ -240,8 +250,8 @@ UPDATE {events} AS e
    SET locked_until = NULL,
        claim_token = NULL,
        attempts = greatest(e.attempts - 1, 0)
-  FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS c (id, token)
- WHERE e.id = ANY(%(ids)s::bigint[])
+  FROM unnest(%(ids)b::bigint[], %(tokens)b::uuid[]) AS c (id, token)
+ WHERE e.id = ANY(%(ids)b::bigint[])
    AND e.id = c.id
    AND e.claim_token = c.token
    AND e.published_at IS NULL
@@ -256,7 +266,7 @@ UPDATE {events}
        available_at = coalesce(%(now)s::timestamptz, now()),
        locked_until = NULL,
        claim_token = NULL
- WHERE id = ANY(%(ids)s::bigint[])
+ WHERE id = ANY(%(ids)b::bigint[])
    AND failed_at IS NOT NULL
 RETURNING id
 
@@ -288,7 +298,7 @@ SELECT id, topic, payload::text, headers::text, key, created_at, available_at, a
 -- name: records
 SELECT event_id, handler, outcome, attempt, recorded_at, reason
   FROM {deliveries}
- WHERE event_id = ANY(%(ids)s::bigint[])
+ WHERE event_id = ANY(%(ids)b::bigint[])
  ORDER BY seq
 
 -- name: purge_published
@@ -305,7 +315,7 @@ DELETE FROM {events}
  WHERE id IN (SELECT id
                 FROM {events}
                WHERE failed_at IS NOT NULL
-                 AND (%(ids)s::bigint[] IS NULL OR id = ANY(%(ids)s::bigint[]))
+                 AND (%(ids)b::bigint[] IS NULL OR id = ANY(%(ids)b::bigint[]))
                  AND (%(before)s::timestamptz IS NULL OR failed_at < %(before)s::timestamptz)
                ORDER BY failed_at, id
                LIMIT %(limit)s)

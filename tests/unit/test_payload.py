@@ -9,9 +9,11 @@ from decimal import Decimal
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from outboxkit import EventBus, FrozenClock, InvalidEvent, MemoryStore, Message, Outbox
-from outboxkit._payload import DEFAULT_MAX_PAYLOAD_BYTES, build_event, decode_payload
+from outboxkit._payload import DEFAULT_MAX_PAYLOAD_BYTES, _check_json, build_event, decode_payload
 
 
 @dataclass(frozen=True)
@@ -321,3 +323,84 @@ def test_enqueue_many_validates_everything_before_writing(
     event = store.get(good[0])
     assert event is not None
     assert event.topic == "ok"
+
+
+# -- the fast path agrees with the precise walk -------------------------------------------------
+
+
+def _reference_encode(payload: object) -> str:
+    """The validation as the precise walk alone does it (the fast path's oracle)."""
+    _check_json(payload, "payload", 0, set())
+    return json.dumps(payload, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+class _Str(str):
+    pass
+
+
+class _Int(int):
+    pass
+
+
+class _Dict(dict[Any, Any]):
+    pass
+
+
+_awkward_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(),  # NaN and infinities included
+    st.text(),  # NUL, lone surrogates included
+    st.sampled_from(["\\u0000", "a\x00b", "\ud800", "é", "", _Str("s"), _Int(3)]),
+    st.sampled_from([Decimal("1.5"), b"x", {1, 2}, datetime(2026, 1, 1, tzinfo=UTC)]),
+)
+_awkward_keys = st.one_of(
+    st.text(max_size=5), st.integers(), st.none(), st.booleans(), st.just(_Str("k"))
+)
+_awkward = st.recursive(
+    _awkward_scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4),
+        st.lists(inner, max_size=4).map(tuple),
+        st.dictionaries(_awkward_keys, inner, max_size=4),
+        st.dictionaries(_awkward_keys, inner, max_size=2).map(_Dict),
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=1500, deadline=None)
+@given(_awkward)
+def test_the_fast_path_agrees_with_the_precise_walk(payload: object) -> None:
+    """``build_event`` lets the C encoder check the common case and sends anything odd through
+    the walk; on any payload it accepts exactly what the walk accepts, encodes it to the same
+    text, and refuses the rest with the walk's own message."""
+    try:
+        expected: str | None = _reference_encode(payload)
+        expected_error = None
+    except InvalidEvent as exc:
+        expected, expected_error = None, str(exc)
+    try:
+        got = build_event("t", payload).payload_json
+    except InvalidEvent as exc:
+        assert expected_error is not None, f"refused a payload the walk accepts: {exc}"
+        assert str(exc) == expected_error
+    else:
+        assert got == expected
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [_nested(201), _cyclic_dict, _cyclic_list, {"a": [{"b": {1: 2}}]}, {"k": "\\u0000"}],
+    ids=["too-deep", "cyclic-dict", "cyclic-list", "nested-int-key", "literal-backslash-u0000"],
+)
+def test_the_fast_path_agrees_on_the_awkward_shapes(payload: object) -> None:
+    try:
+        expected: str | None = _reference_encode(payload)
+    except InvalidEvent as exc:
+        with pytest.raises(InvalidEvent) as caught:
+            build_event("t", payload)
+        assert str(caught.value) == str(exc)
+    else:
+        assert build_event("t", payload).payload_json == expected
