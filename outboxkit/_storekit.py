@@ -120,7 +120,7 @@ def encode_headers(headers: Mapping[str, str]) -> str:
 
 
 def decode_headers(raw: str | bytes | Mapping[str, str] | None) -> dict[str, str]:
-    if raw is None:
+    if raw is None or raw == "{}":  # no headers, as nearly every event has
         return {}
     if isinstance(raw, Mapping):
         return dict(raw)

@@ -232,12 +232,12 @@ class Poller:
                 f"transaction='per_batch' needs a store with the 'batched_delivery' capability; "
                 f"{outbox.store!r} has {sorted(capabilities)}"
             )
-        # How events are settled, cheapest first for the store at hand: per event, a store with
-        # batched_settle settles the round's events together when the round ends (the commit of
-        # each delivery stays small); else, where the store can, in the transaction of the
-        # event's last delivery (one commit per event); else in a transaction of its own. In a
-        # batch, in the last delivery's savepoint where the store can.
-        self._defer = not self._batched and "batched_settle" in capabilities
+        # How events are settled, cheapest first for the store at hand: a store with
+        # batched_settle settles the round's events together when the round ends (per event:
+        # after the last delivery, so each delivery's commit stays small; in a batch: in the
+        # batch's transaction, before it commits); else, where the store can, in the
+        # transaction (or savepoint) of the event's last delivery; else on its own.
+        self._defer = "batched_settle" in capabilities
         self._fold = not self._defer and "settle_in_delivery" in capabilities
 
     def __repr__(self) -> str:
@@ -296,21 +296,23 @@ class Poller:
             outbox.emit(Claimed(claim.event.id, claim.event.topic, claim.attempt))
         rnd = _Round(outbox.store, list(claims), deadlines, report)
         try:
+            rnd.pending = [] if self._defer else None
             if self._batched:
                 rnd.written = []
                 with outbox.store.batch(now=outbox.store_now()) as batch:  # type: ignore[attr-defined]
                     rnd.ops = batch
                     self._deliver_all(rnd)
+                    if rnd.pending:  # in the batch's transaction: void if it rolls back
+                        self._settle_pending(rnd)
                 # Committed: only now are the batch's settlements true.
                 for claim, settlement, error in rnd.written:
                     self._announce(claim, settlement, error, report)
             else:
-                rnd.pending = [] if self._defer else None
                 try:
                     self._deliver_all(rnd)
                 finally:
                     if rnd.pending:
-                        self._settle_pending(rnd.pending, report)
+                        self._settle_pending(rnd)
         finally:
             # Stopping, or a handler raised BaseException: hand back the unstarted claims (after
             # a batch has ended: its transaction may hold their rows).
@@ -327,16 +329,20 @@ class Poller:
             claim = rnd.remaining.pop(0)
             self._process(rnd, claim)
 
-    def _settle_pending(self, pending: list[_Settled], report: PollReport) -> None:
+    def _settle_pending(self, rnd: _Round) -> None:
         """Write the round's deferred settlements in one ``settle_many`` (R8, each fenced by
-        its token), then announce them."""
-        store: Any = self.outbox.store
-        done = store.settle_many(pending, now=self.outbox.store_now())
+        its token) through the round's store or batch, then announce them (a batch's once it
+        commits)."""
+        pending = rnd.pending or []
+        ops: Any = rnd.ops
+        done = ops.settle_many(pending, now=self.outbox.store_now())
         for (claim, settlement, error), ok in zip(pending, done, strict=True):
-            if ok:
-                self._announce(claim, settlement, error, report)
+            if not ok:
+                self._lease_lost(claim, rnd.report, None)
+            elif rnd.written is not None:
+                rnd.written.append((claim, settlement, error))
             else:
-                self._lease_lost(claim, report, None)
+                self._announce(claim, settlement, error, rnd.report)
         pending.clear()
 
     def _process(self, rnd: _Round, claim: Claim) -> None:

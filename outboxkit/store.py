@@ -54,7 +54,10 @@ A store declaring ``batched_settle`` also has ``settle_many(items, *, now) -> li
 ``items`` are ``(claim, settlement, error)`` triples, settled as ``settle`` would (each fenced by
 its token) in one transaction; the result says which were. A poller delivering per event then
 settles a round's events together when the round ends, so each delivery's commit carries only
-the handler's writes and the record (the cheapest per-event shape on both SQL stores).
+the handler's writes and the record (the cheapest per-event shape on both SQL stores). If the
+store also declares ``batched_delivery``, its ``BatchTransaction`` has the same ``settle_many``,
+writing inside the batch's transaction: a poller running ``transaction="per_batch"`` settles the
+batch's events in one statement just before the batch commits.
 """
 
 

@@ -654,7 +654,7 @@ class PostgresStore:
 
     @contextmanager
     def _delivering(
-        self, conn: Connection, claim: Claim, now: datetime | None, frame: _Frame | None = None
+        self, conn: Connection, claim: Claim, now: datetime | None, batch: _Batch | None = None
     ) -> Iterator[_Delivery]:
         """A delivery on ``conn``: its own transaction (``frame`` None) or a savepoint of the
         batch's, the event row locked and the token checked; committed (released) on a normal
@@ -663,18 +663,30 @@ class PostgresStore:
         Round trips: the transaction (or savepoint) opens in the same pipeline sync as the row
         lock, and the record, the settlement and the COMMIT go in one more sync at the end
         (psycopg's pipeline mode, prepared statements): a one-handler event costs the handler's
-        own statements plus two.
+        own statements plus two. In a ``batch`` the delivery is a savepoint of the batch's
+        transaction, and the commit guard is queued once per batch (``guard_batch``), not per
+        delivery.
         """
-        frame = frame or (_TRANSACTION if conn.autocommit else _IMPLICIT)
+        if batch is None:
+            frame = _TRANSACTION if conn.autocommit else _IMPLICIT
+            lock = self._queries["lock_for_delivery"]
+        else:
+            frame, lock = _SAVEPOINT, self._queries["lock_in_batch"]
         doing = f"deliver event {claim.event.id}"
         params = {"id": claim.event.id, "token": claim.token}
         try:
             with conn.cursor(row_factory=tuple_row) as cur:
+                guard: psycopg.Cursor[Any] | None = None
                 with conn.pipeline():
+                    if batch is not None and not batch.guarded:
+                        guard = conn.cursor()
+                        guard.execute(self._queries["guard_batch"], params)
                     if frame.begin:
                         conn.execute(frame.begin)
-                    cur.execute(self._queries["lock_for_delivery"], params)
+                    cur.execute(lock, params)
                 owned = cur.fetchall()
+                if guard is not None and batch is not None and guard.rowcount == 1:
+                    batch.guarded = True
         except BaseException as exc:
             _abort(conn, frame)
             if isinstance(exc, psycopg.Error):
@@ -749,9 +761,23 @@ class PostgresStore:
         which of them were settled, in order."""
         if not items:
             return []
+        doing = f"settle {len(items)} event(s)"
+        try:
+            with self._connection(doing) as conn:
+                return self._settle_many_on(conn, items, now)
+        except psycopg.Error as exc:
+            raise self._error(exc, doing) from exc
+
+    def _settle_many_on(
+        self,
+        conn: Connection,
+        items: Sequence[tuple[Claim, Settlement, str | None]],
+        now: datetime | None,
+    ) -> list[bool]:
         values = [settle_values(settlement) for _, settlement, _ in items]
-        rows, _ = self._run(
-            "settle_many",
+        rows = _fetch(
+            conn,
+            self._queries["settle_many"],
             {
                 "now": now,
                 "ids": [claim.event.id for claim, _, _ in items],
@@ -762,10 +788,9 @@ class PostgresStore:
                 "keeps_error": [v.keeps_error for v in values],
                 "errors": [error for _, _, error in items],
             },
-            f"settle {len(items)} event(s)",
         )
         settled = {row[0] for row in rows}
-        return [claim.token in settled for claim, _, _ in items]
+        return [claim.event.id in settled for claim, _, _ in items]
 
     def _settle_on(
         self,
@@ -947,15 +972,16 @@ def _abort(conn: Connection, frame: _Frame) -> None:
 class _Batch:
     """One transaction for a claimed batch (see ``PostgresStore.batch``)."""
 
-    __slots__ = ("_conn", "_store")
+    __slots__ = ("_conn", "_store", "guarded")
 
     def __init__(self, store: PostgresStore, conn: Connection) -> None:
         self._store = store
         self._conn = conn
+        self.guarded = False  # the commit guard's trigger is queued in this transaction
 
     def delivery(self, claim: Claim, *, now: datetime | None) -> AbstractContextManager[_Delivery]:
         self._check_open()
-        return self._store._delivering(self._conn, claim, now, _SAVEPOINT)
+        return self._store._delivering(self._conn, claim, now, self)
 
     def _check_open(self) -> None:
         """A batch whose transaction a handler ended would run every later step outside it
@@ -976,6 +1002,18 @@ class _Batch:
             return self._store._settle_on(self._conn, claim, settlement, error, now)
         except psycopg.Error as exc:
             raise self._store._error(exc, f"settle event {claim.event.id}", self._conn) from exc
+
+    def settle_many(
+        self, items: Sequence[tuple[Claim, Settlement, str | None]], *, now: datetime | None
+    ) -> list[bool]:
+        """``PostgresStore.settle_many`` inside the batch's transaction."""
+        if not items:
+            return []
+        self._check_open()
+        try:
+            return self._store._settle_many_on(self._conn, items, now)
+        except psycopg.Error as exc:
+            raise self._store._error(exc, f"settle {len(items)} event(s)", self._conn) from exc
 
     def extend(
         self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None

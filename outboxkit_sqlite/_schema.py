@@ -7,6 +7,8 @@ once serialize and exactly one of them migrates; sqlite-utils nests its own writ
 Version 1: the events table (``AUTOINCREMENT`` ids, never reused after a purge), the delivery
 records (primary key ``(event_id, handler)``) and the version table. Version 2: the indexes the hot
 path and the operations use (due events in claim order, tokens, dead and published events).
+Version 3: the token index is dropped; extend and release reach their rows by id (the claim set a
+token and the settle cleared it, so every claim and every settle paid for that index).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from ._sql import TableNames
 
 __all__ = ["SCHEMA_VERSION", "current_version", "migrate"]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 
 def current_version(conn: sqlite3.Connection, tables: TableNames) -> int:
@@ -138,7 +140,12 @@ def _v2_indexes(db: Database, tables: TableNames) -> None:
         db.execute(statement.format(**tables.placeholders()))
 
 
+def _v3_no_token_index(db: Database, tables: TableNames) -> None:
+    db.execute("DROP INDEX IF EXISTS {events_token}".format(**tables.placeholders()))
+
+
 _STEPS: tuple[tuple[int, Callable[[Database, TableNames], None]], ...] = (
     (1, _v1_tables),
     (2, _v2_indexes),
+    (3, _v3_no_token_index),
 )

@@ -152,9 +152,13 @@ class Queries:
         VALUES (:event_id, :handler, :outcome, :attempt, :recorded_at, :reason)
     """
 
+    # extend and release reach their rows through the primary key (:ids) and are fenced by the
+    # tokens: a token is unique to one claim of one event, so a row whose id is listed and whose
+    # token is listed is exactly a row one of these claims still holds.
     extend: str = """
         UPDATE {events} SET locked_until = :lease_end
-         WHERE token IN (SELECT value FROM json_each(:tokens))
+         WHERE id IN (SELECT value FROM json_each(:ids))
+           AND token IN (SELECT value FROM json_each(:tokens))
            AND published_at IS NULL AND failed_at IS NULL
         RETURNING token, locked_until
     """
@@ -198,7 +202,8 @@ class Queries:
     release: str = """
         UPDATE {events}
            SET locked_until = NULL, token = NULL, attempts = max(0, attempts - 1)
-         WHERE token IN (SELECT value FROM json_each(:tokens))
+         WHERE id IN (SELECT value FROM json_each(:ids))
+           AND token IN (SELECT value FROM json_each(:tokens))
            AND published_at IS NULL AND failed_at IS NULL
     """
 

@@ -167,6 +167,24 @@ _ROLLBACK_TO_SAVEPOINT = "ROLLBACK TO outboxkit_delivery"
 _RELEASE_SAVEPOINT = "RELEASE outboxkit_delivery"
 
 
+class _Mapped:
+    """``SQLiteStore._mapped``: a plain class, not a generator context manager (the hot path
+    enters several per event)."""
+
+    __slots__ = ("_store", "_what")
+
+    def __init__(self, store: SQLiteStore, what: str) -> None:
+        self._store = store
+        self._what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
+        if isinstance(exc, sqlite3.Error):
+            raise self._store._store_error(exc, self._what) from exc
+
+
 class _StoreConnection(sqlite3.Connection):
     """A store connection: only the store begins, commits and rolls back its transactions.
 
@@ -343,6 +361,15 @@ class _Batch:
     ) -> bool:
         with self._store._mapped(f"settle event {claim.event.id}"):
             return self._store._settle_on(self._conn, claim, settlement, error, _now(now))
+
+    def settle_many(
+        self, items: Sequence[tuple[Claim, Settlement, str | None]], *, now: datetime | None
+    ) -> list[bool]:
+        """``SQLiteStore.settle_many`` inside the batch's transaction."""
+        if not items:
+            return []
+        with self._store._mapped(f"settle {len(items)} event(s)"):
+            return self._store._settle_many_on(self._conn, items, _now(now))
 
     def extend(
         self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None
@@ -553,20 +580,16 @@ class SQLiteStore:
             return StoreUnavailable(message)
         return StoreError(message)
 
-    @contextmanager
-    def _mapped(self, what: str) -> Iterator[None]:
-        """Map sqlite3 errors raised inside the block into outboxkit's errors."""
-        try:
-            yield
-        except sqlite3.Error as exc:
-            raise self._store_error(exc, what) from exc
+    def _mapped(self, what: str) -> _Mapped:
+        """A block whose sqlite3 errors become outboxkit's errors, naming ``what``."""
+        return _Mapped(self, what)
 
     def _begin(self, conn: _StoreConnection) -> None:
-        _retry_busy(lambda: conn.control(_BEGIN), busy_timeout=self.busy_timeout)
+        self._control(conn, _BEGIN)
 
     def _commit(self, conn: _StoreConnection) -> None:
         """Commit a write transaction (and look at the WAL's size, now and then)."""
-        _retry_busy(lambda: conn.control(_COMMIT), busy_timeout=self.busy_timeout)
+        self._control(conn, _COMMIT)
         if time.monotonic() >= self._wal_check_at:  # the hot path's only cost
             self._check_wal(conn)
 
@@ -610,6 +633,19 @@ class SQLiteStore:
             )
         finally:
             self._wal_lock.release()
+
+    def _control(self, conn: _StoreConnection, statement: str) -> None:
+        """``conn.control(statement)``, retried while SQLite answers busy (``_retry_busy``),
+        within ``busy_timeout`` in all."""
+        started = time.monotonic()
+        try:
+            conn.control(statement)
+            return
+        except sqlite3.OperationalError as exc:
+            waited = time.monotonic() - started
+            if not _is_busy(exc) or waited >= self.busy_timeout:
+                raise
+        _retry_busy(lambda: conn.control(statement), busy_timeout=self.busy_timeout - waited)
 
     @staticmethod
     def _rollback_quietly(conn: _StoreConnection) -> None:
@@ -861,7 +897,7 @@ class SQLiteStore:
             token: locked_until
             for token, locked_until in conn.execute(
                 self._queries.extend,
-                {"lease_end": _to_us(at + lease), "tokens": json.dumps([c.token for c in claims])},
+                {"lease_end": _to_us(at + lease), **_claim_keys(claims)},
             ).fetchall()
         }
         return still_owned(claims, {token: _from_us(end) for token, end in kept.items()})
@@ -884,18 +920,25 @@ class SQLiteStore:
         capability); which of them were settled, in order."""
         if not items:
             return []
-        at = _now(now)
+        with self._write(f"settle {len(items)} event(s)") as conn:
+            return self._settle_many_on(conn, items, _now(now))
+
+    def _settle_many_on(
+        self,
+        conn: sqlite3.Connection,
+        items: Sequence[tuple[Claim, Settlement, str | None]],
+        at: datetime,
+    ) -> list[bool]:
         rows = [
             [params[key] for key in _SETTLE_MANY_COLUMNS]
             for params in (self._settle_params(c, s, e, at) for c, s, e in items)
         ]
-        with self._write(f"settle {len(items)} event(s)") as conn:
-            settled = {
-                row[0]
-                for row in conn.execute(
-                    self._queries.settle_many, {"now": _to_us(at), "items": json.dumps(rows)}
-                )
-            }
+        settled = {
+            row[0]
+            for row in conn.execute(
+                self._queries.settle_many, {"now": _to_us(at), "items": json.dumps(rows)}
+            )
+        }
         return [claim.event.id in settled for claim, _, _ in items]
 
     def _settle_on(
@@ -925,9 +968,7 @@ class SQLiteStore:
         if not claims:
             return 0
         with self._write(f"release {len(claims)} claim(s)") as conn:
-            cursor = conn.execute(
-                self._queries.release, {"tokens": json.dumps([c.token for c in claims])}
-            )
+            cursor = conn.execute(self._queries.release, _claim_keys(claims))
             return cursor.rowcount
 
     def requeue(self, ids: Iterable[int], *, now: datetime | None) -> int:
@@ -1067,6 +1108,14 @@ def _event(row: Sequence[Any]) -> Event:
         locked_until=_from_us_or_none(row[10]),
         last_error=row[11],
     )
+
+
+def _claim_keys(claims: Sequence[Claim]) -> dict[str, str]:
+    """The ``:ids`` and ``:tokens`` JSON arrays that ``extend`` and ``release`` match rows by."""
+    return {
+        "ids": json.dumps([c.event.id for c in claims]),
+        "tokens": json.dumps([c.token for c in claims]),
+    }
 
 
 def _row(event: NewEvent, created: int) -> tuple[Any, ...]:

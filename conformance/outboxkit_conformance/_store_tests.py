@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
+from dataclasses import replace
 from datetime import timedelta
 
 import pytest
@@ -350,6 +351,44 @@ class StoreLevelTests(ConformanceBase):
         assert four is not None and four.published_at is None  # the stale token changed nothing
         assert store.settle_many([(fresh, Publish(), None)], now=later) == [True]  # type: ignore[attr-defined]
         assert store.settle_many([], now=later) == []  # type: ignore[attr-defined]
+
+    def test_batch_settle_many_writes_in_the_batch(self, store: Store, clock: FrozenClock) -> None:
+        """A store with both ``batched_delivery`` and ``batched_settle`` settles a batch's
+        events with one ``settle_many`` inside the batch: fenced by token, true once the batch
+        commits, undone if it rolls back."""
+        self.require(store, "batched_delivery")
+        self.require(store, "batched_settle")
+        ids = self.put(store, clock.now(), ("t", 1), ("t", 2), ("t", 3))
+        claims = self.claim(store, clock.now(), batch_size=2)
+        at = clock.now() + S
+        with (
+            pytest.raises(RuntimeError, match="batch dies"),
+            store.batch(now=at) as batch,  # type: ignore[attr-defined]
+        ):
+            assert batch.settle_many([(claims[0], Publish(), None)], now=at) == [True]
+            raise RuntimeError("batch dies")
+        undone = store.get(ids[0])
+        assert undone is not None and undone.published_at is None
+        (other,) = self.claim(store, clock.now(), batch_size=1)  # the third, not in the batch
+        with store.batch(now=at) as batch:  # type: ignore[attr-defined]
+            for claim in claims:
+                with batch.delivery(claim, now=at) as tx:
+                    tx.record("h", Outcome.SUCCEEDED)
+            done = batch.settle_many(
+                [
+                    (claims[0], Publish(), None),
+                    (claims[1], Retry(delay=5 * S, retry=1), "h: boom"),
+                    (replace(other, token=claims[0].token), Publish(), None),
+                ],
+                now=at,
+            )
+            assert batch.settle_many([], now=at) == []
+        assert done == [True, True, False]
+        one, two, three = (store.get(i) for i in ids)
+        assert one is not None and one.published_at == at
+        assert two is not None and two.available_at == at + 5 * S and two.last_error == "h: boom"
+        assert three is not None and three.published_at is None  # a foreign token settles nothing
+        assert store.settle(other, Publish(), error=None, now=at) is True
 
     def test_batch_that_raises_leaves_nothing(self, store: Store, clock: FrozenClock) -> None:
         self.require(store, "batched_delivery")

@@ -180,6 +180,31 @@ UPDATE {events}
    AND failed_at IS NULL
 RETURNING id, set_config('outboxkit.open_delivery', id::text, true)
 
+-- name: lock_in_batch
+-- R6 for a delivery in a batch (transaction="per_batch"), inside its savepoint: the row lock and
+-- the token check of lock_for_delivery, and the open-delivery mark, without the no-op update;
+-- the batch's transaction queues the guard's trigger once, with guard_batch.
+SELECT id, set_config('outboxkit.open_delivery', id::text, true)
+  FROM {events}
+ WHERE id = %(id)s
+   AND claim_token = %(token)s::uuid
+   AND published_at IS NULL
+   AND failed_at IS NULL
+   FOR UPDATE
+
+-- name: guard_batch
+-- The commit guard for a whole batch: a no-op update of the first event it delivers, outside
+-- that delivery's savepoint, so that the queued trigger survives any savepoint rolled back and
+-- fires once, at the batch's commit, refusing it while a delivery is open (see migration_2).
+-- No mark is set here: each delivery sets its own, inside its savepoint. Until it matches a
+-- row (a stale first claim matches none), the batch's next delivery sends it again.
+UPDATE {events}
+   SET claim_token = claim_token
+ WHERE id = %(id)s
+   AND claim_token = %(token)s::uuid
+   AND published_at IS NULL
+   AND failed_at IS NULL
+
 -- name: insert_record
 -- The record closes the open delivery for the commit guard (see migration_2).
 INSERT INTO {deliveries} (event_id, handler, outcome, attempt, recorded_at, reason)
@@ -219,7 +244,7 @@ UPDATE {events}
 
 -- name: settle_many
 -- R8 for a round's events in one statement, each fenced by its token; the flags come from
--- outboxkit._storekit.settle_values, one array element per event. Returns the tokens settled.
+-- outboxkit._storekit.settle_values, one array element per event. Returns the ids settled.
 -- The id = ANY(...) condition lets the planner reach the rows through the primary key: joined
 -- with the unnest alone it estimates one row and scans the whole table (so do extend, release).
 UPDATE {events} AS e
@@ -242,7 +267,7 @@ UPDATE {events} AS e
    AND e.claim_token = s.token
    AND e.published_at IS NULL
    AND e.failed_at IS NULL
-RETURNING s.token::text
+RETURNING e.id
 
 -- name: release
 -- Unstarted claims handed back: lease cleared and the attempt refunded, fenced by token.

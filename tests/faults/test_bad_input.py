@@ -134,21 +134,25 @@ def test_missing_schema_sqlite(tmp_path: Path) -> None:
         _assert_first_poll_fails(store, "migrate")
 
 
-def test_older_schema_sqlite(tmp_path: Path) -> None:
-    """``migrate=False`` on a version-1 file: the first poll is refused, naming both versions;
-    ``migrate()`` lifts it, and the events written meanwhile are delivered."""
+@pytest.mark.parametrize("old", [1, 2])
+def test_older_schema_sqlite(tmp_path: Path, old: int) -> None:
+    """``migrate=False`` on a file of an older version: the first poll is refused, naming both
+    versions; ``migrate()`` lifts it, and the events written meanwhile are delivered."""
     from outboxkit_sqlite import SQLiteStore, _schema
     from outboxkit_sqlite._sql import TableNames
 
     path = tmp_path / "app.db"
     with closing(sqlite3.connect(path, isolation_level=None)) as conn:
         conn.execute("BEGIN IMMEDIATE")
-        _schema.migrate(conn, TableNames(), applied_at=0, where=str(path), target=1)
+        _schema.migrate(conn, TableNames(), applied_at=0, where=str(path), target=old)
         conn.execute("COMMIT")
     with SQLiteStore(path, migrate=False) as store:
         with store.transaction() as conn:  # enqueueing still works: the tables are there
             event_id = Outbox(store).enqueue(conn, "t", {})
-        _assert_first_poll_fails(store, r"version 1, older than version 2 .*run migrate\(\)")
+        _assert_first_poll_fails(
+            store,
+            rf"version {old}, older than version {_schema.SCHEMA_VERSION} .*run migrate\(\)",
+        )
         store.migrate()
         bus = EventBus()
         bus.subscribe("t", lambda event, ctx: None, name="h")

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from outboxkit import Event, EventBus, FrozenClock, HandlerCrashed, Outbox, Outcome
+from outboxkit import Event, EventBus, FrozenClock, HandlerCrashed, Outbox, Outcome, StoreError
 from tests.faults._sites import SQL_BACKENDS, open_site
 
 LEASE = timedelta(seconds=30)
@@ -110,3 +110,46 @@ def test_a_handler_ending_its_connection_is_a_system_failure(
         clock.advance(1)
         assert outbox.poller().run_once().published == [event_id]
         assert site.committed_orders() == 1
+
+
+@pytest.mark.parametrize("backend", SQL_BACKENDS)
+def test_a_handler_committing_inside_a_batch_leaks_nothing(backend: str, tmp_path: Path) -> None:
+    """``transaction="per_batch"``: the first event's handler fails (its savepoint is rolled
+    back), the second's runs a raw ``COMMIT`` and writes again. Nothing a handler wrote commits
+    without its record (on PostgreSQL the commit guard refuses that COMMIT, and the batch is
+    abandoned; SQLite's authorizer refuses the statement); once the leases pass, every event is
+    delivered exactly once."""
+    with open_site(backend, tmp_path) as site:
+        clock = FrozenClock()
+        bus = EventBus()
+
+        @bus.handler("t", name="ledger")
+        def ledger(event: Event, ctx: Any) -> None:
+            site.write_order(ctx.connection)
+            if ctx.attempt == 1 and event.id == first:
+                raise RuntimeError("first fails")
+            if ctx.attempt == 1 and event.id == second:
+                ctx.connection.execute("COMMIT")
+                site.write_order(ctx.connection)
+
+        outbox = Outbox(site.store, bus, clock=clock, lease=LEASE, backoff=1.0)
+        with site.store.transaction() as conn:
+            first, second, third = outbox.enqueue_many(conn, [("t", 1), ("t", 2), ("t", 3)])
+        poller = outbox.poller(transaction="per_batch")
+        try:
+            poller.run_once()
+        except StoreError:
+            assert backend == "pg"  # the batch's transaction is gone: abandoned
+        records = sum(len(site.store.records(i)) for i in (first, second, third))
+        assert site.committed_orders() == records  # every committed write has its record
+        clock.advance(LEASE)
+        for _ in range(5):
+            if not poller.run_once():
+                break
+            clock.advance(LEASE)
+        for event_id in (first, second, third):
+            (record,) = site.store.records(event_id)
+            assert record.outcome is Outcome.SUCCEEDED
+            event = site.store.get(event_id)
+            assert event is not None and event.published_at is not None
+        assert site.committed_orders() == 3
