@@ -86,6 +86,29 @@ def main() -> None:
         f"({delivered / elapsed:.0f} events/s under cProfile), top {args.top} by {args.sort}:"
     )
     print(out.getvalue())
+    print(f"own time per event, by package (of {delivered} events):")
+    for package, seconds in _by_package(stats).items():
+        print(f"  {package:<32} {seconds / max(delivered, 1) * 1e6:8.1f} us")
+
+
+def _by_package(stats: pstats.Stats) -> dict[str, float]:
+    """Own (tottime) seconds grouped: outboxkit's packages, psycopg's blocking wait (mostly the
+    server and the network), the rest of psycopg, psycopg_pool, and everything else."""
+    totals: dict[str, float] = {}
+    raw: dict[tuple[str, int, str], tuple[Any, ...]] = stats.stats  # type: ignore[attr-defined]
+    for (path, _line, function), (_cc, _nc, tottime, _ct, _callers) in raw.items():
+        if "psycopg_pool" in path:
+            package = "psycopg_pool"
+        elif "psycopg" in path and function == "wait":
+            package = "psycopg Connection.wait (blocking)"
+        elif "psycopg" in path:
+            package = "psycopg (the rest)"
+        elif "outboxkit" in path:
+            package = "outboxkit"
+        else:
+            package = "other (stdlib, builtins, the handler)"
+        totals[package] = totals.get(package, 0.0) + tottime
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
 
 if __name__ == "__main__":

@@ -682,7 +682,7 @@ class PostgresStore:
                         guard = conn.cursor()
                         guard.execute(self._queries["guard_batch"], params)
                     if frame.begin:
-                        conn.execute(frame.begin)
+                        cur.execute(frame.begin)  # one cursor: it keeps the lock's result
                     cur.execute(lock, params)
                 owned = cur.fetchall()
                 if guard is not None and batch is not None and guard.rowcount == 1:
@@ -1086,21 +1086,23 @@ class _Delivery:
         """
         conn = self._conn
         event_id = self._claim.event.id
-        cursors: list[tuple[str, psycopg.Cursor[Any]]] = []
+        settled: psycopg.Cursor[Any] | None = None  # the settle's own cursor: its row count
         try:
-            with conn.pipeline():
+            with conn.cursor() as cur, conn.pipeline():
                 for kind, statement, params in self._tail:
-                    cur = conn.cursor()
-                    cur.execute(statement, params)
-                    cursors.append((kind, cur))
-                conn.execute(frame.end)
+                    if kind == "settle":
+                        settled = conn.cursor()
+                        settled.execute(statement, params)
+                    else:
+                        cur.execute(statement, params)
+                cur.execute(frame.end)
         except pg_errors.UniqueViolation as exc:
             _abort(conn, frame)
             raise StoreError(f"event {event_id} already has a delivery record") from exc
         except psycopg.Error as exc:
             _abort(conn, frame)
             raise self._store._error(exc, f"commit the delivery of event {event_id}", conn) from exc
-        if any(kind == "settle" and cur.rowcount != 1 for kind, cur in cursors):
+        if settled is not None and settled.rowcount != 1:
             raise LeaseLostError(f"event {event_id}: claim token is stale")
 
     def check_usable(self) -> None:
