@@ -149,7 +149,7 @@ def _encode_payload(payload: object, max_bytes: int) -> str:
         _check_json(payload, "payload", 0, set())
     try:
         text = _dumps(payload)
-        encoded = text.encode("utf-8")
+        size = len(text) if text.isascii() else len(text.encode("utf-8"))
     except (TypeError, ValueError, RecursionError) as exc:  # UnicodeEncodeError is a ValueError
         _check_json(payload, "payload", 0, set())
         # The walk found nothing: what is left to fail is an int longer than Python's
@@ -157,7 +157,6 @@ def _encode_payload(payload: object, max_bytes: int) -> str:
         raise InvalidEvent(f"payload cannot be encoded as JSON: {exc}") from None
     if "\\u0000" in text:  # a NUL escaped, or a literal backslash-u0000: the walk tells which
         _check_json(payload, "payload", 0, set())
-    size = len(encoded)
     if size > max_bytes:
         raise InvalidEvent(f"payload is {size} bytes encoded; max_payload_bytes is {max_bytes}")
     return text

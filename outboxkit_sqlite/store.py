@@ -757,8 +757,14 @@ class SQLiteStore:
         # The store's clock is the system clock: microseconds straight from it.
         created = _to_us(now) if now is not None else time.time_ns() // 1000
         if len(events) == 1:  # Outbox.enqueue, the hot path: one cached statement, no chunking
+            (e,) = events
+            row = (
+                _row(e, created)
+                if e.headers or e.delay
+                else (e.topic, e.payload_json, "{}", e.key, created, created)  # the usual event
+            )
             try:
-                (event_id,) = conn.execute(self._insert_one, _row(events[0], created)).fetchone()
+                (event_id,) = conn.execute(self._insert_one, row).fetchone()
             except sqlite3.Error as exc:
                 raise self._store_error(exc, "enqueue 1 event") from exc
             return [event_id]
@@ -1131,6 +1137,9 @@ def _row(event: NewEvent, created: int) -> tuple[Any, ...]:
     )
 
 
+_HAS_AUTOCOMMIT = hasattr(sqlite3.Connection, "autocommit")  # Python 3.12+
+
+
 def _app_connection(conn: Any) -> sqlite3.Connection:
     """The ``sqlite3.Connection`` behind what the app passed to ``enqueue``, if it may write.
 
@@ -1156,7 +1165,7 @@ def _app_connection(conn: Any) -> sqlite3.Connection:
     # exactly as it would before the app's own INSERT, and leaves it to the app to commit; in
     # autocommit mode the INSERT would commit on its own, outside any transaction of the app's.
     # sqlite-utils commits every write made outside db.atomic(), so it needs an open one too.
-    autocommit = getattr(raw, "autocommit", None)  # Python 3.12+
+    autocommit = getattr(raw, "autocommit", None) if _HAS_AUTOCOMMIT else None
     legacy = autocommit is None or autocommit == getattr(sqlite3, "LEGACY_TRANSACTION_CONTROL", -1)
     if legacy and raw.isolation_level is not None and not wrapped:
         return raw
