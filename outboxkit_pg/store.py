@@ -664,8 +664,8 @@ class PostgresStore:
         lock, and the record, the settlement and the COMMIT go in one more sync at the end
         (psycopg's pipeline mode, prepared statements): a one-handler event costs the handler's
         own statements plus two. In a ``batch`` the delivery is a savepoint of the batch's
-        transaction, and the commit guard is queued once per batch (``guard_batch``), not per
-        delivery.
+        transaction, and the commit guard is queued once per batch (see ``lock_for_delivery``
+        in ``queries.sql``), not per delivery.
         """
         if batch is None:
             frame = _TRANSACTION if conn.autocommit else _IMPLICIT
@@ -673,14 +673,14 @@ class PostgresStore:
         else:
             frame, lock = _SAVEPOINT, self._queries["lock_in_batch"]
         doing = f"deliver event {claim.event.id}"
-        params = {"id": claim.event.id, "token": claim.token}
+        params = {"id": claim.event.id, "token": claim.token, "mark": batch is None}
         try:
             with conn.cursor(row_factory=tuple_row) as cur:
                 guard: psycopg.Cursor[Any] | None = None
                 with conn.pipeline():
                     if batch is not None and not batch.guarded:
                         guard = conn.cursor()
-                        guard.execute(self._queries["guard_batch"], params)
+                        guard.execute(self._queries["lock_for_delivery"], params)
                     if frame.begin:
                         cur.execute(frame.begin)  # one cursor: it keeps the lock's result
                     cur.execute(lock, params)

@@ -171,19 +171,26 @@ RETURNING e.id, e.topic, e.payload::text, e.headers::text, e.key, e.created_at,
 -- name: lock_for_delivery
 -- R6: the delivery transaction's first statement. Blocks while another transaction holds the
 -- row, then re-checks the token on the row's newest version. The no-op update locks the row as
--- FOR UPDATE would, and marks the delivery open for the commit guard (see migration_2).
+-- FOR UPDATE would and queues the commit guard's trigger (see migration_2); with %(mark)s it
+-- also marks the delivery open. A batch (transaction="per_batch") sends it once without the
+-- mark, outside its first delivery's savepoint, so that the trigger survives any savepoint
+-- rolled back and fires once, at the batch's commit; until it matches a row (a stale first
+-- claim matches none), the batch's next delivery sends it again. Each delivery of a batch
+-- then locks and marks its row inside its own savepoint with lock_in_batch.
 UPDATE {events}
    SET claim_token = claim_token
  WHERE id = %(id)s
    AND claim_token = %(token)s::uuid
    AND published_at IS NULL
    AND failed_at IS NULL
-RETURNING id, set_config('outboxkit.open_delivery', id::text, true)
+RETURNING id,
+          CASE WHEN %(mark)s::boolean
+               THEN set_config('outboxkit.open_delivery', id::text, true) END
 
 -- name: lock_in_batch
--- R6 for a delivery in a batch (transaction="per_batch"), inside its savepoint: the row lock and
--- the token check of lock_for_delivery, and the open-delivery mark, without the no-op update;
--- the batch's transaction queues the guard's trigger once, with guard_batch.
+-- R6 for a delivery in a batch, inside its savepoint: the row lock and the token check of
+-- lock_for_delivery, and the open-delivery mark, without a new row version (the batch queued
+-- the guard's trigger once, with lock_for_delivery).
 SELECT id, set_config('outboxkit.open_delivery', id::text, true)
   FROM {events}
  WHERE id = %(id)s
@@ -191,19 +198,6 @@ SELECT id, set_config('outboxkit.open_delivery', id::text, true)
    AND published_at IS NULL
    AND failed_at IS NULL
    FOR UPDATE
-
--- name: guard_batch
--- The commit guard for a whole batch: a no-op update of the first event it delivers, outside
--- that delivery's savepoint, so that the queued trigger survives any savepoint rolled back and
--- fires once, at the batch's commit, refusing it while a delivery is open (see migration_2).
--- No mark is set here: each delivery sets its own, inside its savepoint. Until it matches a
--- row (a stale first claim matches none), the batch's next delivery sends it again.
-UPDATE {events}
-   SET claim_token = claim_token
- WHERE id = %(id)s
-   AND claim_token = %(token)s::uuid
-   AND published_at IS NULL
-   AND failed_at IS NULL
 
 -- name: insert_record
 -- The record closes the open delivery for the commit guard (see migration_2).
