@@ -301,6 +301,8 @@ class Poller:
                 rnd.written = []
                 with outbox.store.batch(now=outbox.store_now()) as batch:  # type: ignore[attr-defined]
                     rnd.ops = batch
+                    if not callable(getattr(batch, "settle_many", None)):
+                        rnd.pending = None  # a batch without it: each event settled on its own
                     self._deliver_all(rnd)
                     if rnd.pending:  # in the batch's transaction: void if it rolls back
                         self._settle_pending(rnd)

@@ -55,9 +55,10 @@ A store declaring ``batched_settle`` also has ``settle_many(items, *, now) -> li
 its token) in one transaction; the result says which were. A poller delivering per event then
 settles a round's events together when the round ends, so each delivery's commit carries only
 the handler's writes and the record (the cheapest per-event shape on both SQL stores). If the
-store also declares ``batched_delivery``, its ``BatchTransaction`` has the same ``settle_many``,
-writing inside the batch's transaction: a poller running ``transaction="per_batch"`` settles the
-batch's events in one statement just before the batch commits.
+store also declares ``batched_delivery``, its ``BatchTransaction`` should have the same
+``settle_many``, writing inside the batch's transaction: a poller running
+``transaction="per_batch"`` then settles the batch's events in one statement just before the
+batch commits (a batch without it has each event settled through ``BatchTransaction.settle``).
 """
 
 
