@@ -77,6 +77,32 @@ class StoreLevelTests(ConformanceBase):
         assert dict(got.headers) == {"trace": "abc"}
         assert got.key == "order-1"
 
+    def test_a_batch_keeps_each_events_topic_headers_key_and_delay(
+        self, store: Store, clock: FrozenClock
+    ) -> None:
+        now = clock.now()
+        events = [
+            build_event('t "quoted" \\ é', {"n": 1}, headers={"a": 'b " c', "é": "✓"}, key='k "1"'),
+            build_event("t", [1, "two"], delay=1.5),
+            build_event("t", None, delay=timedelta(microseconds=1)),
+        ]
+        with store.transaction() as conn:
+            ids = store.enqueue(conn, events, now=now)
+        got = [store.get(i) for i in ids]
+        assert all(e is not None for e in got)
+        one, two, three = (e for e in got if e is not None)
+        assert (one.topic, one.payload, dict(one.headers), one.key) == (
+            't "quoted" \\ é',
+            {"n": 1},
+            {"a": 'b " c', "é": "✓"},
+            'k "1"',
+        )
+        assert (two.payload, dict(two.headers), two.key) == ([1, "two"], {}, None)
+        assert three.payload is None
+        assert one.available_at == now
+        assert two.available_at == now + timedelta(seconds=1.5)
+        assert three.available_at == now + timedelta(microseconds=1)
+
     def test_bad_payload_rejected_before_any_write(
         self, store: Store, outbox: Outbox, clock: FrozenClock
     ) -> None:
