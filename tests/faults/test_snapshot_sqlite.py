@@ -15,8 +15,9 @@ Checked, with the reader (``held``) and, as the control, without it (``none``):
 - the WAL stays under ``WAL_BOUND``, or else outboxkit logs a warning about it. Without the
   reader SQLite's automatic checkpoints (every 1,000 pages, 4 MiB) keep it near 4 MB. With the
   reader no checkpoint can get past its snapshot and the WAL grows by about 30 kB per event (some
-  600 MB here): the store notices (it looks at the WAL's size after a commit every few seconds,
-  and over ``wal_warn_bytes``, 64 MiB, tries a passive checkpoint) and logs a warning on
+  600 MB here): the store notices (it looks at the WAL's size after a commit, every few seconds
+  by default and here after every commit, and over ``wal_warn_bytes``, 64 MiB, tries a passive
+  checkpoint) and logs a warning on
   ``outboxkit.sqlite`` naming the file and telling to end long-lived read transactions;
 - once the reader has ended, the next checkpoint resets the WAL and ``journal_size_limit``
   (32 MiB) shrinks the file back under ``WAL_BOUND``.
@@ -37,6 +38,7 @@ import pytest
 
 from outboxkit import Outbox
 from outboxkit_sqlite import SQLiteStore
+from outboxkit_sqlite import store as sqlite_store
 from tests.faults._harness_sqlite import (
     APP_TIMEOUT,
     Figures,
@@ -116,42 +118,46 @@ def _scenario(path: Path, reader_mode: str) -> Run:
     app = sqlite3.connect(path, timeout=APP_TIMEOUT)
     started = time.monotonic()
     try:
-        with SQLiteStore(path) as store:
-            if reader_mode == "held":
-                reader.execute("BEGIN")
-                (run.snapshot_before,) = reader.execute(
-                    "SELECT count(*) FROM outbox_events"
-                ).fetchone()
-            outbox = Outbox(store, make_bus(None), load_entry_points=False)
-            poller = outbox.poller(batch_size=BATCH)
+        with pytest.MonkeyPatch.context() as patch:
+            # Look at the WAL after every commit, not every few seconds (from the store's first
+            # commit on): how long the drain takes must not decide whether the store looks.
+            patch.setattr(sqlite_store, "_WAL_CHECK_INTERVAL", 0.0)
+            with SQLiteStore(path) as store:
+                if reader_mode == "held":
+                    reader.execute("BEGIN")
+                    (run.snapshot_before,) = reader.execute(
+                        "SELECT count(*) FROM outbox_events"
+                    ).fetchone()
+                outbox = Outbox(store, make_bus(None), load_entry_points=False)
+                poller = outbox.poller(batch_size=BATCH)
 
-            def drain_chunk() -> None:
-                while True:
-                    report = poller.run_once()
-                    run.polls += 1
-                    own = _connections(store)
-                    run.connections_seen = max(run.connections_seen, len(own))
-                    if not own or any(conn.in_transaction for conn in own):
-                        run.left_in_transaction.append(run.polls)
-                    run.wal_peak = max(run.wal_peak, _wal_size(path))
-                    if not report.claimed:
-                        return
+                def drain_chunk() -> None:
+                    while True:
+                        report = poller.run_once()
+                        run.polls += 1
+                        own = _connections(store)
+                        run.connections_seen = max(run.connections_seen, len(own))
+                        if not own or any(conn.in_transaction for conn in own):
+                            run.left_in_transaction.append(run.polls)
+                        run.wal_peak = max(run.wal_peak, _wal_size(path))
+                        if not report.claimed:
+                            return
 
-            for start in range(0, EVENTS, CHUNK):
-                with app:  # the app's transaction
-                    outbox.enqueue_many(app, messages(CHUNK, start=start))
+                for start in range(0, EVENTS, CHUNK):
+                    with app:  # the app's transaction
+                        outbox.enqueue_many(app, messages(CHUNK, start=start))
+                    drain_chunk()
+                if reader_mode == "held":
+                    (run.snapshot_after,) = reader.execute(
+                        "SELECT count(*) FROM outbox_events"
+                    ).fetchone()
+                    reader.execute("COMMIT")
+                run.seconds = time.monotonic() - started
+                # The reader is gone: one more chunk, so SQLite's automatic checkpoint can run.
+                with app:
+                    outbox.enqueue_many(app, messages(CHUNK, start=EVENTS))
                 drain_chunk()
-            if reader_mode == "held":
-                (run.snapshot_after,) = reader.execute(
-                    "SELECT count(*) FROM outbox_events"
-                ).fetchone()
-                reader.execute("COMMIT")
-            run.seconds = time.monotonic() - started
-            # The reader is gone: one more chunk, so SQLite's automatic checkpoint can run.
-            with app:
-                outbox.enqueue_many(app, messages(CHUNK, start=EVENTS))
-            drain_chunk()
-            run.wal_after_reader = _wal_size(path)
+                run.wal_after_reader = _wal_size(path)
     finally:
         logger.removeHandler(warnings)
         reader.close()
