@@ -14,6 +14,7 @@ as outboxkit's ``transaction="per_batch"``.
     python bench/drain_throughput.py                          # PG 1 and 2 pollers, SQLite 1
     python bench/drain_throughput.py --backend sqlite --events 5000
     python bench/drain_throughput.py --mode per_event         # skip the per_batch lines
+    python bench/drain_throughput.py --repeat 3               # and each one's median ratio
 
 Prints events/s for outboxkit and for the floor, and the ratio outboxkit / floor.
 """
@@ -33,7 +34,7 @@ from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any
 
-from _common import pg_schema, pg_url_default
+from _common import median, pg_schema, pg_url_default
 
 TOPIC = "bench.drain"
 HANDLER = "ledger"
@@ -330,7 +331,8 @@ def run_pollers(job: Job, processes: int) -> tuple[float, int]:
 # -- backends -----------------------------------------------------------------------------------
 
 
-def _report(label: str, n: int, kit: tuple[float, int], floor: tuple[float, int]) -> None:
+def _report(label: str, n: int, kit: tuple[float, int], floor: tuple[float, int]) -> float:
+    """Print one configuration's figures; its ratio outboxkit / floor."""
     kit_rate = kit[1] / kit[0]
     floor_rate = floor[1] / floor[0]
     print(
@@ -341,9 +343,10 @@ def _report(label: str, n: int, kit: tuple[float, int], floor: tuple[float, int]
     )
     if kit[1] != n or floor[1] != n:
         print(f"  WARNING: expected {n} deliveries each, got {kit[1]} and {floor[1]}")
+    return kit_rate / floor_rate
 
 
-def bench_pg(args: argparse.Namespace, processes: int, mode: str) -> None:
+def bench_pg(args: argparse.Namespace, processes: int, mode: str) -> tuple[str, float]:
     import psycopg
 
     from outboxkit import EventBus, Outbox
@@ -378,12 +381,13 @@ def bench_pg(args: argparse.Namespace, processes: int, mode: str) -> None:
             row = conn.execute(_pg("SELECT count(*) FROM {s}.ledger", schema)).fetchone()
             ledger_rows = row[0] if row else 0
         label = f"pg {mode}, {processes} poller{'s' if processes > 1 else ''}"
-        _report(label, args.events, kit, floor)
+        ratio = _report(label, args.events, kit, floor)
         if ledger_rows != args.events:
             print(f"  WARNING: ledger has {ledger_rows} rows, expected {args.events}")
+        return label, ratio
 
 
-def bench_sqlite(args: argparse.Namespace, mode: str) -> None:
+def bench_sqlite(args: argparse.Namespace, mode: str) -> tuple[str, float]:
     from outboxkit import EventBus, Outbox
     from outboxkit_sqlite import SQLiteStore
 
@@ -420,9 +424,11 @@ def bench_sqlite(args: argparse.Namespace, mode: str) -> None:
             ledger_rows = conn.execute("SELECT count(*) FROM ledger").fetchone()[0]
         finally:
             conn.close()
-        _report(f"sqlite {mode}, 1 poller", args.events, kit, floor)
+        label = f"sqlite {mode}, 1 poller"
+        ratio = _report(label, args.events, kit, floor)
         if ledger_rows != args.events:
             print(f"  WARNING: ledger has {ledger_rows} rows, expected {args.events}")
+        return label, ratio
 
 
 def main() -> None:
@@ -432,19 +438,36 @@ def main() -> None:
     parser.add_argument("--backend", choices=("pg", "sqlite", "all"), default="all")
     parser.add_argument("--mode", choices=(*MODES, "all"), default="all")
     parser.add_argument("--pg-url", default=pg_url_default())
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="run every configuration this many times and end with each one's median ratio",
+    )
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error(f"--repeat must be at least 1, got {args.repeat}")
     print(
         f"drain throughput: {args.events} events, batch size {args.batch_size}, "
         f"one transactional handler (one insert); pid {os.getpid()}",
         flush=True,
     )
     modes = MODES if args.mode == "all" else (args.mode,)
-    for mode in modes:
-        if args.backend in ("pg", "all"):
-            bench_pg(args, 1, mode)
-            bench_pg(args, 2, mode)
-        if args.backend in ("sqlite", "all"):
-            bench_sqlite(args, mode)
+    ratios: dict[str, list[float]] = {}
+    for _ in range(args.repeat):
+        for mode in modes:
+            runs: list[tuple[str, float]] = []
+            if args.backend in ("pg", "all"):
+                runs += [bench_pg(args, 1, mode), bench_pg(args, 2, mode)]
+            if args.backend in ("sqlite", "all"):
+                runs.append(bench_sqlite(args, mode))
+            for label, ratio in runs:
+                ratios.setdefault(label, []).append(ratio)
+    if args.repeat > 1:
+        print(f"median ratio of {args.repeat} runs each:")
+        for label, values in ratios.items():
+            spread = ", ".join(f"{v:.2f}" for v in values)
+            print(f"  {label}: {median(values):.2f}x ({spread})")
 
 
 if __name__ == "__main__":
