@@ -133,8 +133,9 @@ def _in_transaction(conn: sqlite3.Connection) -> bool:
         return False
 
 
-def _retry_busy(action: Callable[[], T], *, busy_timeout: float) -> T:
-    """Run ``action``, retrying with backoff while SQLite reports busy, for ``busy_timeout`` at most.
+def _retry_busy(action: Callable[..., T], *args: object, busy_timeout: float) -> T:
+    """Run ``action(*args)``, retrying with backoff while SQLite reports busy, for at most
+    ``busy_timeout`` in all.
 
     SQLite's own busy handler already waits up to ``busy_timeout``; this covers the cases where
     SQLite answers busy at once without calling it (e.g. while another connection recovers the
@@ -144,7 +145,7 @@ def _retry_busy(action: Callable[[], T], *, busy_timeout: float) -> T:
     delay = 0.005
     for attempt in range(_BUSY_RETRIES + 1):
         try:
-            return action()
+            return action(*args)
         except sqlite3.OperationalError as exc:
             if attempt == _BUSY_RETRIES or not _is_busy(exc) or time.monotonic() >= deadline:
                 raise
@@ -585,11 +586,11 @@ class SQLiteStore:
         return _Mapped(self, what)
 
     def _begin(self, conn: _StoreConnection) -> None:
-        self._control(conn, _BEGIN)
+        _retry_busy(conn.control, _BEGIN, busy_timeout=self.busy_timeout)
 
     def _commit(self, conn: _StoreConnection) -> None:
         """Commit a write transaction (and look at the WAL's size, now and then)."""
-        self._control(conn, _COMMIT)
+        _retry_busy(conn.control, _COMMIT, busy_timeout=self.busy_timeout)
         if time.monotonic() >= self._wal_check_at:  # the hot path's only cost
             self._check_wal(conn)
 
@@ -633,19 +634,6 @@ class SQLiteStore:
             )
         finally:
             self._wal_lock.release()
-
-    def _control(self, conn: _StoreConnection, statement: str) -> None:
-        """``conn.control(statement)``, retried while SQLite answers busy (``_retry_busy``),
-        within ``busy_timeout`` in all."""
-        started = time.monotonic()
-        try:
-            conn.control(statement)
-            return
-        except sqlite3.OperationalError as exc:
-            waited = time.monotonic() - started
-            if not _is_busy(exc) or waited >= self.busy_timeout:
-                raise
-        _retry_busy(lambda: conn.control(statement), busy_timeout=self.busy_timeout - waited)
 
     @staticmethod
     def _rollback_quietly(conn: _StoreConnection) -> None:
@@ -757,14 +745,8 @@ class SQLiteStore:
         # The store's clock is the system clock: microseconds straight from it.
         created = _to_us(now) if now is not None else time.time_ns() // 1000
         if len(events) == 1:  # Outbox.enqueue, the hot path: one cached statement, no chunking
-            (e,) = events
-            row = (
-                _row(e, created)
-                if e.headers or e.delay
-                else (e.topic, e.payload_json, "{}", e.key, created, created)  # the usual event
-            )
             try:
-                (event_id,) = conn.execute(self._insert_one, row).fetchone()
+                (event_id,) = conn.execute(self._insert_one, _row(events[0], created)).fetchone()
             except sqlite3.Error as exc:
                 raise self._store_error(exc, "enqueue 1 event") from exc
             return [event_id]
@@ -1126,14 +1108,15 @@ def _claim_keys(claims: Sequence[Claim]) -> dict[str, str]:
 
 def _row(event: NewEvent, created: int) -> tuple[Any, ...]:
     """The ``insert_events`` values of one event, created at ``created`` (microseconds)."""
-    available = created + event.delay // _MICROSECOND if event.delay else created
+    if not event.headers and not event.delay:  # the usual event: nothing to encode or add
+        return (event.topic, event.payload_json, "{}", event.key, created, created)
     return (
         event.topic,
         event.payload_json,
         encode_headers(event.headers),
         event.key,
         created,
-        available,
+        created + event.delay // _MICROSECOND,
     )
 
 

@@ -19,13 +19,11 @@ Spawn-safe: everything a child runs is a module-level function taking plain argu
 
 from __future__ import annotations
 
-import logging
 import os
 import sqlite3
 import time
 from collections.abc import Iterable
 from contextlib import closing
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +32,10 @@ from outboxkit_sqlite import SQLiteStore
 from tests.faults._harness import TOPICS, Figures, _batch_overruns, drain_until_done
 from tests.integration.pg._workers import (
     Fleet,
-    _Trace,
     lease_overlaps,
+    log_to,
     read_traces,
-    serve,
+    serve_traced,
     wait_until,
 )
 from tests.integration.sqlite._workers import _reporting
@@ -150,23 +148,12 @@ def run_poller(
 ) -> None:
     """A poller process: ``run_forever`` until the file ``stop_path`` exists (or ``max_seconds``
     pass), its claims traced to ``trace_path`` and its log (INFO) to ``trace_path.log``."""
-    logging.basicConfig(
-        filename=f"{trace_path}.log",
-        level=logging.INFO,
-        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s",
-    )
+    log_to(trace_path)
     store = SQLiteStore.from_url(url, **store_options)
-    trace = _Trace(Path(trace_path), timedelta(seconds=options["lease"]))
-    trace.wrap(store)
     assert store.path is not None
     outside = _OutsideWorld(store.path)
     outbox = Outbox(store, make_bus(outside), load_entry_points=False)
-    try:
-        serve(outbox.poller(**options), trace_path, stop_path, max_seconds)
-    finally:
-        outside.close()
-        trace.close()
-        store.close()
+    serve_traced(outbox, outside, options, trace_path, stop_path, max_seconds)
 
 
 def publish(

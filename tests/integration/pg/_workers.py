@@ -243,17 +243,36 @@ def run_poller(
     Files rather than multiprocessing events: a process killed inside ``Event.wait`` or
     ``Event.set`` would leave the event's lock held and the parent waiting forever.
     """
+    log_to(trace_path)
+    logging.getLogger("psycopg").setLevel(logging.ERROR)
+    store = open_store(url, schema=schema)
+    outside = _OutsideWorld(side_url, schema)
+    outbox = Outbox(store, make_bus(schema, outside, topics, hold_dir))
+    serve_traced(outbox, outside, options, trace_path, stop_path, max_seconds)
+
+
+def log_to(trace_path: str) -> None:
+    """A poller process's log (INFO and up) in ``{trace_path}.log``."""
     logging.basicConfig(
         filename=f"{trace_path}.log",
         level=logging.INFO,
         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s",
     )
-    logging.getLogger("psycopg").setLevel(logging.ERROR)
-    store = open_store(url, schema=schema)
+
+
+def serve_traced(
+    outbox: Outbox,
+    outside: Any,
+    options: dict[str, Any],
+    trace_path: str,
+    stop_path: str,
+    max_seconds: float,
+) -> None:
+    """``serve`` a poller of ``outbox`` with its store's claims and settlements traced to
+    ``trace_path``; then close ``outside`` (the handlers' world), the trace and the store."""
+    store = outbox.store
     trace = _Trace(Path(trace_path), timedelta(seconds=options["lease"]))
     trace.wrap(store)
-    outside = _OutsideWorld(side_url, schema)
-    outbox = Outbox(store, make_bus(schema, outside, topics, hold_dir))
     try:
         serve(outbox.poller(**options), trace_path, stop_path, max_seconds)
     finally:
