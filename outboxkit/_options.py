@@ -7,14 +7,18 @@ from datetime import timedelta
 from typing import Any, Literal, get_args
 
 from ._backoff import BackoffPolicy, ExponentialBackoff
-from ._duration import as_timedelta
+from ._duration import MAX_DURATION, as_timedelta
 from .errors import ConfigurationError
 
-__all__ = ["PollerOptions", "TransactionMode"]
+__all__ = ["MAX_BATCH_SIZE", "PollerOptions", "TransactionMode"]
 
 TransactionMode = Literal["per_event", "per_batch"]
 
 _DEFAULT_BACKOFF = ExponentialBackoff()
+
+MAX_BATCH_SIZE = 100_000
+"""The largest ``batch_size``: a claim of more would hold more leases than one poller can keep."""
+MAX_RETRIES = 1_000_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,17 +69,19 @@ class PollerOptions:
 def _duration(name: str) -> Any:
     def check(value: object) -> timedelta:
         try:
-            return as_timedelta(value, what=name, allow_zero=False)
+            return as_timedelta(value, what=name, allow_zero=False, maximum=MAX_DURATION)
         except ValueError as exc:
             raise ConfigurationError(str(exc)) from None
 
     return check
 
 
-def _count(name: str, minimum: int) -> Any:
+def _count(name: str, minimum: int, maximum: int) -> Any:
     def check(value: object) -> int:
-        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-            raise ConfigurationError(f"{name} must be an integer >= {minimum}, got {value!r}")
+        if not isinstance(value, int) or isinstance(value, bool) or not minimum <= value <= maximum:
+            raise ConfigurationError(
+                f"{name} must be an integer from {minimum} to {maximum:,}, got {value!r:.40}"
+            )
         return value
 
     return check
@@ -84,7 +90,7 @@ def _count(name: str, minimum: int) -> Any:
 def _backoff(value: object) -> BackoffPolicy:
     if isinstance(value, timedelta | int | float) and not isinstance(value, bool):
         try:
-            constant = as_timedelta(value, what="backoff")
+            constant = as_timedelta(value, what="backoff", maximum=MAX_DURATION)
         except ValueError as exc:
             raise ConfigurationError(str(exc)) from None
         return _Constant(constant)
@@ -113,9 +119,9 @@ class _Constant:
 
 _CHECKS = {
     "interval": _duration("interval"),
-    "batch_size": _count("batch_size", 1),
+    "batch_size": _count("batch_size", 1, MAX_BATCH_SIZE),
     "lease": _duration("lease"),
-    "max_retries": _count("max_retries", 0),
+    "max_retries": _count("max_retries", 0, MAX_RETRIES),
     "backoff": _backoff,
     "transaction": _transaction,
 }

@@ -48,13 +48,36 @@ def build_event(
     if key is not None and not _plain_text(key, MAX_KEY_LENGTH):
         _check_text("key", key, MAX_KEY_LENGTH, allow_empty=False)
     assert key is None or isinstance(key, str)
+    if headers is None:
+        return NewEvent(
+            topic,
+            _encode_payload(payload, max_payload_bytes),
+            _NO_HEADERS,
+            key,
+            _NO_DELAY if delay is None else _check_delay(delay),
+        )
+    checked = _check_headers(headers)
+    # The headers count against the same limit as the payload: together they are the row.
+    room = max_payload_bytes - _encoded_size(checked)
+    if room < 0:
+        raise InvalidEvent(
+            f"headers are {max_payload_bytes - room} bytes encoded; max_payload_bytes "
+            f"(payload and headers together) is {max_payload_bytes}"
+        )
     return NewEvent(
         topic,
-        _encode_payload(payload, max_payload_bytes),
-        _NO_HEADERS if headers is None else _check_headers(headers),
+        _encode_payload(payload, room, limit=max_payload_bytes),
+        checked,
         key,
         _NO_DELAY if delay is None else _check_delay(delay),
     )
+
+
+def _encoded_size(headers: Mapping[str, str]) -> int:
+    if not headers:
+        return 0
+    text = _dumps(dict(headers))
+    return len(text) if text.isascii() else len(text.encode("utf-8"))
 
 
 def _plain_text(value: object, max_length: int) -> bool:
@@ -122,20 +145,23 @@ def _check_delay(delay: object) -> timedelta:
     if isinstance(delay, timedelta):
         seconds = delay.total_seconds()
     elif isinstance(delay, int | float) and not isinstance(delay, bool):
-        seconds = float(delay)
+        try:
+            seconds = float(delay)
+        except OverflowError:  # an int too large for a float
+            seconds = MAX_DELAY.total_seconds() + 1 if delay > 0 else -1.0
     else:
         raise InvalidEvent(f"delay must be seconds or a timedelta, got {type(delay).__name__}")
     if not math.isfinite(seconds) or seconds < 0:
-        raise InvalidEvent(f"delay must be a finite, non-negative duration, got {delay!r}")
+        raise InvalidEvent(f"delay must be a finite, non-negative duration, got {delay!r:.40}")
     if seconds > MAX_DELAY.total_seconds():
-        raise InvalidEvent(f"delay {delay!r} is longer than the limit of {MAX_DELAY.days} days")
+        raise InvalidEvent(f"delay {delay!r:.40} is longer than the limit of {MAX_DELAY.days} days")
     return delay if isinstance(delay, timedelta) else timedelta(seconds=seconds)
 
 
 _dumps = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode
 
 
-def _encode_payload(payload: object, max_bytes: int) -> str:
+def _encode_payload(payload: object, max_bytes: int, *, limit: int | None = None) -> str:
     """The payload as compact JSON text, or ``InvalidEvent`` naming where it is not plain JSON.
 
     The fast path lets the C encoder do the checking: it refuses NaN, cycles and foreign
@@ -158,7 +184,12 @@ def _encode_payload(payload: object, max_bytes: int) -> str:
     if "\\u0000" in text:  # a NUL escaped, or a literal backslash-u0000: the walk tells which
         _check_json(payload, "payload", 0, set())
     if size > max_bytes:
-        raise InvalidEvent(f"payload is {size} bytes encoded; max_payload_bytes is {max_bytes}")
+        if limit is None:
+            raise InvalidEvent(f"payload is {size} bytes encoded; max_payload_bytes is {max_bytes}")
+        raise InvalidEvent(
+            f"payload is {size} bytes encoded and headers {limit - max_bytes}; max_payload_bytes "
+            f"(payload and headers together) is {limit}"
+        )
     return text
 
 

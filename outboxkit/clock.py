@@ -7,13 +7,22 @@ told to move, so retries, leases and delays are driven by the test, never by sle
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Protocol, runtime_checkable
 
 from ._duration import as_timedelta
 
-__all__ = ["Clock", "FrozenClock", "SystemClock", "as_timedelta", "parse_instant"]
+__all__ = [
+    "Clock",
+    "FrozenClock",
+    "MonotonicClock",
+    "SystemClock",
+    "as_timedelta",
+    "parse_instant",
+    "require_aware",
+]
 
 
 @runtime_checkable
@@ -31,6 +40,24 @@ class SystemClock:
 
     def __repr__(self) -> str:
         return "SystemClock()"
+
+
+class MonotonicClock:
+    """A clock for local deadlines only: it never steps when the host's wall clock is set, and
+    its instants mean nothing outside this process (they count from an arbitrary origin).
+
+    A poller keeps its own lease deadlines on it in production, so a clock step (NTP, a VM
+    resumed, an operator's ``date -s``) can neither make it believe a lease it lost is still
+    its own, nor give up one it holds.
+    """
+
+    _ORIGIN = datetime(2000, 1, 1, tzinfo=UTC)
+
+    def now(self) -> datetime:
+        return self._ORIGIN + timedelta(seconds=time.monotonic())
+
+    def __repr__(self) -> str:
+        return "MonotonicClock()"
 
 
 class FrozenClock:
@@ -88,6 +115,21 @@ class FrozenClock:
 
     def __repr__(self) -> str:
         return f"FrozenClock({self.now().isoformat()!r})"
+
+
+def require_aware(value: object, what: str) -> datetime:
+    """``value`` if it is a timezone-aware datetime.
+
+    Raises:
+        ValueError: naming ``what``: naive, or not a datetime at all.
+    """
+    if not isinstance(value, datetime):
+        raise ValueError(f"{what} must be a datetime, got {value!r}")
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise ValueError(
+            f"{what} must be timezone-aware (naive datetimes are refused), got {value!r}"
+        )
+    return value
 
 
 def parse_instant(value: datetime | str) -> datetime:

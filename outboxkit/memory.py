@@ -341,6 +341,10 @@ class MemoryStore:
         with self._lock:
             self._closed = True
 
+    def now(self) -> datetime:
+        self._check_open()
+        return _now(None)
+
     def enqueue(self, conn: Any, events: Sequence[NewEvent], *, now: datetime | None) -> list[int]:
         if not isinstance(conn, MemoryTransaction) or conn._store is not self:
             raise ConfigurationError(

@@ -12,11 +12,12 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 from ._backoff import BackoffPolicy
+from ._duration import MAX_DURATION, before
 from ._model import DeadLetter, NewEvent, ObserverEvent, Stats
 from ._options import PollerOptions, TransactionMode
 from ._payload import DEFAULT_MAX_PAYLOAD_BYTES, build_event
 from .bus import EventBus
-from .clock import Clock, SystemClock, as_timedelta
+from .clock import Clock, MonotonicClock, SystemClock, as_timedelta, require_aware
 from .errors import ConfigurationError, InvalidEvent, StoreError
 from .plugins import make_plugin_manager, notify
 from .store import Store
@@ -112,14 +113,19 @@ class Outbox:
         self.retain_published: timedelta | None = (
             None
             if retain_published is None
-            else _duration("retain_published", retain_published, allow_zero=False)
+            else _duration(
+                "retain_published", retain_published, allow_zero=False, maximum=MAX_DURATION
+            )
         )
         self._next_prune_at: datetime | None = None
         self._prune_lock = threading.Lock()
         # Bind the given clock's instants into every store call; without one, pass None so the
-        # store uses its production clock, and use the wall clock for local lease bookkeeping.
+        # store uses its production clock (the database's on PostgreSQL). Local deadlines (a
+        # poller's leases, the prune schedule) go by the given clock in tests and by a monotonic
+        # clock in production: a step of the host's wall clock cannot move them.
         self._bind_clock = clock is not None
         self.clock: Clock = clock if clock is not None else SystemClock()
+        self.local_clock: Clock = clock if clock is not None else MonotonicClock()
         self._plugin_list = list(plugins)
         self._load_entry_points = load_entry_points
         self.plugins: pluggy.PluginManager = make_plugin_manager(
@@ -134,8 +140,32 @@ class Outbox:
     # -- time -----------------------------------------------------------------------------------
 
     def store_now(self) -> datetime | None:
-        """The instant to bind into store calls: the injected clock's, or None (store's clock)."""
-        return self.clock.now() if self._bind_clock else None
+        """The instant to bind into store calls: the injected clock's, or None (store's clock).
+
+        Raises:
+            ConfigurationError: the injected clock returned a naive datetime.
+        """
+        return self._checked_now() if self._bind_clock else None
+
+    def now(self) -> datetime:
+        """The time by the store's clock: the injected clock's, or without one the store's own
+        production clock (the database's on PostgreSQL). Every cutoff (purge, prune, a
+        ``--since``) is computed from it, never from the host's wall clock.
+
+        Raises:
+            ConfigurationError: the injected clock returned a naive datetime.
+            StoreError: the store could not be asked.
+        """
+        return self._checked_now() if self._bind_clock else self.store.now()
+
+    def _checked_now(self) -> datetime:
+        now = self.clock.now()
+        if getattr(now, "tzinfo", None) is None or now.utcoffset() is None:
+            raise ConfigurationError(
+                f"the outbox's clock {self.clock!r} returned {now!r}; clocks must return "
+                "timezone-aware datetimes (naive ones are refused)"
+            )
+        return now
 
     def rebind(self, *, store: Store | None = None, clock: Clock | None = None) -> Outbox:
         """A copy using another store and/or clock; the same bus, options and plugins.
@@ -148,6 +178,7 @@ class Outbox:
             copy.store = store
         if clock is not None:
             copy.clock = clock
+            copy.local_clock = clock
             copy._bind_clock = True
         # Its own list too: an observer added to the copy must not leak into the original.
         copy._plugin_list = list(self._plugin_list)
@@ -313,9 +344,33 @@ class Outbox:
         return self.store.stats(now=self.store_now())
 
     def dead_letters(
-        self, *, topic: str | None = None, since: datetime | None = None, limit: int = 100
+        self,
+        *,
+        topic: str | None = None,
+        since: datetime | timedelta | None = None,
+        limit: int = 100,
     ) -> list[DeadLetter]:
-        """Dead-lettered events, oldest failure first, with their delivery records."""
+        """Dead-lettered events, oldest failure first, with their delivery records.
+
+        Args:
+            topic: only this topic.
+            since: failed at or after this aware instant, or within this long before now (by
+                the store's clock, see :meth:`now`).
+            limit: at most this many (1 to 1,000,000).
+
+        Raises:
+            ConfigurationError: a naive ``since``, a bad topic or limit.
+        """
+        if topic is not None:
+            _check_topic(topic)
+        if isinstance(since, timedelta):
+            since = before(self.now(), _duration("since", since))
+        elif since is not None:
+            try:
+                since = require_aware(since, "since")
+            except ValueError as exc:
+                raise ConfigurationError(str(exc)) from None
+        _check_limit(limit)
         return self.store.dead_letters(topic=topic, since=since, limit=limit)
 
     def dead_letter(self, event_id: int) -> DeadLetter | None:
@@ -383,20 +438,24 @@ class Outbox:
                 "purge needs published_older_than, dead_ids or dead_older_than"
             )
         _check_page_size(page_size)
-        now = self.clock.now()
+        published_age = (
+            None
+            if published_older_than is None
+            else _duration("published_older_than", published_older_than)
+        )
+        dead_age = (
+            None if dead_older_than is None else _duration("dead_older_than", dead_older_than)
+        )
+        ids = None if dead_ids is None else _ids(dead_ids)
+        now = self.now()  # the store's clock: a host clock set ahead must not delete fresh rows
         deleted = 0
-        if published_older_than is not None:
-            cutoff = now - _duration("published_older_than", published_older_than)
+        if published_age is not None:
+            cutoff = before(now, published_age)
             while (n := self.store.purge_published(before=cutoff, limit=page_size)) > 0:
                 deleted += n
-        if dead_ids is not None or dead_older_than is not None:
-            ids = None if dead_ids is None else _ids(dead_ids)
-            before = (
-                None
-                if dead_older_than is None
-                else now - _duration("dead_older_than", dead_older_than)
-            )
-            while (n := self.store.purge_dead(ids=ids, before=before, limit=page_size)) > 0:
+        if ids is not None or dead_age is not None:
+            dead_cutoff = None if dead_age is None else before(now, dead_age)
+            while (n := self.store.purge_dead(ids=ids, before=dead_cutoff, limit=page_size)) > 0:
                 deleted += n
         return deleted
 
@@ -428,7 +487,7 @@ class Outbox:
         """
         if self.retain_published is None:
             return 0
-        now = self.clock.now()
+        now = self.local_clock.now()  # a schedule: local, monotonic in production
         with self._prune_lock:
             if self._next_prune_at is not None and now < self._next_prune_at:
                 return 0
@@ -443,21 +502,57 @@ class Outbox:
         return deleted
 
 
-def _duration(name: str, value: float | timedelta, *, allow_zero: bool = True) -> timedelta:
+def _duration(
+    name: str,
+    value: float | timedelta,
+    *,
+    allow_zero: bool = True,
+    maximum: timedelta | None = None,
+) -> timedelta:
     try:
-        return as_timedelta(value, what=name, allow_zero=allow_zero)
+        return as_timedelta(value, what=name, allow_zero=allow_zero, maximum=maximum)
     except ValueError as exc:
         raise ConfigurationError(str(exc)) from None
 
 
+MAX_EVENT_ID = 2**63 - 1
+MAX_LIMIT = 1_000_000
+
+
+def _check_limit(limit: object) -> None:
+    if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= MAX_LIMIT:
+        raise ConfigurationError(
+            f"limit must be an integer from 1 to {MAX_LIMIT:,}, got {limit!r:.40}"
+        )
+
+
+def _check_topic(topic: object) -> None:
+    try:
+        build_event(topic, None)
+    except InvalidEvent as exc:
+        raise ConfigurationError(str(exc)) from None
+
+
 def _check_page_size(page_size: int) -> None:
-    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
-        raise ConfigurationError(f"page_size must be an integer >= 1, got {page_size!r}")
+    if (
+        not isinstance(page_size, int)
+        or isinstance(page_size, bool)
+        or not 1 <= page_size <= MAX_LIMIT
+    ):
+        raise ConfigurationError(
+            f"page_size must be an integer from 1 to {MAX_LIMIT:,}, got {page_size!r:.40}"
+        )
 
 
 def _ids(ids: Iterable[int]) -> list[int]:
     wanted = list(ids)
-    bad = [i for i in wanted if not isinstance(i, int) or isinstance(i, bool)]
+    bad = [
+        i
+        for i in wanted
+        if not isinstance(i, int) or isinstance(i, bool) or not 1 <= i <= MAX_EVENT_ID
+    ]
     if bad:
-        raise ConfigurationError(f"event ids must be integers, got {bad[:5]!r}")
+        raise ConfigurationError(
+            f"event ids must be integers from 1 to 2**63 - 1, got {[f'{b!r:.24}' for b in bad[:5]]}"
+        )
     return wanted

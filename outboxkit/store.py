@@ -144,6 +144,12 @@ class Store(Protocol):
         """
         ...
 
+    def now(self) -> datetime:
+        """The store's production clock: the instant ``now=None`` stands for in the other calls
+        (PostgreSQL: the database's clock). Outboxes without a clock of their own compute every
+        cutoff from it (``Outbox.now``)."""
+        ...
+
     def enqueue(self, conn: Any, events: Sequence[NewEvent], *, now: datetime | None) -> list[int]:
         """Insert ``events`` through the caller's connection, inside its open transaction.
 

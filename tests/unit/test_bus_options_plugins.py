@@ -191,6 +191,18 @@ BAD_OPTIONS = [
     ("backoff", timedelta(seconds=-1)),
     ("backoff", float("nan")),
     ("backoff", 1e300),
+    # Too large for a float, a timedelta, a database integer or datetime arithmetic (issue 14):
+    # a named error, never an OverflowError.
+    ("lease", 10**400),
+    ("lease", timedelta.max),
+    ("lease", timedelta(days=3661)),
+    ("interval", 10**400),
+    ("interval", timedelta.max),
+    ("backoff", 10**400),
+    ("backoff", timedelta.max),
+    ("batch_size", 2**63),
+    ("batch_size", 100_001),
+    ("max_retries", 10**30),
 ]
 
 
