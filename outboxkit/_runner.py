@@ -20,6 +20,7 @@ The shell around ``Poller.run_forever``. Theory of operation:
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import signal
@@ -37,6 +38,7 @@ from typing import Any
 import click
 
 from ._model import DeadLettered, ObserverEvent, Published
+from ._text import printable
 from .hookspecs import hookimpl
 from .outbox import Outbox
 from .poller import Poller, ThreadWaiter
@@ -67,14 +69,12 @@ class RunSettings:
     log_level: str = "INFO"
 
     def child_argv(self) -> list[str]:
-        """The command line of one child poller process."""
+        """The command line of one child poller process. The store's URL and options are not on
+        it (a command line is world-readable in ``/proc``, and a URL may hold a password): they
+        go in the child's environment, see :meth:`child_env`."""
         from .cli import format_duration
 
         argv = [sys.executable, "-m", "outboxkit", "run", self.app]
-        if self.store_url:
-            argv += ["--store", self.store_url]
-        for key, value in self.store_options:
-            argv += ["--store-option", f"{key}={_option_text(value)}"]
         for name, value in self.poller_options.items():
             text = format_duration(value) if isinstance(value, timedelta) else str(value)
             argv += [f"--{name.replace('_', '-')}", text]
@@ -85,11 +85,17 @@ class RunSettings:
             argv.append("--until-idle")
         return argv
 
+    def child_env(self, base: dict[str, str]) -> dict[str, str]:
+        """``base`` with the store for a child: ``OUTBOXKIT_STORE`` and
+        ``OUTBOXKIT_STORE_OPTIONS`` (a JSON object), readable by this user only."""
+        from .cli import STORE_ENV, STORE_OPTIONS_ENV
 
-def _option_text(value: Any) -> str:
-    import json
-
-    return value if isinstance(value, str) else json.dumps(value)
+        env = {k: v for k, v in base.items() if k not in (STORE_ENV, STORE_OPTIONS_ENV)}
+        if self.store_url:
+            env[STORE_ENV] = self.store_url
+        if self.store_options:
+            env[STORE_OPTIONS_ENV] = json.dumps(dict(self.store_options))
+        return env
 
 
 def run(settings: RunSettings) -> int:
@@ -127,7 +133,7 @@ def _logging(level: str, who: str) -> Iterator[None]:
     """Log outboxkit's records to stderr for the duration of the command."""
     logger = logging.getLogger("outboxkit")
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(_LOG_FORMAT.format(who=who)))
+    handler.setFormatter(_PrintableFormatter(_LOG_FORMAT.format(who=who)))
     previous = logger.level
     logger.addHandler(handler)
     logger.setLevel(level)
@@ -136,6 +142,14 @@ def _logging(level: str, who: str) -> Iterator[None]:
     finally:
         logger.removeHandler(handler)
         logger.setLevel(previous)
+
+
+class _PrintableFormatter(logging.Formatter):
+    """Log lines carry handlers' error texts and topics: no control character reaches the
+    terminal through them (tracebacks keep their line breaks)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return printable(super().format(record), newlines=True)
 
 
 @contextmanager
@@ -287,7 +301,7 @@ class _Summary:
         if stats.oldest_due_at is None:
             oldest = "none"
         else:
-            age = (self.outbox.clock.now() - stats.oldest_due_at).total_seconds()
+            age = (self.outbox.now() - stats.oldest_due_at).total_seconds()
             oldest = f"{max(age, 0.0):.1f}s"
         log.info(
             "%.1f published/s, %d pending, oldest due %s, %d dead, %d in flight",
@@ -387,11 +401,9 @@ class _Supervisor:
 
     def _start(self, child: _Child) -> None:
         n = len(self.children)
-        env = {
-            **os.environ,
-            SUPERVISOR_ENV: str(os.getpid()),
-            POLLER_ENV: f"{child.index}/{n}",
-        }
+        env = self.settings.child_env(
+            {**os.environ, SUPERVISOR_ENV: str(os.getpid()), POLLER_ENV: f"{child.index}/{n}"}
+        )
         # A child imports the app the way this process did: from where it was found.
         root = _import_root(self.settings.app)
         if root is not None:

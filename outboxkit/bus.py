@@ -9,6 +9,7 @@ from datetime import timedelta
 from typing import Any, Protocol, TypeVar
 
 from ._model import Event
+from ._text import storable
 from .errors import ConfigurationError
 
 __all__ = ["DeliveryContext", "EventBus", "Handler", "HandlerSpec"]
@@ -104,8 +105,11 @@ class EventBus:
             ConfigurationError: the topic or name is invalid, the handler is not callable, or
                 the topic already has a handler of that name.
         """
-        if not isinstance(topic, str) or not topic or "\x00" in topic:
-            raise ConfigurationError(f"topic must be a non-empty string, got {topic!r}")
+        if not isinstance(topic, str) or not topic or not _storable_name(topic):
+            raise ConfigurationError(
+                f"topic must be a non-empty string without NUL characters or lone surrogates, "
+                f"got {topic!r}"
+            )
         if not callable(handler):
             raise ConfigurationError(f"handler for {topic!r} is not callable: {handler!r}")
         if not isinstance(transactional, bool):
@@ -115,11 +119,11 @@ class EventBus:
             not isinstance(resolved, str)
             or not resolved.strip()
             or len(resolved) > MAX_HANDLER_NAME_LENGTH
-            or "\x00" in resolved
+            or not _storable_name(resolved)
         ):
             raise ConfigurationError(
                 f"handler name must be a non-empty string of at most {MAX_HANDLER_NAME_LENGTH} "
-                f"characters, got {resolved!r}"
+                f"characters, without NUL characters or lone surrogates, got {resolved!r}"
             )
         spec = HandlerSpec(topic=topic, name=resolved, fn=handler, transactional=transactional)
         with self._lock:
@@ -166,6 +170,11 @@ class EventBus:
     def __repr__(self) -> str:
         count = sum(len(s) for s in self._by_topic.values())
         return f"EventBus({len(self._by_topic)} topics, {count} handlers)"
+
+
+def _storable_name(name: str) -> bool:
+    """Whether every store can keep ``name``: no NUL, and valid UTF-8 (no lone surrogate)."""
+    return storable(name, limit=len(name)) == name
 
 
 def _default_name(handler: object) -> str:

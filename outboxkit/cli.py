@@ -29,13 +29,17 @@ import click
 
 from . import __version__
 from ._model import DeadLetter, DeliveryRecord, Event, Stats, UndecodablePayload
+from ._text import printable, printable_json, redact_url
 from .errors import ConfigurationError, OutboxError
 from .outbox import Outbox
 
-__all__ = ["STORE_ENV", "cli", "load_app", "main", "parse_duration"]
+__all__ = ["STORE_ENV", "STORE_OPTIONS_ENV", "cli", "load_app", "main", "parse_duration"]
 
 STORE_ENV = "OUTBOXKIT_STORE"
 """The environment variable naming the store URL when ``--store`` is not given."""
+STORE_OPTIONS_ENV = "OUTBOXKIT_STORE_OPTIONS"
+"""The environment variable holding store options as a JSON object, when no ``-o`` is given
+(how ``run --processes`` hands its children the store without putting it on a command line)."""
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -50,11 +54,18 @@ class InputError(click.ClickException):
 
 
 def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
+    """``text`` on one line, safe for a terminal (stored text may carry escape sequences)."""
+    return printable(" ".join(str(text).split()))
+
+
+def _echo(text: str = "", *, err: bool = False) -> None:
+    """Every line the CLI prints goes through here: whatever stored text it holds (topics,
+    keys, reasons, errors, payloads), no control character reaches the terminal or the pipe."""
+    click.echo(printable(text, newlines=True), err=err)
 
 
 def _fail(message: str, code: int) -> NoReturn:
-    click.echo(f"Error: {_one_line(message)}", err=True)
+    _echo(f"Error: {_one_line(message)}", err=True)
     sys.exit(code)
 
 
@@ -221,7 +232,7 @@ def _open_store(url: str, options: Mapping[str, Any]) -> Any:
     try:
         return open_store(url, **options)
     except ConfigurationError as exc:
-        raise InputError(f"store {url!r}: {exc}") from None
+        raise InputError(f"store {redact_url(url)!r}: {exc}") from None
 
 
 @contextmanager
@@ -235,7 +246,7 @@ def open_outbox(
     Raises:
         InputError: neither is given, or either is wrong.
     """
-    options = dict(store_options)
+    options = dict(store_options) or _options_from_env()
     if options and not store_url:
         raise InputError("--store-option needs --store URL (or OUTBOXKIT_STORE)")
     if app is None and not store_url:
@@ -255,6 +266,19 @@ def open_outbox(
     finally:
         if store is not None:
             store.close()
+
+
+def _options_from_env() -> dict[str, Any]:
+    raw = os.environ.get(STORE_OPTIONS_ENV)
+    if not raw:
+        return {}
+    try:
+        options = json.loads(raw)
+    except ValueError:
+        options = None
+    if not isinstance(options, dict):
+        raise InputError(f"{STORE_OPTIONS_ENV} must hold a JSON object of store options")
+    return options
 
 
 def _store_options(fn: F) -> F:
@@ -303,7 +327,10 @@ def _age(seconds: float | None) -> str:
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    cells = [[str(h) for h in headers], *[["" if c is None else str(c) for c in r] for r in rows]]
+    cells = [
+        [str(h) for h in headers],
+        *[["" if c is None else printable(c) for c in r] for r in rows],
+    ]
     widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
     numeric = [all(isinstance(r[i], int) for r in rows) and bool(rows) for i in range(len(headers))]
     lines = []
@@ -317,7 +344,7 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
 
 
 def _json(data: object) -> None:
-    click.echo(json.dumps(data, indent=2, sort_keys=False, ensure_ascii=False))
+    _echo(printable_json(data))
 
 
 def _record_json(record: DeliveryRecord) -> dict[str, Any]:
@@ -514,7 +541,7 @@ def migrate(app: str | None, store_url: str | None, store_options: Sequence[Any]
     """Create or upgrade the store's schema (idempotent)."""
     with open_outbox(app=app, store_url=store_url, store_options=store_options) as outbox:
         outbox.migrate()
-        click.echo(f"schema up to date: {outbox.store!r}")
+        _echo(f"schema up to date: {outbox.store!r}")
 
 
 @cli.command(short_help="Counts by state and topic, oldest due age, dead letters, leases.")
@@ -527,29 +554,29 @@ def status(
     backoff do not count: they are not due); dead letters; leases in flight."""
     with open_outbox(app=app, store_url=store_url, store_options=store_options) as outbox:
         stats = outbox.stats()
-        data = _status_json(outbox, stats, outbox.clock.now())
+        data = _status_json(outbox, stats, outbox.now())
     if as_json:
         _json(data)
         return
-    click.echo(f"store: {data['store']}")
-    click.echo(
+    _echo(f"store: {data['store']}")
+    _echo(
         f"events: {stats.pending} pending, {stats.claimed} in flight (leased), "
         f"{stats.published} published, {stats.dead} dead"
     )
     if stats.oldest_due_at is None:
-        click.echo("oldest due: none (nothing is waiting)")
+        _echo("oldest due: none (nothing is waiting)")
     else:
         age = _age(data["oldest_due_age_seconds"])
-        click.echo(f"oldest due: {age} ago ({stats.oldest_due_at.isoformat()})")
-    click.echo(f"dead letters: {stats.dead}" + ("  (outboxkit dead list)" if stats.dead else ""))
-    click.echo(f"in-flight leases: {stats.claimed}")
+        _echo(f"oldest due: {age} ago ({stats.oldest_due_at.isoformat()})")
+    _echo(f"dead letters: {stats.dead}" + ("  (outboxkit dead list)" if stats.dead else ""))
+    _echo(f"in-flight leases: {stats.claimed}")
     if data["by_topic"]:
         rows = [
             [topic, c["pending"], c["in_flight"], c["published"], c["dead"]]
             for topic, c in data["by_topic"].items()
         ]
-        click.echo("")
-        click.echo(_table(["TOPIC", "PENDING", "IN FLIGHT", "PUBLISHED", "DEAD"], rows))
+        _echo("")
+        _echo(_table(["TOPIC", "PENDING", "IN FLIGHT", "PUBLISHED", "DEAD"], rows))
 
 
 # -- dead letters -------------------------------------------------------------------------------
@@ -581,13 +608,12 @@ def dead_list(
 ) -> None:
     """Dead letters, oldest failure first."""
     with open_outbox(app=app, store_url=store_url, store_options=store_options) as outbox:
-        since_at = outbox.clock.now() - since if isinstance(since, timedelta) else since
-        letters = outbox.dead_letters(topic=topic, since=since_at, limit=limit)
+        letters = outbox.dead_letters(topic=topic, since=since, limit=limit)
     if as_json:
         _json([_dead_json(d) for d in letters])
         return
     if not letters:
-        click.echo("no dead letters")
+        _echo("no dead letters")
         return
     rows = [
         [
@@ -599,10 +625,8 @@ def dead_list(
         ]
         for d in letters
     ]
-    click.echo(_table(["ID", "TOPIC", "ATTEMPTS", "FAILED AT", "LAST ERROR"], rows))
-    click.echo(
-        f"{len(letters)} dead letter(s)" + (f" (--limit {limit})" if len(rows) == limit else "")
-    )
+    _echo(_table(["ID", "TOPIC", "ATTEMPTS", "FAILED AT", "LAST ERROR"], rows))
+    _echo(f"{len(letters)} dead letter(s)" + (f" (--limit {limit})" if len(rows) == limit else ""))
 
 
 def _clip(text: str, width: int) -> str:
@@ -631,31 +655,29 @@ def dead_show(
         _json({**_dead_json(letter), "handlers_without_record": missing if app else None})
         return
     event = letter.event
-    click.echo(f"dead letter {event.id} ({event.topic})")
-    click.echo(f"  created:    {_iso(event.created_at)}")
-    click.echo(f"  failed:     {letter.failed_at.isoformat()}")
-    click.echo(f"  attempts:   {event.attempts}")
-    click.echo(f"  last error: {letter.last_error or '-'}")
+    _echo(f"dead letter {event.id} ({event.topic})")
+    _echo(f"  created:    {_iso(event.created_at)}")
+    _echo(f"  failed:     {letter.failed_at.isoformat()}")
+    _echo(f"  attempts:   {event.attempts}")
+    _echo(f"  last error: {letter.last_error or '-'}")
     if event.key is not None:
-        click.echo(f"  key:        {event.key}")
+        _echo(f"  key:        {event.key}")
     if event.headers:
-        click.echo(f"  headers:    {json.dumps(dict(event.headers), ensure_ascii=False)}")
-    click.echo("  handlers:")
+        _echo(f"  headers:    {json.dumps(dict(event.headers), ensure_ascii=False)}")
+    _echo("  handlers:")
     if not letter.records and not missing:
-        click.echo("    no handler recorded an outcome")
+        _echo("    no handler recorded an outcome")
     for record in letter.records:
         reason = f": {record.reason}" if record.reason else ""
-        click.echo(
-            f"    {record.handler}: {record.outcome.value} on attempt {record.attempt}{reason}"
-        )
+        _echo(f"    {record.handler}: {record.outcome.value} on attempt {record.attempt}{reason}")
     for name in missing:
-        click.echo(f"    {name}: no record (runs again if requeued)")
+        _echo(f"    {name}: no record (runs again if requeued)")
     if app is None:
-        click.echo("    (with --app, the subscribed handlers without a record are listed too)")
-    click.echo("  payload:")
+        _echo("    (with --app, the subscribed handlers without a record are listed too)")
+    _echo("  payload:")
     text = json.dumps(_event_json(event)["payload"], indent=2, ensure_ascii=False)
     for line in text.splitlines():
-        click.echo(f"    {line}")
+        _echo(f"    {line}")
 
 
 def _dead_or_fail(outbox: Outbox, event_id: int) -> DeadLetter:
@@ -706,7 +728,7 @@ def dead_requeue(
         else:
             _check_dead(outbox, ids)
             count = outbox.requeue(ids)
-    click.echo(f"requeued {count} dead letter(s)")
+    _echo(f"requeued {count} dead letter(s)")
 
 
 @dead.command("purge")
@@ -731,7 +753,7 @@ def dead_purge(
             count = outbox.purge(dead_ids=ids)
         else:
             count = outbox.purge(dead_older_than=older_than)
-    click.echo(f"purged {count} dead letter(s)")
+    _echo(f"purged {count} dead letter(s)")
 
 
 # -- retention ----------------------------------------------------------------------------------
@@ -757,7 +779,7 @@ def purge(
     same once a minute for the outbox's retain_published (7 days by default)."""
     with open_outbox(app=app, store_url=store_url, store_options=store_options) as outbox:
         count = outbox.purge(published_older_than=older_than)
-    click.echo(f"purged {count} published event(s) older than {format_duration(older_than)}")
+    _echo(f"purged {count} published event(s) older than {format_duration(older_than)}")
 
 
 # -- demo ---------------------------------------------------------------------------------------
@@ -782,7 +804,7 @@ def demo(db: Path | None, orders: int) -> None:
     path = db if db is not None else Path(DEFAULT_DB)
     if not path.parent.is_dir():
         raise InputError(f"--db {str(path)!r}: the directory {str(path.parent)!r} does not exist")
-    click.echo(f"placing {orders} orders in the shop on {path} ...")
+    _echo(f"placing {orders} orders in the shop on {path} ...")
     # The handlers' failures are the point of the demo: count them, do not print a traceback
     # for each (Python's last-resort handler would, with no logging configured).
     quiet = logging.NullHandler()
@@ -797,23 +819,23 @@ def demo(db: Path | None, orders: int) -> None:
         [name, t.published, t.rejected, t.retried, t.dead_lettered]
         for name, t in result.handlers.items()
     ]
-    click.echo("")
-    click.echo(_table(["HANDLER", "PUBLISHED", "REJECTED", "RETRIED", "DEAD-LETTERED"], rows))
-    click.echo("")
-    click.echo(
+    _echo("")
+    _echo(_table(["HANDLER", "PUBLISHED", "REJECTED", "RETRIED", "DEAD-LETTERED"], rows))
+    _echo("")
+    _echo(
         f"{result.orders} orders: {result.published} events published, "
         f"{result.dead_lettered} dead-lettered, {result.pending} pending, "
         f"in {result.seconds:.1f}s"
     )
     url = _demo_url(path)
     store = shlex.quote(url)
-    click.echo("")
-    click.echo("where to look next:")
-    click.echo(f"  outboxkit status --store {store}")
-    click.echo(f"  outboxkit dead list --store {store}")
-    click.echo(f"  outboxkit dead show ID --store {store}")
-    click.echo(f"  outboxkit dead requeue --all --store {store}")
-    click.echo(
+    _echo("")
+    _echo("where to look next:")
+    _echo(f"  outboxkit status --store {store}")
+    _echo(f"  outboxkit dead list --store {store}")
+    _echo(f"  outboxkit dead show ID --store {store}")
+    _echo(f"  outboxkit dead requeue --all --store {store}")
+    _echo(
         f"  SHOP_DB={shlex.quote(url.removeprefix('sqlite:///'))} "
         "outboxkit run outboxkit_shop.app:outbox --until-idle"
     )
@@ -854,8 +876,8 @@ def conformance(factory: str, pytest_args: Sequence[str]) -> None:
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
     capabilities = _capabilities(make)
-    click.echo(f"outboxkit conformance suite {suite.SUITE_VERSION} against {factory}")
-    click.echo(f"declared capabilities: {', '.join(sorted(capabilities)) or 'none'}")
+    _echo(f"outboxkit conformance suite {suite.SUITE_VERSION} against {factory}")
+    _echo(f"declared capabilities: {', '.join(sorted(capabilities)) or 'none'}")
     counter = _Counter()
     ini = Path(suite.__file__).with_name("conformance.ini")
     args = [
@@ -870,12 +892,12 @@ def conformance(factory: str, pytest_args: Sequence[str]) -> None:
         *pytest_args,
     ]
     code = pytest.main(args, plugins=[counter])
-    click.echo(
+    _echo(
         f"conformance: {counter.passed} passed, {counter.failed} failed, "
         f"{counter.skipped} skipped, {counter.xfailed} xfailed"
     )
     for name in counter.failures:
-        click.echo(f"FAILED {name}")
+        _echo(f"FAILED {name}")
     sys.exit(int(code))
 
 

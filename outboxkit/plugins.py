@@ -8,12 +8,12 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 import pluggy
 
 from . import hookspecs
 from ._model import ObserverEvent
+from ._text import redact_url, scrub, secrets_of
 from .errors import ConfigurationError, UnknownStore
 
 __all__ = ["StoreEntry", "make_plugin_manager", "notify", "open_store", "registered_stores"]
@@ -97,14 +97,36 @@ def open_store(url: str, *, plugins: Iterable[object] = (), **options: Any) -> A
         MissingDependency: the store's driver is not installed.
     """
     if not isinstance(url, str) or "://" not in url:
-        raise ConfigurationError(f"a store URL looks like 'scheme://...', got {url!r}")
-    scheme = urlsplit(url).scheme.lower()
+        raise ConfigurationError(
+            f"a store URL looks like 'scheme://...', got {redact_url(url)[:200]!r}"
+        )
+    scheme = url.split("://", 1)[0].lower()
     stores = registered_stores(make_plugin_manager(plugins))
     entry = stores.get(scheme)
     if entry is None:
         known = ", ".join(f"{s}://" for s in sorted(stores)) or "none"
-        raise UnknownStore(f"no store is registered for {scheme + '://'!r}; known: {known}")
-    return entry.factory(url, **options)
+        raise UnknownStore(f"no store is registered for {scheme[:40] + '://'!r}; known: {known}")
+    try:
+        return entry.factory(url, **options)
+    except Exception as exc:
+        # Whatever the store's own messages say, the URL's password never leaves in one.
+        _scrub_exception(exc, secrets_of(url))
+        raise
+
+
+def _scrub_exception(exc: BaseException, secrets: tuple[str, ...]) -> None:
+    """Remove ``secrets`` from the messages of ``exc`` and the exceptions chained to it."""
+    if not secrets:
+        return
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if any(isinstance(arg, str) for arg in current.args):
+            current.args = tuple(
+                scrub(arg, secrets) if isinstance(arg, str) else arg for arg in current.args
+            )
+        current = current.__cause__ or current.__context__
 
 
 def notify(pm: pluggy.PluginManager, event: ObserverEvent) -> None:

@@ -34,6 +34,7 @@ from ._model import (
 )
 from ._options import PollerOptions
 from ._payload import build_event
+from ._text import describe_exception, storable
 from .bus import HandlerSpec
 from .errors import (
     ConfigurationError,
@@ -271,7 +272,7 @@ class Poller:
                 releasing the events not yet started; the event in hand recovers by its lease.
         """
         outbox = self.outbox
-        started_at = outbox.clock.now()
+        started_at = outbox.local_clock.now()
         claims = outbox.store.claim(
             batch_size=self.options.batch_size, lease=self.options.lease, now=outbox.store_now()
         )
@@ -282,7 +283,8 @@ class Poller:
 
         Args:
             claims: fresh claims, in claim order.
-            claimed_at: the clock's instant just before the claim (lease deadlines count from it).
+            claimed_at: the outbox's ``local_clock`` instant just before the claim (lease
+                deadlines count from it).
         """
         report = PollReport()
         outbox = self.outbox
@@ -385,7 +387,7 @@ class Poller:
                 return
             outcomes[spec.name] = delivery.outcome
             if written is not None:
-                reason = "; ".join(errors) or None
+                reason = _joined(errors)
                 if rnd.written is not None:  # a batch: announced once it commits
                     rnd.written.append((claim, written, reason))
                 else:
@@ -394,7 +396,7 @@ class Poller:
             if delivery.outcome is Outcome.FAILED:
                 errors.append(f"{spec.name}: {delivery.error}")
         settlement = self._decide(claim, subscribed, outcomes)
-        self._apply(rnd, claim, settlement, "; ".join(errors) or None)
+        self._apply(rnd, claim, settlement, _joined(errors))
 
     def _decider(
         self,
@@ -408,7 +410,7 @@ class Poller:
 
         def decide(outcome: Outcome) -> tuple[Settlement, str | None]:
             settlement = self._decide(claim, subscribed, {**outcomes, handler: outcome})
-            return settlement, "; ".join(errors) or None
+            return settlement, _joined(errors)
 
         return decide
 
@@ -426,7 +428,7 @@ class Poller:
     def _keep_lease(self, rnd: _Round, claim: Claim) -> bool:
         outbox = self.outbox
         deadlines, rest, report = rnd.deadlines, rnd.remaining, rnd.report
-        now = outbox.clock.now()
+        now = outbox.local_clock.now()  # a local deadline: monotonic in production
         lease = self.options.lease
         if not lease_is_low(remaining=deadlines[claim.token] - now, lease=lease):
             return True
@@ -487,7 +489,7 @@ class Poller:
                         tx.enqueue(ctx._buffer)
                     finish(tx, Outcome.SUCCEEDED)
         except Reject as rejection:
-            reason = rejection.reason
+            reason = storable(rejection.reason)
             settled = None
             try:
                 with ops.delivery(claim, now=outbox.store_now()) as tx:
@@ -501,7 +503,7 @@ class Poller:
             return self._delivery(claim, spec, Outcome.CRASHED, at, "lease lost"), None
         except (_HandlerError, HandlerCrashed) as failure:
             exc: Exception = failure.exc if isinstance(failure, _HandlerError) else failure
-            error = f"{type(exc).__name__}: {exc}"
+            error = describe_exception(exc)
             log.warning(
                 "event %d (%s): handler %s failed on attempt %d: %s",
                 event.id,
@@ -633,6 +635,11 @@ class Poller:
             close = getattr(self.waiter, "close", None)
             if self._owns_waiter and callable(close):
                 close()
+
+
+def _joined(errors: Sequence[str]) -> str | None:
+    """An event's ``last_error``: its handlers' errors in one storable line."""
+    return storable("; ".join(errors)) if errors else None
 
 
 def _call(spec: HandlerSpec, event: Event, ctx: _Context) -> None:
