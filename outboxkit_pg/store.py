@@ -373,6 +373,7 @@ class PostgresStore:
         self, name: str, params: Mapping[str, Any] | None, doing: str
     ) -> tuple[list[Row], int]:
         """Run one statement on a pooled connection and commit it; rows and row count."""
+        _refuse_naive(params)
         try:
             with self._connection(doing) as conn, conn.cursor(row_factory=tuple_row) as cur:
                 cur.execute(self._queries[name], params)
@@ -451,8 +452,10 @@ class PostgresStore:
             StoreError: the migration failed (e.g. the role may not create tables).
         """
         doing = f"migrate schema {self.names.schema!r}"
-        name = f"{self.names.schema}.{self.names.events}"
-        lock_key = zlib.crc32(name.encode()) - (1 << 31)  # a signed 32-bit key
+        # One lock per PostgreSQL schema, not per table set: outboxes with other table names in
+        # the same new schema would otherwise race on its CREATE SCHEMA (a unique violation on
+        # pg_namespace). Migrations are rare; serializing them per schema costs nothing.
+        lock_key = zlib.crc32(self.names.schema.encode()) - (1 << 31)  # a signed 32-bit key
         q = self._queries
         try:
             with (
@@ -541,6 +544,12 @@ class PostgresStore:
             except psycopg.Error as exc:
                 raise self._error(exc, f"commit {what}", conn) from exc
 
+    def now(self) -> datetime:
+        """The database's clock (``now()`` on the server): the one every poller shares."""
+        rows, _ = self._run("clock", None, "read the database clock")
+        now: datetime = rows[0][0]
+        return now
+
     def enqueue(self, conn: Any, events: Sequence[NewEvent], *, now: datetime | None) -> list[int]:
         """Insert ``events`` through the app's ``psycopg.Connection``, in its transaction.
 
@@ -578,6 +587,7 @@ class PostgresStore:
     def _insert(
         self, conn: Connection, events: Sequence[NewEvent], now: datetime | None
     ) -> list[int]:
+        _refuse_naive({"now": now})
         if len(events) == 1:
             (event,) = events
             with conn.cursor(row_factory=tuple_row) as cur:
@@ -673,6 +683,7 @@ class PostgresStore:
         else:
             frame, lock = _SAVEPOINT, self._queries["lock_in_batch"]
         doing = f"deliver event {claim.event.id}"
+        _refuse_naive({"now": now})
         params = {"id": claim.event.id, "token": claim.token, "mark": batch is None}
         try:
             with conn.cursor(row_factory=tuple_row) as cur:
@@ -700,6 +711,18 @@ class PostgresStore:
             yield delivery
             delivery.check_usable()
         except BaseException as exc:
+            if (
+                conn.broken
+                and isinstance(exc, Exception)
+                and not isinstance(exc, StoreError)
+                and not _session_ended_by_handler(exc)
+            ):
+                # The server ended the session under the handler (a restart, a terminated
+                # backend): the database failed, not the handler, whatever it raised then.
+                raise StoreUnavailable(
+                    f"PostgreSQL at {self.where} is unavailable ({doing}): the connection was "
+                    "lost while a handler ran"
+                ) from exc
             ended = _ended_by_handler(conn, exc)
             _abort(conn, frame)
             if ended:
@@ -800,6 +823,7 @@ class PostgresStore:
         error: str | None,
         now: datetime | None,
     ) -> bool:
+        _refuse_naive({"now": now})
         with conn.cursor() as cur:
             cur.execute(
                 self._queries["settle"], settle_params(claim, settlement, error=error, now=now)
@@ -1131,6 +1155,25 @@ def _connection_ended(exc: psycopg.Error, conn: Connection | None = None) -> boo
     return conn is not None and conn.broken
 
 
+_ENDED_BY_HANDLER = frozenset({"25P03"})
+"""SQLSTATEs with which the server ends a session because of what the handler did: it left
+its delivery transaction idle past ``idle_in_transaction_session_timeout``. A handler failure
+(retried, then dead-lettered), not an outage."""
+
+
+def _session_ended_by_handler(exc: BaseException) -> bool:
+    """Whether ``exc``'s chain holds the server's error for a session the handler's own
+    idling ended (``_ENDED_BY_HANDLER``)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, psycopg.Error) and current.sqlstate in _ENDED_BY_HANDLER:
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
 def _check_usable(conn: Connection, where: str, what: str) -> None:
     """``conn``'s transaction (delivering ``what``) is still the one outboxkit opened.
 
@@ -1171,7 +1214,23 @@ def _ended_by_handler(conn: Connection, exc: BaseException) -> bool:
     )
 
 
+def _refuse_naive(params: Mapping[str, Any] | None) -> None:
+    """PostgreSQL would read a naive datetime in the session's time zone: refuse it.
+
+    Raises:
+        ConfigurationError: naming the parameter.
+    """
+    if not params:
+        return
+    for name, value in params.items():
+        if isinstance(value, datetime) and value.utcoffset() is None:
+            raise ConfigurationError(
+                f"{name} must be a timezone-aware datetime (naive ones are refused), got {value!r}"
+            )
+
+
 def _fetch(conn: Connection, query: bytes, params: Mapping[str, Any] | None) -> list[Row]:
+    _refuse_naive(params)
     with conn.cursor(row_factory=tuple_row) as cur:
         cur.execute(query, params)
         return cur.fetchall() if cur.description is not None else []

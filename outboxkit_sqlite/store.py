@@ -28,6 +28,7 @@ Theory of operation:
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -555,6 +556,10 @@ class SQLiteStore:
             conn.guard()
         except sqlite3.Error as exc:
             raise self._open_error(exc) from exc
+        # Text that is not UTF-8 (written behind outboxkit's back, or by an older version that
+        # let a lone surrogate through) reads back with its bad bytes escaped, instead of
+        # failing every query that touches the row.
+        conn.text_factory = _read_text
         try:
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.execute(f"PRAGMA journal_size_limit={_JOURNAL_SIZE_LIMIT}")
@@ -717,6 +722,10 @@ class SQLiteStore:
         """Close every connection. The store is unusable afterwards; closing twice is fine."""
         self._connections.close()
 
+    def now(self) -> datetime:
+        """The store's clock: this host's (every process sharing the file is on it)."""
+        return _now(None)
+
     def enqueue(self, conn: Any, events: Sequence[NewEvent], *, now: datetime | None) -> list[int]:
         """Insert ``events`` through the app's connection, in the app's open transaction (R1).
 
@@ -858,6 +867,14 @@ class SQLiteStore:
             yield tx
             tx.check_open()
         except Exception as exc:
+            failure = _database_failure(exc)
+            if failure is not None:
+                # The file failed under the handler (disk full, I/O error): the database's
+                # failure, not the handler's, whatever the handler made of it.
+                raise self._store_error(
+                    failure,
+                    f"deliver event {claim.event.id} (the database failed while a handler ran)",
+                ) from exc
             if tx.ended_by_handler and not isinstance(
                 exc, HandlerCrashed | Reject | LeaseLostError
             ):
@@ -1098,6 +1115,28 @@ def _event(row: Sequence[Any]) -> Event:
     )
 
 
+# SQLite result codes that mean the database file itself failed (never a handler's own doing).
+_DATABASE_FAILED = (
+    "SQLITE_FULL",
+    "SQLITE_IOERR",
+    "SQLITE_CORRUPT",
+    "SQLITE_NOTADB",
+    "SQLITE_CANTOPEN",
+)
+
+
+def _database_failure(exc: BaseException) -> sqlite3.Error | None:
+    """The ``sqlite3`` error in ``exc``'s chain that says the database file failed, if any."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, sqlite3.Error) and _error_name(current).startswith(_DATABASE_FAILED):
+            return current
+        current = current.__cause__ or current.__context__
+    return None
+
+
 def _claim_keys(claims: Sequence[Claim]) -> dict[str, str]:
     """The ``:ids`` and ``:tokens`` JSON arrays that ``extend`` and ``release`` match rows by."""
     return {
@@ -1121,6 +1160,7 @@ def _row(event: NewEvent, created: int) -> tuple[Any, ...]:
 
 
 _HAS_AUTOCOMMIT = hasattr(sqlite3.Connection, "autocommit")  # Python 3.12+
+_read_text = functools.partial(str, encoding="utf-8", errors="backslashreplace")
 
 
 def _app_connection(conn: Any) -> sqlite3.Connection:

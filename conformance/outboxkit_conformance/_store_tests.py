@@ -607,6 +607,35 @@ class StoreLevelTests(ConformanceBase):
         assert store.settle(claim, Publish(), error=None, now=None) is True
         assert store.stats(now=None).published == 1
 
+    def test_now_is_the_stores_production_clock(self, store: Store) -> None:
+        # What now=None means: an aware instant; an event enqueued with now=None is stamped
+        # with it (the store's clock is where every cutoff comes from).
+        before = store.now()
+        assert before.utcoffset() is not None
+        (event_id,) = self.put(store, None, ("t", 1))
+        after = store.now()
+        event = store.get(event_id)
+        assert event is not None and event.created_at is not None
+        slack = timedelta(seconds=5)  # a database clock is read at its own statement's start
+        assert before - slack <= event.created_at <= after + slack
+
+    # -- text ---------------------------------------------------------------------------------
+
+    def test_any_storable_text_round_trips(self, store: Store, clock: FrozenClock) -> None:
+        # What outboxkit stores besides validated events - error texts, rejection reasons -
+        # passes through outboxkit._text.storable first: no NUL, no lone surrogate, but
+        # anything else a store must keep exactly.
+        text = "quotes ' \" back\\slash %s %(x)s ; -- \x01\x1b[2J\t\n 日本 😀 \u202e x" * 20
+        (reject_id, dead_id) = self.put(store, clock.now(), ("t", 1), ("t", 2))
+        claims = {c.event.id: c for c in self.claim(store, clock.now())}
+        with store.delivery(claims[reject_id], now=clock.now()) as tx:
+            tx.record("h", Outcome.REJECTED, reason=text)
+        assert store.settle(claims[reject_id], Publish(), error=None, now=clock.now())
+        assert store.settle(claims[dead_id], DeadLetter(), error=text, now=clock.now())
+        assert [r.reason for r in store.records(reject_id)] == [text]
+        (letter,) = store.dead_letters()
+        assert letter.last_error == text
+
     # -- concurrency --------------------------------------------------------------------------
 
     def test_two_threads_never_claim_the_same_event(self, store: Store, clock: FrozenClock) -> None:

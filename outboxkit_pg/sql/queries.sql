@@ -12,6 +12,10 @@
 -- pollers on many machines never disagree; a test clock's instant is bound instead.
 
 
+-- name: clock
+-- The database's clock: what every %(now)s falls back to, and what cutoffs are computed from.
+SELECT now()
+
 -- name: find_schema
 SELECT 1 FROM pg_catalog.pg_namespace WHERE nspname = %(schema)s
 
@@ -321,15 +325,22 @@ SELECT event_id, handler, outcome, attempt, recorded_at, reason
  ORDER BY seq
 
 -- name: purge_published
--- One page; the delivery records go with their events (ON DELETE CASCADE).
+-- One page; the delivery records go with their events (ON DELETE CASCADE). The conditions are
+-- repeated on the outer DELETE: the subquery picks rows from its snapshot, and only the outer
+-- conditions are checked again on the newest version of a row another transaction changed
+-- meanwhile (READ COMMITTED), so a row that stopped qualifying is left alone.
 DELETE FROM {events}
  WHERE id IN (SELECT id
                 FROM {events}
                WHERE published_at < %(before)s::timestamptz
                ORDER BY published_at
                LIMIT %(limit)s)
+   AND published_at < %(before)s::timestamptz
 
 -- name: purge_dead
+-- As purge_published: the outer conditions make a requeue that commits first win (its row is
+-- no longer dead when the DELETE gets to it), so a requeue and a purge of one dead letter never
+-- both act on it.
 DELETE FROM {events}
  WHERE id IN (SELECT id
                 FROM {events}
@@ -338,6 +349,9 @@ DELETE FROM {events}
                  AND (%(before)s::timestamptz IS NULL OR failed_at < %(before)s::timestamptz)
                ORDER BY failed_at, id
                LIMIT %(limit)s)
+   AND failed_at IS NOT NULL
+   AND published_at IS NULL
+   AND (%(before)s::timestamptz IS NULL OR failed_at < %(before)s::timestamptz)
 
 -- name: stats
 SELECT topic, state, count(*), min(available_at) FILTER (WHERE due)
