@@ -15,9 +15,11 @@ subscribed handler, at least once, with retries, backoff and dead letters::
 
 from __future__ import annotations
 
-from ._backoff import ExponentialBackoff
-from ._machine import Transition
-from ._model import (
+from .bus import DeliveryContext, EventBus, HandlerSpec
+from .clock import Clock, FrozenClock, SystemClock
+from .core.backoff import ExponentialBackoff
+from .core.machine import Transition
+from .core.model import (
     Claim,
     Claimed,
     DeadLetter,
@@ -36,8 +38,6 @@ from ._model import (
     Stats,
     Unrouted,
 )
-from .bus import DeliveryContext, EventBus, HandlerSpec
-from .clock import Clock, FrozenClock, SystemClock
 from .errors import (
     ConfigurationError,
     DrainError,

@@ -37,8 +37,8 @@ from typing import Any
 
 import click
 
-from ._model import DeadLettered, ObserverEvent, Published
-from ._text import printable
+from .core.model import DeadLettered, ObserverEvent, Published
+from .core.text import printable
 from .hookspecs import hookimpl
 from .outbox import Outbox
 from .poller import Poller, ThreadWaiter
@@ -105,8 +105,8 @@ def run(settings: RunSettings) -> int:
         InputError, ConfigurationError: wrong input (the CLI reports it in one line, exit 2).
         StoreError: the store failed for good (a missing schema, say).
     """
-    from ._options import PollerOptions
     from .cli import open_outbox
+    from .core.options import PollerOptions
 
     who = os.environ.get(POLLER_ENV)
     supervisor = os.environ.get(SUPERVISOR_ENV)

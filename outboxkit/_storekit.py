@@ -12,9 +12,9 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
-from ._machine import DeadLetter, Publish, Retry, Settlement
-from ._model import Claim, DeliveryRecord, Event, Outcome
-from ._payload import decode_payload
+from .core.machine import DeadLetter, Publish, Retry, Settlement
+from .core.model import Claim, DeliveryRecord, Event, Outcome
+from .core.payload import decode_payload
 from .errors import ConfigurationError
 
 __all__ = [

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol, TypeVar
 
-from ._model import Event
-from ._text import storable
+from .core.model import Event
+from .core.text import storable
 from .errors import ConfigurationError
 
 __all__ = ["DeliveryContext", "EventBus", "Handler", "HandlerSpec"]
@@ -149,6 +149,14 @@ class EventBus:
     def handlers_for(self, topic: str) -> tuple[HandlerSpec, ...]:
         """The handlers subscribed to ``topic``, in subscription order (may be empty)."""
         return self._by_topic.get(topic, ())
+
+    def names_for(self, topic: str) -> tuple[str, ...]:
+        """The names of the handlers subscribed to ``topic``, in subscription order."""
+        return tuple(spec.name for spec in self._by_topic.get(topic, ()))
+
+    def specs(self) -> tuple[HandlerSpec, ...]:
+        """Every subscription, topic by topic, in subscription order."""
+        return tuple(spec for specs in self._by_topic.values() for spec in specs)
 
     def find(self, name: str) -> HandlerSpec:
         """The handler called ``name`` (on whichever topic).

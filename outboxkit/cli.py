@@ -28,8 +28,8 @@ from typing import Any, NoReturn, TypeVar
 import click
 
 from . import __version__
-from ._model import DeadLetter, DeliveryRecord, Event, Stats, UndecodablePayload
-from ._text import printable, printable_json, redact_url
+from .core.model import DeadLetter, DeliveryRecord, Event, Stats, UndecodablePayload
+from .core.text import printable, printable_json, redact_url
 from .errors import ConfigurationError, OutboxError
 from .outbox import Outbox
 

@@ -12,7 +12,8 @@ from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Protocol, runtime_checkable
 
-from ._duration import as_timedelta
+from .core.duration import as_timedelta
+from .errors import ConfigurationError
 
 __all__ = [
     "Clock",
@@ -67,7 +68,7 @@ class FrozenClock:
         start: the first instant (aware datetime or ISO-8601 string); default 2030-01-01 UTC.
 
     Raises:
-        ValueError: ``start`` is naive or not a valid instant.
+        ConfigurationError: ``start`` is naive or not a valid instant.
     """
 
     def __init__(self, start: datetime | str | None = None) -> None:
@@ -83,7 +84,7 @@ class FrozenClock:
         """Move forward by seconds or a timedelta; returns the new instant.
 
         Raises:
-            ValueError: ``by`` is negative or not a duration.
+            ConfigurationError: ``by`` is negative or not a duration.
         """
         delta = as_timedelta(by, what="advance")
         with self._lock:
@@ -96,7 +97,7 @@ class FrozenClock:
         """Jump to ``instant`` (forwards or backwards); returns it.
 
         Raises:
-            ValueError: ``instant`` is naive or not a valid instant.
+            ConfigurationError: ``instant`` is naive or not a valid instant.
         """
         value = parse_instant(instant)
         with self._lock:
@@ -121,12 +122,12 @@ def require_aware(value: object, what: str) -> datetime:
     """``value`` if it is a timezone-aware datetime.
 
     Raises:
-        ValueError: naming ``what``: naive, or not a datetime at all.
+        ConfigurationError: naming ``what``: naive, or not a datetime at all.
     """
     if not isinstance(value, datetime):
-        raise ValueError(f"{what} must be a datetime, got {value!r}")
+        raise ConfigurationError(f"{what} must be a datetime, got {value!r}")
     if value.tzinfo is None or value.utcoffset() is None:
-        raise ValueError(
+        raise ConfigurationError(
             f"{what} must be timezone-aware (naive datetimes are refused), got {value!r}"
         )
     return value
@@ -136,17 +137,17 @@ def parse_instant(value: datetime | str) -> datetime:
     """An aware UTC datetime from a datetime or an ISO-8601 string (``Z`` allowed).
 
     Raises:
-        ValueError: naive, unparsable, or neither a datetime nor a string.
+        ConfigurationError: naive, unparsable, or neither a datetime nor a string.
     """
     if isinstance(value, str):
         try:
             parsed = datetime.fromisoformat(value.replace("Z", "+00:00").replace("z", "+00:00"))
         except ValueError:
-            raise ValueError(f"not an ISO-8601 instant: {value!r}") from None
+            raise ConfigurationError(f"not an ISO-8601 instant: {value!r:.80}") from None
     elif isinstance(value, datetime):
         parsed = value
     else:
-        raise ValueError(f"an instant must be a datetime or ISO-8601 string, got {value!r}")
+        raise ConfigurationError(f"an instant must be a datetime or ISO-8601 string, got {value!r}")
     if parsed.tzinfo is None or parsed.utcoffset() is None:
-        raise ValueError(f"an instant must carry a time zone (e.g. 'Z'), got {value!r}")
+        raise ConfigurationError(f"an instant must carry a time zone (e.g. 'Z'), got {value!r}")
     return parsed.astimezone(UTC)

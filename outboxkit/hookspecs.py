@@ -11,7 +11,7 @@ from typing import Any
 
 import pluggy
 
-from ._model import ObserverEvent
+from .core.model import ObserverEvent
 
 __all__ = ["PROJECT", "RegisterStore", "StoreFactory", "hookimpl", "hookspec"]
 

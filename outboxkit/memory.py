@@ -23,14 +23,26 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
+from types import MappingProxyType
 from typing import Any
 
-from ._machine import DeadLetter as DeadLetterDecision
-from ._machine import Publish, Retry, Settlement, is_due
-from ._model import Claim, DeadLetter, DeliveryRecord, Event, NewEvent, Outcome, Stats
 from ._storekit import event_from_row
+from .core.machine import Retry, Settlement, Transition, allowed, is_due
+from .core.model import (
+    Claim,
+    DeadLetter,
+    DeliveryRecord,
+    Event,
+    NewEvent,
+    Outcome,
+    State,
+    Stats,
+    state_of,
+)
 from .errors import ConfigurationError, HandlerCrashed, LeaseLostError, StoreError
 from .hookspecs import RegisterStore, hookimpl
+from .store import Capabilities, SettleItem
+from .waiter import ClosingWaiter
 
 __all__ = ["MemoryStore", "MemoryTransaction"]
 
@@ -183,7 +195,9 @@ class _MemoryDelivery:
 
     def record(self, handler: str, outcome: Outcome, *, reason: str | None = None) -> None:
         if not outcome.recorded:
-            raise ValueError(f"only succeeded/rejected outcomes are recorded, got {outcome}")
+            raise ConfigurationError(
+                f"only succeeded/rejected outcomes are recorded, got {outcome}"
+            )
         self.tx._check_open()
         self.tx._pending.records.append(
             DeliveryRecord(
@@ -195,11 +209,6 @@ class _MemoryDelivery:
                 reason=reason,
             )
         )
-
-    def settle(self, settlement: Settlement, *, error: str | None) -> None:
-        """R8 for this event, applied when the transaction commits."""
-        self.tx._check_open()
-        self.tx._pending.settles.append(_Settle(self._claim, settlement, error, self._now))
 
 
 class _MemoryBatch:
@@ -223,18 +232,22 @@ class _MemoryBatch:
             self.tx._pending.roll_back_to(mark)
             raise
 
-    def settle(
-        self, claim: Claim, settlement: Settlement, *, error: str | None, now: datetime | None
-    ) -> bool:
-        try:
-            self._lock(claim)
-        except LeaseLostError:
-            return False
-        with self._store._lock:
-            if self._store._settleable(claim) is None:
-                return False
-        self.tx._pending.settles.append(_Settle(claim, settlement, error, _now(now)))
-        return True
+    def settle_many(self, items: Sequence[SettleItem], *, now: datetime | None) -> list[bool]:
+        """Each settlement waits in the batch's transaction: applied when it commits."""
+        at = _now(now)
+        done = []
+        for claim, settlement, error in items:
+            try:
+                self._lock(claim)
+            except LeaseLostError:
+                done.append(False)
+                continue
+            with self._store._lock:
+                settleable = self._store._settleable(claim) is not None
+            if settleable:
+                self.tx._pending.settles.append(_Settle(claim, settlement, error, at))
+            done.append(settleable)
+        return done
 
     def _lock(self, claim: Claim) -> None:
         self.locked[claim.event.id] = self._store._lock_row(claim, self)
@@ -252,15 +265,14 @@ class _MemoryBatch:
 class MemoryStore:
     """A transactional in-memory store (``memory://``). Thread-safe; one process only."""
 
-    capabilities = frozenset(
-        {
-            "transactional_handlers",
-            "concurrent_claimers",
-            "settle_in_delivery",
-            "batched_delivery",
-            "concurrent_batches",
-        }
+    capabilities = Capabilities(
+        batches=True,
+        transactional_handlers=True,
+        concurrent_claimers=True,
+        concurrent_batches=True,
     )
+    url: str | None = None  # another process's memory:// is another store
+    options: Mapping[str, Any] = MappingProxyType({})
 
     def __init__(self) -> None:
         self._lock = threading.Condition(threading.RLock())
@@ -494,16 +506,20 @@ class MemoryStore:
                 kept.append(replace(claim, locked_until=row.locked_until))
         return kept
 
-    def settle(
-        self, claim: Claim, settlement: Settlement, *, error: str | None, now: datetime | None
-    ) -> bool:
+    def settle_many(self, items: Sequence[SettleItem], *, now: datetime | None) -> list[bool]:
         at = _now(now)
+        done = []
         with self._lock:
-            row = self._settleable(claim)
-            if row is None:
-                return False
-            self._settle(row, settlement, error, at)
-            return True
+            for claim, settlement, error in items:
+                row = self._settleable(claim)
+                if row is not None:
+                    self._settle(row, settlement, error, at)
+                done.append(row is not None)
+        return done
+
+    def make_waiter(self) -> ClosingWaiter | None:
+        """None: an enqueue wakes this process's pollers directly (``Outbox.wake``)."""
+        return None
 
     def release(self, claims: Sequence[Claim], *, now: datetime | None) -> int:
         count = 0
@@ -524,8 +540,8 @@ class MemoryStore:
         with self._lock:
             for event_id in set(ids):
                 row = self._events.get(event_id)
-                if row is None or row.failed_at is None:
-                    continue
+                if row is None or not allowed(self._state(row), Transition.REQUEUE):
+                    continue  # R12: only a dead event is requeued
                 row.failed_at = None
                 row.attempts = 0
                 row.available_at = at
@@ -630,16 +646,10 @@ class MemoryStore:
         oldest: datetime | None = None
         with self._lock:
             for r in self._events.values():
-                if r.published_at is not None:
-                    state = "published"
-                elif r.failed_at is not None:
-                    state = "dead"
-                elif r.locked_until is not None and r.locked_until > at:
-                    state = "claimed"
-                else:
-                    state = "pending"
-                    if r.available_at <= at and (oldest is None or r.available_at < oldest):
-                        oldest = r.available_at
+                state = self._state(r, at).value
+                due = state == "pending" and r.available_at <= at
+                if due and (oldest is None or r.available_at < oldest):
+                    oldest = r.available_at
                 counts[state] += 1
                 topic_counts = by_topic.setdefault(r.topic, {})
                 topic_counts[state] = topic_counts.get(state, 0) + 1
@@ -648,6 +658,15 @@ class MemoryStore:
     def _check_open(self) -> None:
         if self._closed:
             raise StoreError("the memory store is closed")
+
+    @staticmethod
+    def _state(row: _Row, now: datetime | None = None) -> State:
+        return state_of(
+            published_at=row.published_at,
+            failed_at=row.failed_at,
+            locked_until=row.locked_until,
+            now=now,
+        )
 
     def _settle(self, row: _Row, settlement: Settlement, error: str | None, at: datetime) -> None:
         _settle_row(row, settlement, error, at)
@@ -660,16 +679,18 @@ def _now(now: datetime | None) -> datetime:
 
 
 def _settle_row(row: _Row, settlement: Settlement, error: str | None, at: datetime) -> None:
-    if isinstance(settlement, Publish):
+    """R8: the row in the state the machine's table gives for the settlement, its lease
+    cleared."""
+    state = settlement.state
+    if state is State.PUBLISHED:
         row.published_at = at
-    elif isinstance(settlement, DeadLetterDecision):
+    elif state is State.DEAD:
         row.failed_at = at
         row.last_error = error
-    elif isinstance(settlement, Retry):
+    else:  # PENDING again: a retry after its delay
+        assert isinstance(settlement, Retry)
         row.available_at = at + settlement.delay
         row.last_error = error
-    else:  # pragma: no cover - Settlement is a closed union
-        raise TypeError(f"unknown settlement {settlement!r}")
     row.locked_until = None
     row.token = None
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 
-from ._model import (
+from .core.model import (
     Claimed,
     DeadLettered,
     HandlerFailed,

@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-from ._backoff import BackoffPolicy
-from ._duration import MAX_DURATION, before
-from ._model import DeadLetter, NewEvent, ObserverEvent, Stats
-from ._options import PollerOptions, TransactionMode
-from ._payload import DEFAULT_MAX_PAYLOAD_BYTES, build_event
 from .bus import EventBus
 from .clock import Clock, MonotonicClock, SystemClock, as_timedelta, require_aware
+from .core.backoff import BackoffPolicy
+from .core.duration import MAX_DURATION, before
+from .core.model import DeadLetter, NewEvent, ObserverEvent, Stats
+from .core.options import PollerOptions, TransactionMode
+from .core.payload import DEFAULT_MAX_PAYLOAD_BYTES, build_event
 from .errors import ConfigurationError, InvalidEvent, StoreError
 from .plugins import make_plugin_manager, notify
 from .store import Store
@@ -366,10 +366,7 @@ class Outbox:
         if isinstance(since, timedelta):
             since = before(self.now(), _duration("since", since))
         elif since is not None:
-            try:
-                since = require_aware(since, "since")
-            except ValueError as exc:
-                raise ConfigurationError(str(exc)) from None
+            since = require_aware(since, "since")
         _check_limit(limit)
         return self.store.dead_letters(topic=topic, since=since, limit=limit)
 
@@ -509,10 +506,7 @@ def _duration(
     allow_zero: bool = True,
     maximum: timedelta | None = None,
 ) -> timedelta:
-    try:
-        return as_timedelta(value, what=name, allow_zero=allow_zero, maximum=maximum)
-    except ValueError as exc:
-        raise ConfigurationError(str(exc)) from None
+    return as_timedelta(value, what=name, allow_zero=allow_zero, maximum=maximum)
 
 
 MAX_EVENT_ID = 2**63 - 1

@@ -12,8 +12,8 @@ from typing import Any
 import pluggy
 
 from . import hookspecs
-from ._model import ObserverEvent
-from ._text import redact_url, scrub, secrets_of
+from .core.model import ObserverEvent
+from .core.text import redact_url, scrub, secrets_of
 from .errors import ConfigurationError, UnknownStore
 
 __all__ = ["StoreEntry", "make_plugin_manager", "notify", "open_store", "registered_stores"]

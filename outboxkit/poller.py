@@ -1,25 +1,38 @@
-"""The poller: claim -> deliver -> settle, once (``run_once``) or in a loop (``run_forever``).
+"""The blocking poller: claim -> deliver -> settle, once (``run_once``) or in a loop.
 
-The poller is the shell around the pure core: it reads the clock, talks to the store, runs the
-handlers, and asks ``_machine`` what each outcome means. The same code path runs in production and
-inside ``outbox_drain`` in a test.
+A thin shell over the pure core: ``outboxkit.core.batch.ClaimedBatch`` says what comes next and
+``outboxkit.core.machine`` decides every outcome; this module reads the clocks, talks to the
+store, runs the handlers and emits what happened. ``outboxkit.aio`` is the same shell for
+asyncio, name for name. The same code path runs in production and inside ``outbox_drain``.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from ._machine import DeadLetter, Publish, Retry, Settlement, decide_settlement, lease_is_low
-from ._model import (
+from .bus import HandlerSpec
+from .core.batch import ClaimedBatch, EventRun, Settled
+from .core.machine import (
+    MAX_OUTAGE_WAIT,
+    LeaseCheck,
+    Publish,
+    Retry,
+    SettleNow,
+    outage_delay,
+    outcome_of,
+)
+from .core.machine import DeadLetter as DeadLetterDecision
+from .core.model import (
     Claim,
     Claimed,
     DeadLettered,
+    Delivery,
     Event,
     HandlerFailed,
     HandlerRejected,
@@ -27,15 +40,14 @@ from ._model import (
     LeaseLost,
     NewEvent,
     Outcome,
+    PollReport,
     Published,
     RetryScheduled,
-    UndecodablePayload,
     Unrouted,
 )
-from ._options import PollerOptions
-from ._payload import build_event
-from ._text import describe_exception, storable
-from .bus import HandlerSpec
+from .core.options import PollerOptions
+from .core.payload import build_event
+from .core.text import describe_exception, storable
 from .errors import (
     ConfigurationError,
     HandlerCrashed,
@@ -44,77 +56,23 @@ from .errors import (
     SchemaError,
     StoreError,
 )
+from .store import Deliveries, DeliveryTransaction
+from .waiter import ClosingWaiter, ThreadWaiter, Waiter
 
 if TYPE_CHECKING:
     from .outbox import Outbox
-    from .store import DeliveryTransaction
 
-__all__ = ["Delivery", "PollReport", "Poller", "ThreadWaiter", "Waiter"]
+__all__ = [
+    "MAX_OUTAGE_WAIT",
+    "Delivery",
+    "PollReport",
+    "Poller",
+    "ThreadWaiter",
+    "Waiter",
+    "check_handlers",
+]
 
 log = logging.getLogger("outboxkit")
-
-MAX_OUTAGE_WAIT = 30.0
-
-
-class Waiter(Protocol):
-    """How a poller waits between polls. ``wait`` returns early when ``wake`` is called."""
-
-    def wait(self, timeout: float) -> None: ...
-
-    def wake(self) -> None: ...
-
-
-class ThreadWaiter:
-    """The default waiter: a ``threading.Event`` that in-process enqueues set."""
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-
-    def wait(self, timeout: float) -> None:
-        # Clear only a wake we consumed: one that lands after a timeout stays set for next time.
-        if self._event.wait(timeout):
-            self._event.clear()
-
-    def wake(self) -> None:
-        self._event.set()
-
-
-@dataclass(frozen=True, slots=True)
-class Delivery:
-    """One handler run: what happened, when, on which attempt."""
-
-    event_id: int
-    topic: str
-    handler: str
-    attempt: int
-    outcome: Outcome
-    at: datetime
-    error: str | None = None
-    exception: BaseException | None = field(default=None, compare=False, repr=False)
-
-
-@dataclass(slots=True)
-class PollReport:
-    """What one ``run_once`` did. Event ids per result; every handler run in ``deliveries``."""
-
-    claimed: list[int] = field(default_factory=list)
-    published: list[int] = field(default_factory=list)
-    retried: list[int] = field(default_factory=list)
-    dead_lettered: list[int] = field(default_factory=list)
-    lease_lost: list[int] = field(default_factory=list)
-    released: list[int] = field(default_factory=list)
-    deliveries: list[Delivery] = field(default_factory=list)
-
-    @property
-    def rejected(self) -> list[Delivery]:
-        return [d for d in self.deliveries if d.outcome is Outcome.REJECTED]
-
-    @property
-    def failed(self) -> list[Delivery]:
-        return [d for d in self.deliveries if d.outcome is Outcome.FAILED]
-
-    def __bool__(self) -> bool:
-        return bool(self.claimed)
 
 
 class _Context:
@@ -157,50 +115,6 @@ class _Context:
             self._buffer.append(event)
 
 
-class _Ops(Protocol):
-    """Where one round's deliveries, settlements and lease extensions go: the store itself
-    (``transaction="per_event"``) or the batch's transaction (``"per_batch"``)."""
-
-    def delivery(
-        self, claim: Claim, *, now: datetime | None
-    ) -> AbstractContextManager[DeliveryTransaction]: ...
-
-    def settle(
-        self, claim: Claim, settlement: Settlement, *, error: str | None, now: datetime | None
-    ) -> bool: ...
-
-    def extend(
-        self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None
-    ) -> list[Claim]: ...
-
-
-# What the last delivery of an event settles it as, given that delivery's outcome.
-_Decide = Callable[[Outcome], tuple[Settlement, str | None]]
-_Settled = tuple[Claim, Settlement, str | None]
-
-
-@dataclass(slots=True)
-class _Round:
-    """One ``process`` call's state.
-
-    Attributes:
-        ops: where deliveries, settlements and extensions go (the store, or the batch).
-        remaining: claims not started yet, in order.
-        deadlines: token -> the local lease deadline.
-        report: what happened.
-        written: settlements written but not committed yet (a batch): announced at its commit.
-        pending: settlements not written yet (a store with ``batched_settle``): written
-            together, with one ``settle_many``, when the round ends.
-    """
-
-    ops: _Ops
-    remaining: list[Claim]
-    deadlines: dict[str, datetime]
-    report: PollReport
-    written: list[_Settled] | None = None
-    pending: list[_Settled] | None = None
-
-
 class _HandlerError(Exception):
     """Wraps an exception a handler raised, to keep it apart from the store's own errors."""
 
@@ -209,37 +123,63 @@ class _HandlerError(Exception):
         self.exc = exc
 
 
+def check_handlers(specs: Sequence[HandlerSpec], *, asyncio: bool) -> None:
+    """Refuse handlers a poller cannot run, naming them: an ``async def`` handler under the
+    blocking poller (its coroutine would never be awaited), or (``asyncio``) a blocking
+    transactional handler under the asyncio poller (it would block the event loop while it
+    holds its delivery transaction).
+
+    Raises:
+        ConfigurationError: naming the handler and its topic.
+    """
+    for spec in specs:
+        coroutine = _is_coroutine_function(spec.fn)
+        if coroutine and not asyncio:
+            raise ConfigurationError(
+                f"handler {spec.name!r} (topic {spec.topic!r}) is an async def: the blocking "
+                "poller cannot await it; run it with outbox.async_poller()"
+            )
+        if asyncio and not coroutine and spec.transactional:
+            raise ConfigurationError(
+                f"handler {spec.name!r} (topic {spec.topic!r}) is a blocking transactional "
+                "handler: the asyncio poller runs only async def transactional handlers (a "
+                "blocking one would hold the event loop in its delivery transaction); make it "
+                "async def, subscribe it with transactional=False, or use outbox.poller()"
+            )
+
+
+def _is_coroutine_function(fn: object) -> bool:
+    """An ``async def`` function, or an object whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
 class Poller:
     """Claims due events and delivers them. Make one with ``Outbox.poller(**options)``.
 
     Thread-safe to ``stop()`` from another thread or a signal handler.
+
+    Raises:
+        ConfigurationError: ``transaction="per_batch"`` on a store without batches, or an
+            ``async def`` handler on the bus.
     """
 
     def __init__(self, outbox: Outbox, options: PollerOptions, *, waiter: Waiter | None) -> None:
         self.outbox = outbox
         self.options = options
-        # Without a waiter given, the store may offer one that also wakes on commits in other
-        # processes (``make_waiter``, see ``outboxkit.store``); this poller then closes it.
-        self._owns_waiter = waiter is None
-        if waiter is None:
-            make_waiter = getattr(outbox.store, "make_waiter", None)
-            waiter = make_waiter() if callable(make_waiter) else None
-        self.waiter: Waiter = waiter if waiter is not None else ThreadWaiter()
-        self._stop = threading.Event()
-        capabilities = outbox.store.capabilities
         self._batched = options.transaction == "per_batch"
-        if self._batched and "batched_delivery" not in capabilities:
+        if self._batched and not outbox.store.capabilities.batches:
             raise ConfigurationError(
-                f"transaction='per_batch' needs a store with the 'batched_delivery' capability; "
-                f"{outbox.store!r} has {sorted(capabilities)}"
+                f"transaction='per_batch' needs a store with batches; {outbox.store!r} has "
+                f"{sorted(outbox.store.capabilities.names())}"
             )
-        # How events are settled, cheapest first for the store at hand: a store with
-        # batched_settle settles the round's events together when the round ends (per event:
-        # after the last delivery, so each delivery's commit stays small; in a batch: in the
-        # batch's transaction, before it commits); else, where the store can, in the
-        # transaction (or savepoint) of the event's last delivery; else on its own.
-        self._defer = "batched_settle" in capabilities
-        self._fold = not self._defer and "settle_in_delivery" in capabilities
+        check_handlers(outbox.bus.specs(), asyncio=False)
+        # Without a waiter given, the store may offer one that also wakes on commits in other
+        # processes; this poller then closes it when run_forever ends.
+        self._owned: ClosingWaiter | None = None
+        if waiter is None:
+            self._owned = outbox.store.make_waiter()
+        self.waiter: Waiter = waiter or self._owned or ThreadWaiter()
+        self._stop = threading.Event()
 
     def __repr__(self) -> str:
         o = self.options
@@ -258,7 +198,7 @@ class Poller:
         self._stop.set()
         self.waiter.wake()
 
-    # -- one round --------------------------------------------------------------------------------
+    # -- one round ------------------------------------------------------------------------------
 
     def run_once(self) -> PollReport:
         """Claim one batch, deliver every event in claim order, settle each (R3-R13).
@@ -272,11 +212,11 @@ class Poller:
                 releasing the events not yet started; the event in hand recovers by its lease.
         """
         outbox = self.outbox
-        started_at = outbox.local_clock.now()
+        claimed_at = outbox.local_clock.now()
         claims = outbox.store.claim(
             batch_size=self.options.batch_size, lease=self.options.lease, now=outbox.store_now()
         )
-        return self.process(claims, claimed_at=started_at)
+        return self.process(claims, claimed_at=claimed_at)
 
     def process(self, claims: Sequence[Claim], *, claimed_at: datetime) -> PollReport:
         """Deliver and settle claims this poller just made (``run_once`` without the claim).
@@ -286,221 +226,131 @@ class Poller:
             claimed_at: the outbox's ``local_clock`` instant just before the claim (lease
                 deadlines count from it).
         """
-        report = PollReport()
-        outbox = self.outbox
-        lease = self.options.lease
+        options = self.options
+        batch = ClaimedBatch(
+            claims,
+            claimed_at=claimed_at,
+            lease=options.lease,
+            max_retries=options.max_retries,
+            backoff=options.backoff,
+        )
         if not claims:
-            return report
-        # The local lease deadline: from just before the claim, so never later than the store's.
-        deadlines = {c.token: claimed_at + lease for c in claims}
-        for claim in claims:
-            report.claimed.append(claim.event.id)
-            outbox.emit(Claimed(claim.event.id, claim.event.topic, claim.attempt))
-        rnd = _Round(outbox.store, list(claims), deadlines, report)
-        try:
-            rnd.pending = [] if self._defer else None
-            if self._batched:
-                rnd.written = []
-                with outbox.store.batch(now=outbox.store_now()) as batch:  # type: ignore[attr-defined]
-                    rnd.ops = batch
-                    if not callable(getattr(batch, "settle_many", None)):
-                        rnd.pending = None  # a batch without it: each event settled on its own
-                    self._deliver_all(rnd)
-                    if rnd.pending:  # in the batch's transaction: void if it rolls back
-                        self._settle_pending(rnd)
-                # Committed: only now are the batch's settlements true.
-                for claim, settlement, error in rnd.written:
-                    self._announce(claim, settlement, error, report)
-            else:
-                try:
-                    self._deliver_all(rnd)
-                finally:
-                    if rnd.pending:
-                        self._settle_pending(rnd)
-        finally:
-            # Stopping, or a handler raised BaseException: hand back the unstarted claims (after
-            # a batch has ended: its transaction may hold their rows).
-            if rnd.remaining:
-                released = outbox.store.release(rnd.remaining, now=outbox.store_now())
-                report.released.extend(c.event.id for c in rnd.remaining)
-                log.info("poller stopping: released %d unstarted claim(s)", released)
-        return report
-
-    def _deliver_all(self, rnd: _Round) -> None:
-        """Deliver ``rnd.remaining`` in order, popping each as it starts; stop early when asked
-        (what is left is then released by the caller)."""
-        while rnd.remaining and not self._stop.is_set():
-            claim = rnd.remaining.pop(0)
-            self._process(rnd, claim)
-
-    def _settle_pending(self, rnd: _Round) -> None:
-        """Write the round's deferred settlements in one ``settle_many`` (R8, each fenced by
-        its token) through the round's store or batch, then announce them (a batch's once it
-        commits)."""
-        pending = rnd.pending or []
-        ops: Any = rnd.ops
-        done = ops.settle_many(pending, now=self.outbox.store_now())
-        for (claim, settlement, error), ok in zip(pending, done, strict=True):
-            if not ok:
-                self._lease_lost(claim, rnd.report, None)
-            elif rnd.written is not None:
-                rnd.written.append((claim, settlement, error))
-            else:
-                self._announce(claim, settlement, error, rnd.report)
-        pending.clear()
-
-    def _process(self, rnd: _Round, claim: Claim) -> None:
+            return batch.report
         outbox = self.outbox
-        report = rnd.report
-        event = claim.event
-        specs = outbox.bus.handlers_for(event.topic)
-        subscribed = [s.name for s in specs]
-        outcomes: dict[str, Outcome] = dict(claim.done)
-        errors: list[str] = []
-        if not specs:
+        for claim in claims:
+            outbox.emit(Claimed(claim.event.id, claim.event.topic, claim.attempt))
+        try:
+            with self._deliveries() as deliveries:
+                try:
+                    self._deliver_all(deliveries, batch)
+                finally:
+                    # Per event, what was settled is written even when a handler raised a
+                    # BaseException; in a batch, only if the batch goes on to commit.
+                    if not self._batched:
+                        self._write(deliveries, batch)
+                if self._batched:
+                    self._write(deliveries, batch)
+            self._announce(batch.committed())
+        finally:
+            # Stopping, or a handler raised BaseException: hand back the unstarted claims
+            # (after a batch has ended: its transaction may hold their rows).
+            unstarted = batch.unstarted()
+            if unstarted:
+                released = outbox.store.release(unstarted, now=outbox.store_now())
+                log.info("poller stopping: released %d unstarted claim(s)", released)
+        return batch.report
+
+    @contextmanager
+    def _deliveries(self) -> Iterator[Deliveries]:
+        """Where the round's deliveries go: the store (per event) or a batch transaction."""
+        if self._batched:
+            with self.outbox.store.batch(now=self.outbox.store_now()) as batch:
+                yield batch
+        else:
+            yield self.outbox.store
+
+    def _deliver_all(self, deliveries: Deliveries, batch: ClaimedBatch) -> None:
+        """Deliver the batch's events in claim order; stop early when asked (the rest is
+        released by the caller)."""
+        bus = self.outbox.bus
+        while not self._stop.is_set() and (run := batch.take(bus.names_for)) is not None:
+            self._deliver_event(deliveries, batch, run)
+
+    def _deliver_event(self, deliveries: Deliveries, batch: ClaimedBatch, run: EventRun) -> None:
+        outbox = self.outbox
+        event = run.claim.event
+        if isinstance(run.plan, SettleNow) and run.plan.unrouted:
             log.info("event %d: no handler subscribed to %r; publishing it", event.id, event.topic)
             outbox.emit(Unrouted(event.id, event.topic))
-        if isinstance(event.payload, UndecodablePayload):
-            # Retrying cannot fix a payload that is not JSON: dead-letter it at once.
-            self._apply(rnd, claim, DeadLetter(), event.payload.error)
-            return
-        if claim.attempt > self.options.max_retries + 1:
-            # R4 + R11: earlier attempts crashed or lost their lease without settling and used
-            # every attempt up. Run nothing (a poison event must not crash pollers forever);
-            # settle it as it stands: published if every handler is recorded, else dead.
-            error = f"attempts used up: attempt {claim.attempt - 1} crashed or lost its lease"
-            self._apply(rnd, claim, self._decide(claim, subscribed, outcomes), error)
-            return
-        to_run = [spec for spec in specs if spec.name not in outcomes]  # R5: recorded ones
-        for n, spec in enumerate(to_run):
+        specs = {s.name: s for s in outbox.bus.handlers_for(event.topic)}
+        for name in run.handlers:
             # R13: keep the batch's leases alive; never start a handler once ours is gone.
-            if not self._keep_lease(rnd, claim):
-                return
-            decide: _Decide | None = None
-            if self._fold and n == len(to_run) - 1:
-                # The last delivery settles the event in its own transaction.
-                decide = self._decider(claim, subscribed, outcomes, errors, spec.name)
-            delivery, written = self._deliver(rnd.ops, claim, spec, decide)
-            report.deliveries.append(delivery)
-            if delivery.outcome is Outcome.CRASHED:  # lease lost mid-delivery
-                self._lease_lost(claim, report, spec.name)
-                return
-            outcomes[spec.name] = delivery.outcome
-            if written is not None:
-                reason = _joined(errors)
-                if rnd.written is not None:  # a batch: announced once it commits
-                    rnd.written.append((claim, written, reason))
-                else:
-                    self._announce(claim, written, reason, report)
-                return
-            if delivery.outcome is Outcome.FAILED:
-                errors.append(f"{spec.name}: {delivery.error}")
-        settlement = self._decide(claim, subscribed, outcomes)
-        self._apply(rnd, claim, settlement, _joined(errors))
+            if not self._keep_lease(deliveries, batch, run):
+                break
+            delivery = self._deliver(deliveries, run.claim, specs[name])
+            batch.delivered(run, delivery)
+            if delivery.outcome is Outcome.CRASHED:  # the lease was lost under the handler
+                self._lease_lost(run.claim, name)
+                break
+        batch.finish(run)
 
-    def _decider(
-        self,
-        claim: Claim,
-        subscribed: Sequence[str],
-        outcomes: Mapping[str, Outcome],
-        errors: Sequence[str],
-        handler: str,
-    ) -> _Decide:
-        """How the delivery of ``handler`` settles the event, whichever way it ends."""
-
-        def decide(outcome: Outcome) -> tuple[Settlement, str | None]:
-            settlement = self._decide(claim, subscribed, {**outcomes, handler: outcome})
-            return settlement, _joined(errors)
-
-        return decide
-
-    def _decide(
-        self, claim: Claim, subscribed: Sequence[str], outcomes: Mapping[str, Outcome]
-    ) -> Settlement:
-        return decide_settlement(
-            subscribed=subscribed,
-            outcomes=outcomes,
-            attempts=claim.attempt,
-            max_retries=self.options.max_retries,
-            backoff=self.options.backoff,
-        )
-
-    def _keep_lease(self, rnd: _Round, claim: Claim) -> bool:
+    def _keep_lease(self, deliveries: Deliveries, batch: ClaimedBatch, run: EventRun) -> bool:
         outbox = self.outbox
-        deadlines, rest, report = rnd.deadlines, rnd.remaining, rnd.report
-        now = outbox.local_clock.now()  # a local deadline: monotonic in production
-        lease = self.options.lease
-        if not lease_is_low(remaining=deadlines[claim.token] - now, lease=lease):
-            return True
-        if now >= deadlines[claim.token]:
-            self._lease_lost(claim, report, None)
-            return False
-        # Events delivered but waiting for the round's settle_many keep their leases too.
-        waiting = [c for c, _, _ in rnd.pending or ()]
-        batch = [claim, *rest, *waiting]
-        kept = {c.token for c in rnd.ops.extend(batch, lease=lease, now=outbox.store_now())}
-        for c in batch:
-            if c.token in kept:
-                deadlines[c.token] = now + lease
-        lost = [c for c in rest if c.token not in kept]
-        for c in lost:
-            rest.remove(c)
-            self._lease_lost(c, report, None)
-        if claim.token not in kept:
-            self._lease_lost(claim, report, None)
-            return False
-        return True
+        check = batch.check_lease(run, outbox.local_clock.now())
+        if check is LeaseCheck.EXTEND:
+            asked = batch.to_extend()
+            kept = deliveries.extend(asked, lease=self.options.lease, now=outbox.store_now())
+            for claim in batch.extended(asked, kept, outbox.local_clock.now()):
+                self._lease_lost(claim, None)
+            check = batch.check_lease(run, outbox.local_clock.now())
+        elif check is LeaseCheck.LOST:
+            batch.lose(run)
+            self._lease_lost(run.claim, None)
+        return check is not LeaseCheck.LOST
 
-    def _deliver(
-        self, ops: _Ops, claim: Claim, spec: HandlerSpec, decide: _Decide | None
-    ) -> tuple[Delivery, Settlement | None]:
-        """Run one handler for one claimed event, with its record (R6, R7).
+    def _write(self, deliveries: Deliveries, batch: ClaimedBatch) -> None:
+        """The round's settlements in one ``settle_many`` (R8, each fenced by its token)."""
+        items = batch.to_write()
+        if not items:
+            return
+        results = deliveries.settle_many(items, now=self.outbox.store_now())
+        for claim in batch.wrote(items, results):
+            self._lease_lost(claim, None)
+        if not self._batched:
+            self._announce(batch.committed())
 
-        With ``decide``, a succeeded or rejected delivery also settles the event in its own
-        transaction; the settlement written is returned with the delivery.
-        """
+    def _deliver(self, deliveries: Deliveries, claim: Claim, spec: HandlerSpec) -> Delivery:
+        """Run one handler for one claimed event, with its record (R6, R7)."""
         outbox = self.outbox
         event = claim.event
-        now = outbox.store_now()
         ctx = _Context(spec.name, claim.attempt, outbox.max_payload_bytes)
         at = outbox.clock.now()
-        settled: Settlement | None = None
-
-        def finish(tx: DeliveryTransaction, outcome: Outcome, reason: str | None = None) -> None:
-            nonlocal settled
-            tx.record(spec.name, outcome, reason=reason)
-            if decide is not None:
-                settlement, error = decide(outcome)
-                tx.settle(settlement, error=error)  # type: ignore[attr-defined]
-                settled = settlement
-
         try:
             if spec.transactional:
-                with ops.delivery(claim, now=now) as tx:
+                with deliveries.delivery(claim, now=outbox.store_now()) as tx:
                     ctx._tx = tx
                     _call(spec, event, ctx)
-                    finish(tx, Outcome.SUCCEEDED)
+                    tx.record(spec.name, Outcome.SUCCEEDED)
             else:
                 _call(spec, event, ctx)
                 # The record's transaction opens after the handler ran: stamp it (and the
                 # follow-ups' delays) with that instant, as a database clock would.
-                with ops.delivery(claim, now=outbox.store_now()) as tx:
+                with deliveries.delivery(claim, now=outbox.store_now()) as tx:
                     if ctx._buffer:
                         tx.enqueue(ctx._buffer)
-                    finish(tx, Outcome.SUCCEEDED)
+                    tx.record(spec.name, Outcome.SUCCEEDED)
         except Reject as rejection:
             reason = storable(rejection.reason)
-            settled = None
             try:
-                with ops.delivery(claim, now=outbox.store_now()) as tx:
-                    finish(tx, Outcome.REJECTED, reason)
+                with deliveries.delivery(claim, now=outbox.store_now()) as tx:
+                    tx.record(spec.name, Outcome.REJECTED, reason=reason)
             except LeaseLostError:
-                return self._delivery(claim, spec, Outcome.CRASHED, at, "lease lost"), None
+                return _delivery(claim, spec, Outcome.CRASHED, at, "lease lost")
             log.info("event %d: %s rejected it: %s", event.id, spec.name, reason)
             outbox.emit(HandlerRejected(event.id, event.topic, spec.name, claim.attempt, reason))
-            return self._delivery(claim, spec, Outcome.REJECTED, at, reason), settled
+            return _delivery(claim, spec, Outcome.REJECTED, at, reason)
         except LeaseLostError:
-            return self._delivery(claim, spec, Outcome.CRASHED, at, "lease lost"), None
+            return _delivery(claim, spec, Outcome.CRASHED, at, "lease lost")
         except (_HandlerError, HandlerCrashed) as failure:
             exc: Exception = failure.exc if isinstance(failure, _HandlerError) else failure
             error = describe_exception(exc)
@@ -514,83 +364,45 @@ class Poller:
                 exc_info=exc,
             )
             outbox.emit(HandlerFailed(event.id, event.topic, spec.name, claim.attempt, error))
-            return self._delivery(claim, spec, Outcome.FAILED, at, error, exc), None
+            return _delivery(claim, spec, outcome_of(exc), at, error, exc)
         outbox.emit(HandlerSucceeded(event.id, event.topic, spec.name, claim.attempt))
-        return self._delivery(claim, spec, Outcome.SUCCEEDED, at), settled
+        return _delivery(claim, spec, Outcome.SUCCEEDED, at)
 
-    @staticmethod
-    def _delivery(
-        claim: Claim,
-        spec: HandlerSpec,
-        outcome: Outcome,
-        at: datetime,
-        error: str | None = None,
-        exc: BaseException | None = None,
-    ) -> Delivery:
-        return Delivery(
-            event_id=claim.event.id,
-            topic=claim.event.topic,
-            handler=spec.name,
-            attempt=claim.attempt,
-            outcome=outcome,
-            at=at,
-            error=error,
-            exception=exc,
-        )
-
-    def _apply(self, rnd: _Round, claim: Claim, settlement: Settlement, error: str | None) -> None:
-        """Write the settlement (R8, fenced by the token), then announce it; in a batch the
-        announcement waits for the batch's commit; with ``batched_settle`` the write waits for
-        the end of the round."""
-        if rnd.pending is not None:
-            rnd.pending.append((claim, settlement, error))
-        elif not rnd.ops.settle(claim, settlement, error=error, now=self.outbox.store_now()):
-            self._lease_lost(claim, rnd.report, None)
-        elif rnd.written is not None:
-            rnd.written.append((claim, settlement, error))
-        else:
-            self._announce(claim, settlement, error, rnd.report)
-
-    def _announce(
-        self, claim: Claim, settlement: Settlement, error: str | None, report: PollReport
-    ) -> None:
-        """Report and emit a settlement that has been committed."""
+    def _announce(self, settled: Sequence[Settled]) -> None:
+        """Log and emit settlements that have been committed."""
         outbox = self.outbox
-        event = claim.event
-        if isinstance(settlement, Publish):
-            report.published.append(event.id)
-            outbox.emit(Published(event.id, event.topic, claim.attempt))
-        elif isinstance(settlement, Retry):
-            report.retried.append(event.id)
-            log.info(
-                "event %d (%s): retry %d in %ss",
-                event.id,
-                event.topic,
-                settlement.retry,
-                settlement.delay.total_seconds(),
-            )
-            outbox.emit(
-                RetryScheduled(event.id, event.topic, claim.attempt, settlement.delay, error)
-            )
-        elif isinstance(settlement, DeadLetter):
-            report.dead_lettered.append(event.id)
-            log.warning(
-                "event %d (%s): dead-lettered after %d attempt(s): %s",
-                event.id,
-                event.topic,
-                claim.attempt,
-                error,
-            )
-            outbox.emit(DeadLettered(event.id, event.topic, claim.attempt, error))
+        for claim, settlement, error in settled:
+            event = claim.event
+            if isinstance(settlement, Publish):
+                outbox.emit(Published(event.id, event.topic, claim.attempt))
+            elif isinstance(settlement, Retry):
+                log.info(
+                    "event %d (%s): retry %d in %ss",
+                    event.id,
+                    event.topic,
+                    settlement.retry,
+                    settlement.delay.total_seconds(),
+                )
+                outbox.emit(
+                    RetryScheduled(event.id, event.topic, claim.attempt, settlement.delay, error)
+                )
+            elif isinstance(settlement, DeadLetterDecision):
+                log.warning(
+                    "event %d (%s): dead-lettered after %d attempt(s): %s",
+                    event.id,
+                    event.topic,
+                    claim.attempt,
+                    error,
+                )
+                outbox.emit(DeadLettered(event.id, event.topic, claim.attempt, error))
 
-    def _lease_lost(self, claim: Claim, report: PollReport, handler: str | None) -> None:
+    def _lease_lost(self, claim: Claim, handler: str | None) -> None:
         log.warning(
             "event %d (%s): lease lost on attempt %d; another poller may own it",
             claim.event.id,
             claim.event.topic,
             claim.attempt,
         )
-        report.lease_lost.append(claim.event.id)
         self.outbox.emit(LeaseLost(claim.event.id, claim.event.topic, claim.attempt, handler))
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -607,7 +419,6 @@ class Poller:
             SchemaError: the store's schema is missing or incompatible.
         """
         interval = self.options.interval.total_seconds()
-        outage_since: int | None = None
         failures = 0
         self.outbox.add_waiter(self.waiter)
         try:
@@ -618,34 +429,88 @@ class Poller:
                     raise
                 except StoreError as exc:
                     failures += 1
-                    if outage_since is None:
-                        outage_since = failures
+                    if failures == 1:
                         log.error("store unavailable, retrying with backoff: %s", exc)
-                    self.waiter.wait(min(interval * 2.0 ** min(failures, 16), MAX_OUTAGE_WAIT))
+                    self.waiter.wait(outage_delay(failures, interval))
                     continue
-                if outage_since is not None:
+                if failures:
                     log.warning("store available again after %d failed poll(s)", failures)
-                    outage_since = None
                     failures = 0
                 self.outbox.prune_if_due()  # retention: at most once a minute, logs its failures
                 if len(report.claimed) < self.options.batch_size and not self._stop.is_set():
                     self.waiter.wait(interval)
         finally:
             self.outbox.remove_waiter(self.waiter)
-            close = getattr(self.waiter, "close", None)
-            if self._owns_waiter and callable(close):
-                close()
+            if self._owned is not None:
+                self._owned.close()
+
+    def run_until_idle(
+        self,
+        *,
+        on_idle: Callable[[], bool] | None = None,
+        on_round: Callable[[PollReport], None] | None = None,
+    ) -> list[PollReport]:
+        """Poll until a poll claims nothing (or :meth:`stop` is called), without waiting.
+
+        The one drain loop: ``outboxkit run --until-idle`` uses it as it is; the test kit's
+        drain passes ``on_idle`` to move its virtual clock to the next due time.
+
+        Args:
+            on_idle: called when a poll claimed nothing; True polls again (something may have
+                become due meanwhile), False (or no callable) ends the drain.
+            on_round: called with each poll's report that claimed something.
+
+        Returns:
+            The reports of the polls that claimed something, in order.
+        """
+        reports: list[PollReport] = []
+        while not self._stop.is_set():
+            report = self.run_once()
+            if report.claimed:
+                reports.append(report)
+                if on_round is not None:
+                    on_round(report)
+                continue
+            if on_idle is None or not on_idle():
+                break
+        return reports
 
 
-def _joined(errors: Sequence[str]) -> str | None:
-    """An event's ``last_error``: its handlers' errors in one storable line."""
-    return storable("; ".join(errors)) if errors else None
+def _delivery(
+    claim: Claim,
+    spec: HandlerSpec,
+    outcome: Outcome,
+    at: datetime,
+    error: str | None = None,
+    exc: BaseException | None = None,
+) -> Delivery:
+    return Delivery(
+        event_id=claim.event.id,
+        topic=claim.event.topic,
+        handler=spec.name,
+        attempt=claim.attempt,
+        outcome=outcome,
+        at=at,
+        error=error,
+        exception=exc,
+    )
 
 
 def _call(spec: HandlerSpec, event: Event, ctx: _Context) -> None:
     try:
-        spec.fn(event, ctx)
+        result = spec.fn(event, ctx)
     except Reject:
         raise
     except Exception as exc:
         raise _HandlerError(exc) from exc
+    if inspect.isawaitable(result):
+        # Never recorded as run without running: an awaitable returned to the blocking poller
+        # (a handler that is not an async def but returns a coroutine) is a failure.
+        if inspect.iscoroutine(result):
+            result.close()  # no "never awaited" warning: it is reported here instead
+        raise _HandlerError(
+            TypeError(
+                f"handler {spec.name!r} returned {type(result).__name__}, an awaitable: the "
+                "blocking poller cannot await it; run async handlers with outbox.async_poller()"
+            )
+        )

@@ -1,9 +1,24 @@
 """The Store protocol: what a backend must provide, and nothing more.
 
-A store keeps events, leases and delivery records and applies the core's decisions atomically.
-It makes no lifecycle decisions itself: *what* happens is decided by ``outboxkit._machine``; the
-store only knows *how* to write it. Every method that writes takes ``now``: the instant from the
-outbox's clock, or ``None`` for "use your own production clock" (Postgres: the database clock).
+A store keeps events, leases and delivery records and writes the core's decisions atomically.
+It makes no lifecycle decision itself: *what* happens is decided by ``outboxkit.core.machine``;
+the store only knows *how* to write it, and every state it writes is one of the machine's
+``TRANSITIONS``. Every method that writes takes ``now``: the instant from the outbox's clock,
+or ``None`` for "use your own production clock" (``now()``; on PostgreSQL the database's).
+
+The seam is small:
+
+- ``Store``: enqueue through the app's connection, claim, release, the operations (requeue,
+  listings, purges, stats), ``batch()`` and ``make_waiter()``; and, as ``Deliveries``:
+- ``delivery`` / ``extend`` / ``settle_many``: how one round's events are delivered, kept and
+  settled. A poller running ``transaction="per_event"`` calls them on the store itself (each in a
+  transaction of its own); one running ``"per_batch"`` on the ``BatchTransaction`` that
+  ``store.batch()`` opens (everything in one transaction, each delivery a savepoint). Either
+  way a round's settlements are written by one ``settle_many``: there is no other path.
+
+Capabilities are typed and few (``Capabilities``): a store either offers batches and a waiter,
+or it does not; the poller never probes for a method. The other fields describe the store for
+the conformance suite, which runs the checks each one promises.
 
 Every store proves itself with the conformance suite (``outboxkit conformance``). Driver errors
 must be mapped at the boundary into ``outboxkit.errors`` (``StoreError``/``StoreUnavailable``,
@@ -12,54 +27,90 @@ must be mapped at the boundary into ``outboxkit.errors`` (``StoreError``/``Store
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 from typing import Any, Protocol, runtime_checkable
 
-from ._machine import Settlement
-from ._model import Claim, DeadLetter, DeliveryRecord, Event, NewEvent, Outcome, Stats
+from .core.machine import Settlement
+from .core.model import Claim, DeadLetter, DeliveryRecord, Event, NewEvent, Outcome, Stats
+from .waiter import ClosingWaiter
 
-__all__ = ["CAPABILITIES", "BatchTransaction", "DeliveryTransaction", "Store"]
+__all__ = [
+    "CAPABILITIES",
+    "BatchTransaction",
+    "Capabilities",
+    "Deliveries",
+    "DeliveryTransaction",
+    "SettleItem",
+    "Store",
+    "settle_one",
+]
+
+SettleItem = tuple[Claim, Settlement, "str | None"]
+"""One settlement to write: the claim (its token fences the write), the decision, the event's
+error text (kept for a retry or a dead letter)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a store offers. Two fields change what a poller does; the rest describe the store
+    (the conformance suite checks what each promises, and skips the checks of a missing one).
+
+    Attributes:
+        batches: ``batch()`` opens one transaction for a claimed batch, a savepoint per
+            delivery (``transaction="per_batch"``). Without it a poller asking for batches is a
+            ``ConfigurationError`` at construction, and ``batch()`` raises it too.
+        waiter: ``make_waiter()`` returns a waiter that also wakes on commits in other
+            processes (PostgreSQL ``LISTEN``); without it, it returns None.
+        transactional_handlers: handlers can write in the delivery transaction.
+        concurrent_claimers: several pollers in several threads may claim at once.
+        multiprocess: several processes may share the store; it then has ``url`` and
+            ``options`` such that ``open_store(store.url, **store.options)`` opens it elsewhere.
+        database_clock: ``now=None`` means a clock shared by every host (the database's).
+        concurrent_batches: others may claim while a batch is open (row locks, not a database
+            lock).
+    """
+
+    batches: bool = False
+    waiter: bool = False
+    transactional_handlers: bool = True
+    concurrent_claimers: bool = False
+    multiprocess: bool = False
+    database_clock: bool = False
+    concurrent_batches: bool = False
+
+    def names(self) -> frozenset[str]:
+        """The fields that are true, by name."""
+        return frozenset(f.name for f in fields(self) if getattr(self, f.name))
+
+    def __contains__(self, name: object) -> bool:
+        """``"batches" in store.capabilities``; the names of earlier versions work too."""
+        alias = _OLD_NAMES.get(name, name) if isinstance(name, str) else name
+        return alias is True or alias in self.names()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self.names()))
+
+
+_OLD_NAMES: dict[str, str | bool] = {
+    "listen_notify": "waiter",
+    "batched_delivery": "batches",
+    "batched_settle": True,  # every store settles a round in one settle_many now
+}
+"""Capability names of earlier versions, kept for ``"name" in store.capabilities``."""
 
 CAPABILITIES: dict[str, str] = {
+    "batches": "batch() opens one transaction for a claimed batch, a savepoint per delivery",
+    "waiter": "make_waiter() wakes pollers when an enqueue commits in any process",
     "transactional_handlers": "handlers can write in the delivery transaction",
     "concurrent_claimers": "several pollers in several threads may claim at once",
-    "multiprocess": "several processes may share the store",
-    "database_clock": "now=None means the database's own clock",
-    "listen_notify": "the store can wake pollers when an enqueue commits",
-    "settle_in_delivery": "a delivery transaction can settle its own event (one commit per event)",
-    "batched_delivery": "batch() opens one transaction for a claimed batch, a savepoint per delivery",
-    "concurrent_batches": "others may claim while a batch is open (row locks, not a database lock)",
-    "batched_settle": "settle_many() settles several events in one transaction",
+    "multiprocess": "several processes may share the store (url and options reopen it)",
+    "database_clock": "now=None means a clock every host shares (the database's)",
+    "concurrent_batches": "others may claim while a batch is open (row locks, not a db lock)",
 }
-"""The capabilities a store may declare, with what each promises.
-
-A store declaring ``multiprocess`` also has ``url`` and ``options`` attributes such that
-``open_store(store.url, **store.options)`` in another process opens the same store.
-
-A store declaring ``listen_notify`` also has ``make_waiter() -> Waiter | None``: a waiter (see
-``outboxkit.poller.Waiter``) whose ``wait`` also returns when an enqueue commits, in any process.
-A poller given no waiter uses it, and calls its ``close()`` (if it has one) when ``run_forever``
-ends. Polling stays the source of truth: the waiter only makes the next poll come sooner.
-
-A store declaring ``settle_in_delivery`` gives its delivery transactions a ``settle`` method
-(see ``DeliveryTransaction.settle``): the poller then settles an event in the transaction of its
-last delivery, so an event with one handler costs one commit instead of two.
-
-A store declaring ``batched_delivery`` also has ``batch(*, now) -> BatchTransaction``, used by
-pollers running with ``transaction="per_batch"``.
-
-A store declaring ``batched_settle`` also has ``settle_many(items, *, now) -> list[bool]``:
-``items`` are ``(claim, settlement, error)`` triples, settled as ``settle`` would (each fenced by
-its token) in one transaction; the result says which were. A poller delivering per event then
-settles a round's events together when the round ends, so each delivery's commit carries only
-the handler's writes and the record (the cheapest per-event shape on both SQL stores). If the
-store also declares ``batched_delivery``, its ``BatchTransaction`` should have the same
-``settle_many``, writing inside the batch's transaction: a poller running
-``transaction="per_batch"`` then settles the batch's events in one statement just before the
-batch commits (a batch without it has each event settled through ``BatchTransaction.settle``).
-"""
+"""Each capability's name and what it promises (the fields of ``Capabilities``)."""
 
 
 class DeliveryTransaction(Protocol):
@@ -75,18 +126,45 @@ class DeliveryTransaction(Protocol):
         ...
 
     def record(self, handler: str, outcome: Outcome, *, reason: str | None = None) -> None:
-        """Write the delivery record for ``handler``; it commits with the transaction."""
+        """Write the delivery record for ``handler``; it commits with the transaction.
+
+        Raises:
+            ConfigurationError: ``outcome`` is not one that is recorded (succeeded, rejected).
+        """
         ...
 
-    # Stores declaring ``settle_in_delivery`` add:
-    #
-    #     def settle(self, settlement: Settlement, *, error: str | None) -> None:
-    #         """R8 for this transaction's event, committed (or rolled back) with it."""
-    #
-    # It is not part of the protocol so that stores without it still satisfy it.
+
+class Deliveries(Protocol):
+    """Where one round's deliveries, lease extensions and settlements go: the store itself
+    (``transaction="per_event"``) or a batch's transaction (``"per_batch"``)."""
+
+    def delivery(
+        self, claim: Claim, *, now: datetime | None
+    ) -> AbstractContextManager[DeliveryTransaction]:
+        """Open a delivery transaction (a savepoint, in a batch) after checking that
+        ``claim.token`` still owns the event. Commits (releases) on a normal exit, rolls back
+        and re-raises on an exception.
+
+        Raises:
+            LeaseLostError: on entry if the token is stale (nothing is run or written).
+            StoreUnavailable: the database failed under the handler, whatever it raised.
+        """
+        ...
+
+    def extend(
+        self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None
+    ) -> list[Claim]:
+        """R13: push the leases of ``claims`` to ``now + lease``; returns those still owned."""
+        ...
+
+    def settle_many(self, items: Sequence[SettleItem], *, now: datetime | None) -> list[bool]:
+        """R8 for a round's events, in one write: each item's settlement (its state by the
+        machine's table), fenced by its token, the lease cleared. Returns which were settled
+        (False: the token was stale, nothing changed)."""
+        ...
 
 
-class BatchTransaction(Protocol):
+class BatchTransaction(Deliveries, Protocol):
     """One transaction for a whole claimed batch (``transaction="per_batch"``).
 
     Every delivery runs inside its own savepoint of it: a handler's failure or rejection rolls
@@ -96,33 +174,25 @@ class BatchTransaction(Protocol):
     is held), so another poller cannot take them over while the batch is open.
     """
 
-    def delivery(
-        self, claim: Claim, *, now: datetime | None
-    ) -> AbstractContextManager[DeliveryTransaction]:
-        """A savepoint for one delivery, after checking the claim's token (see
-        ``Store.delivery``): released on a normal exit, rolled back to on an exception."""
-        ...
-
-    def settle(
-        self, claim: Claim, settlement: Settlement, *, error: str | None, now: datetime | None
-    ) -> bool:
-        """``Store.settle`` inside the batch's transaction."""
-        ...
-
-    def extend(
-        self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None
-    ) -> list[Claim]:
-        """``Store.extend`` inside (or alongside, where that cannot deadlock) the batch."""
-        ...
-
 
 @runtime_checkable
-class Store(Protocol):
+class Store(Deliveries, Protocol):
     """A place where events live. See the module docstring for the contract."""
 
     @property
-    def capabilities(self) -> frozenset[str]:
-        """Names from ``CAPABILITIES`` this store supports."""
+    def capabilities(self) -> Capabilities:
+        """What this store offers (see ``Capabilities``)."""
+        ...
+
+    @property
+    def url(self) -> str | None:
+        """A URL that ``open_store(store.url, **store.options)`` opens this store with in
+        another process, or None when there is none (an in-memory store, a pool of the app's)."""
+        ...
+
+    @property
+    def options(self) -> Mapping[str, Any]:
+        """The options that go with ``url``."""
         ...
 
     def migrate(self) -> None:
@@ -137,17 +207,17 @@ class Store(Protocol):
         """Release connections. The store is unusable afterwards."""
         ...
 
+    def now(self) -> datetime:
+        """The store's production clock: the instant ``now=None`` stands for in the other calls
+        (PostgreSQL: the database's clock). Outboxes without a clock of their own compute every
+        cutoff from it (``Outbox.now``)."""
+        ...
+
     def transaction(self) -> AbstractContextManager[Any]:
         """A connection of the store's own in an open transaction: committed when the block
         ends, rolled back if it raises. For apps without a connection of their own, and for
         the conformance suite; ``enqueue`` accepts what it yields.
         """
-        ...
-
-    def now(self) -> datetime:
-        """The store's production clock: the instant ``now=None`` stands for in the other calls
-        (PostgreSQL: the database's clock). Outboxes without a clock of their own compute every
-        cutoff from it (``Outbox.now``)."""
         ...
 
     def enqueue(self, conn: Any, events: Sequence[NewEvent], *, now: datetime | None) -> list[int]:
@@ -164,40 +234,21 @@ class Store(Protocol):
         """
         ...
 
-    def delivery(
-        self, claim: Claim, *, now: datetime | None
-    ) -> AbstractContextManager[DeliveryTransaction]:
-        """Open a delivery transaction after checking ``claim.token`` still owns the event.
-
-        Commits on a normal exit, rolls back and re-raises on an exception.
+    def batch(self, *, now: datetime | None) -> AbstractContextManager[BatchTransaction]:
+        """One transaction for a claimed batch (``capabilities.batches``).
 
         Raises:
-            LeaseLostError: on entry if the token is stale (nothing is run or written).
-        """
-        ...
-
-    def extend(
-        self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None
-    ) -> list[Claim]:
-        """R13: push the leases of ``claims`` to ``now + lease``; returns those still owned."""
-        ...
-
-    def settle(
-        self,
-        claim: Claim,
-        settlement: Settlement,
-        *,
-        error: str | None,
-        now: datetime | None,
-    ) -> bool:
-        """R8: apply the settlement, fenced by the token; clears the lease.
-
-        Returns False (and changes nothing) if the token is stale.
+            ConfigurationError: the store has no batches.
         """
         ...
 
     def release(self, claims: Sequence[Claim], *, now: datetime | None) -> int:
         """Hand back unstarted claims: lease cleared, the attempt refunded. Fenced by token."""
+        ...
+
+    def make_waiter(self) -> ClosingWaiter | None:
+        """A waiter that also returns when an enqueue commits in any process
+        (``capabilities.waiter``), or None. The poller that asked closes it when done."""
         ...
 
     def requeue(self, ids: Iterable[int], *, now: datetime | None) -> int:
@@ -238,3 +289,16 @@ class Store(Protocol):
     def stats(self, *, now: datetime | None) -> Stats:
         """Counts by state and topic, and the oldest due instant (backoff-parked ones excluded)."""
         ...
+
+
+def settle_one(
+    deliveries: Deliveries,
+    claim: Claim,
+    settlement: Settlement,
+    *,
+    error: str | None = None,
+    now: datetime | None,
+) -> bool:
+    """``settle_many`` for one event: whether it was settled (for operators and tests)."""
+    (settled,) = deliveries.settle_many([(claim, settlement, error)], now=now)
+    return settled

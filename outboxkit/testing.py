@@ -31,9 +31,9 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from ._model import Event, Outcome, State
 from .bus import EventBus
 from .clock import FrozenClock, as_timedelta, parse_instant
+from .core.model import Event, Outcome, State
 from .errors import ConfigurationError, DrainError
 from .outbox import Outbox
 from .poller import Delivery, PollReport

@@ -45,8 +45,6 @@ from psycopg.pq import ConnStatus, TransactionStatus
 from psycopg.rows import tuple_row
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from outboxkit._machine import Settlement
-from outboxkit._model import Claim, DeadLetter, DeliveryRecord, Event, NewEvent, Outcome, Stats
 from outboxkit._storekit import (
     done_from_pairs,
     encode_headers,
@@ -59,6 +57,8 @@ from outboxkit._storekit import (
     still_owned,
     validate_identifier,
 )
+from outboxkit.core.machine import Settlement
+from outboxkit.core.model import Claim, DeadLetter, DeliveryRecord, Event, NewEvent, Outcome, Stats
 from outboxkit.errors import (
     ConfigurationError,
     HandlerCrashed,
@@ -68,6 +68,7 @@ from outboxkit.errors import (
     StoreError,
     StoreUnavailable,
 )
+from outboxkit.store import Capabilities
 
 from ._queries import Names, Queries, validate_schema
 from .listen import NotifyWaiter
@@ -262,21 +263,16 @@ class PostgresStore:
         return f"PostgresStore({self.where}, schema={self.names.schema!r})"
 
     @property
-    def capabilities(self) -> frozenset[str]:
-        caps = {
-            "transactional_handlers",
-            "concurrent_claimers",
-            "database_clock",
-            "settle_in_delivery",
-            "batched_delivery",
-            "concurrent_batches",
-            "batched_settle",
-        }
-        if self.url is not None:
-            caps.add("multiprocess")
-        if self._notify and self._conninfo is not None:
-            caps.add("listen_notify")
-        return frozenset(caps)
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
+            batches=True,
+            waiter=self._notify and self._conninfo is not None,
+            transactional_handlers=True,
+            concurrent_claimers=True,
+            multiprocess=self.url is not None,
+            database_clock=True,
+            concurrent_batches=True,
+        )
 
     # -- connections ----------------------------------------------------------------------------
 
@@ -762,21 +758,6 @@ class PostgresStore:
         )
         return still_owned(claims, {str(token): locked_until for token, locked_until in rows})
 
-    def settle(
-        self,
-        claim: Claim,
-        settlement: Settlement,
-        *,
-        error: str | None,
-        now: datetime | None,
-    ) -> bool:
-        doing = f"settle event {claim.event.id}"
-        try:
-            with self._connection(doing) as conn:
-                return self._settle_on(conn, claim, settlement, error, now)
-        except psycopg.Error as exc:
-            raise self._error(exc, doing) from exc
-
     def settle_many(
         self, items: Sequence[tuple[Claim, Settlement, str | None]], *, now: datetime | None
     ) -> list[bool]:
@@ -1018,15 +999,6 @@ class _Batch:
                 "(a handler ended it, or the connection was lost); the batch is abandoned"
             )
 
-    def settle(
-        self, claim: Claim, settlement: Settlement, *, error: str | None, now: datetime | None
-    ) -> bool:
-        self._check_open()
-        try:
-            return self._store._settle_on(self._conn, claim, settlement, error, now)
-        except psycopg.Error as exc:
-            raise self._store._error(exc, f"settle event {claim.event.id}", self._conn) from exc
-
     def settle_many(
         self, items: Sequence[tuple[Claim, Settlement, str | None]], *, now: datetime | None
     ) -> list[bool]:
@@ -1082,7 +1054,9 @@ class _Delivery:
     def record(self, handler: str, outcome: Outcome, *, reason: str | None = None) -> None:
         """Queue the record; it is written with the commit (``finish``), in the same query."""
         if not outcome.recorded:
-            raise ValueError(f"only succeeded/rejected outcomes are recorded, got {outcome}")
+            raise ConfigurationError(
+                f"only succeeded/rejected outcomes are recorded, got {outcome}"
+            )
         self.check_usable()
         params = {
             "event_id": self._claim.event.id,
@@ -1093,12 +1067,6 @@ class _Delivery:
             "reason": reason,
         }
         self._tail.append(("record", self._store._queries["insert_record"], params))
-
-    def settle(self, settlement: Settlement, *, error: str | None) -> None:
-        """R8 for this event, written with the commit (the ``settle_in_delivery`` capability)."""
-        self.check_usable()
-        params = settle_params(self._claim, settlement, error=error, now=self._now)
-        self._tail.append(("settle", self._store._queries["settle"], params))
 
     def finish(self, frame: _Frame) -> None:
         """Write the queued record and settlement and commit (or release), in one pipeline sync.

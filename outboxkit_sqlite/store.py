@@ -42,8 +42,6 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
-from outboxkit._machine import Settlement
-from outboxkit._model import Claim, DeadLetter, DeliveryRecord, Event, NewEvent, Outcome, Stats
 from outboxkit._storekit import (
     done_from_pairs,
     encode_headers,
@@ -53,6 +51,8 @@ from outboxkit._storekit import (
     sort_claims,
     still_owned,
 )
+from outboxkit.core.machine import Settlement
+from outboxkit.core.model import Claim, DeadLetter, DeliveryRecord, Event, NewEvent, Outcome, Stats
 from outboxkit.errors import (
     ConfigurationError,
     HandlerCrashed,
@@ -62,6 +62,8 @@ from outboxkit.errors import (
     StoreError,
     StoreUnavailable,
 )
+from outboxkit.store import Capabilities
+from outboxkit.waiter import ClosingWaiter
 
 from . import _schema
 from ._sql import INSERT_COLUMNS, Queries, TableNames
@@ -299,7 +301,9 @@ class _Delivery:
 
     def record(self, handler: str, outcome: Outcome, *, reason: str | None = None) -> None:
         if not outcome.recorded:
-            raise ValueError(f"only succeeded/rejected outcomes are recorded, got {outcome}")
+            raise ConfigurationError(
+                f"only succeeded/rejected outcomes are recorded, got {outcome}"
+            )
         self.check_open()
         with self._store._mapped(f"record {handler!r} for event {self._claim.event.id}"):
             self.conn.execute(
@@ -313,14 +317,6 @@ class _Delivery:
                     "reason": reason,
                 },
             )
-
-    def settle(self, settlement: Settlement, *, error: str | None) -> None:
-        """R8 for this event, in this transaction (the ``settle_in_delivery`` capability)."""
-        self.check_open()
-        with self._store._mapped(f"settle event {self._claim.event.id}"):
-            settled = self._store._settle_on(self.conn, self._claim, settlement, error, self._now)
-        if not settled:  # cannot happen: the transaction holds the write lock, token checked
-            raise LeaseLostError(f"event {self._claim.event.id}: claim token is stale")
 
     def check_open(self) -> None:
         """Raises HandlerCrashed if the transaction is no longer open (a handler closed it)."""
@@ -357,12 +353,6 @@ class _Batch:
             raise
         with self._store._mapped(f"release the savepoint of event {claim.event.id}"):
             conn.execute(_RELEASE_SAVEPOINT)
-
-    def settle(
-        self, claim: Claim, settlement: Settlement, *, error: str | None, now: datetime | None
-    ) -> bool:
-        with self._store._mapped(f"settle event {claim.event.id}"):
-            return self._store._settle_on(self._conn, claim, settlement, error, _now(now))
 
     def settle_many(
         self, items: Sequence[tuple[Claim, Settlement, str | None]], *, now: datetime | None
@@ -448,22 +438,19 @@ class SQLiteStore:
         self._queries = Queries.build(self.tables)
         self._insert_one = self._queries.insert_events(1)
         self.memory = os.fspath(path) == MEMORY
-        capabilities = {
-            "transactional_handlers",
-            "concurrent_claimers",
-            "settle_in_delivery",
-            "batched_delivery",
-            "batched_settle",
-        }
         if self.memory:
             self.path: Path | None = None
             self.url = "sqlite://:memory:"
         else:
             self.path = Path(os.path.abspath(os.fspath(path)))
             self.url = f"sqlite:///{self.path.as_posix()}"
-            capabilities.add("multiprocess")
             _check_path(self.path)
-        self.capabilities = frozenset(capabilities)
+        self.capabilities = Capabilities(
+            batches=True,
+            transactional_handlers=True,
+            concurrent_claimers=True,
+            multiprocess=not self.memory,
+        )
         self.options: dict[str, Any] = {
             "events_table": self.tables.events,
             "deliveries_table": self.tables.deliveries,
@@ -907,16 +894,10 @@ class SQLiteStore:
         }
         return still_owned(claims, {token: _from_us(end) for token, end in kept.items()})
 
-    def settle(
-        self,
-        claim: Claim,
-        settlement: Settlement,
-        *,
-        error: str | None,
-        now: datetime | None,
-    ) -> bool:
-        with self._write(f"settle event {claim.event.id}") as conn:
-            return self._settle_on(conn, claim, settlement, error, _now(now))
+    def make_waiter(self) -> ClosingWaiter | None:
+        """None: SQLite has no notifications; pollers poll (and an enqueue in the same process
+        wakes them directly)."""
+        return None
 
     def settle_many(
         self, items: Sequence[tuple[Claim, Settlement, str | None]], *, now: datetime | None

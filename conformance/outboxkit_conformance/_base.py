@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import pytest
 
 from outboxkit import Claim, EventBus, FrozenClock, ObserverEvent, Outbox, Store, hookimpl
-from outboxkit._payload import build_event
+from outboxkit.core.payload import build_event
 
 __all__ = ["ConformanceBase", "Recorder", "StoreFactory", "call_factory"]
 

@@ -4,7 +4,7 @@ A handler's "write in the store's database" is a follow-up event (``ctx.enqueue`
 write every store can make inside a delivery transaction, so exactly-once is checked with it.
 
 Every check runs in both delivery modes: ``[per_event]`` and ``[per_batch]`` (the latter skipped
-for a store without the ``batched_delivery`` capability).
+for a store without the ``batches`` capability).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class LifecycleTests(ConformanceBase):
     ) -> Outbox:
         """The outbox, its pollers delivering in one mode or the other."""
         if request.param == "per_batch":
-            self.require(store, "batched_delivery")
+            self.require(store, "batches")
         return Outbox(
             store,
             bus,

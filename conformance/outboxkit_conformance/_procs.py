@@ -6,7 +6,8 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from outboxkit import open_store
-from outboxkit._machine import Publish
+from outboxkit.core.machine import Publish
+from outboxkit.store import settle_one
 
 
 def claim_until_empty(
@@ -20,7 +21,7 @@ def claim_until_empty(
         while claims := store.claim(batch_size=batch_size, lease=timedelta(minutes=10), now=now):
             for claim in claims:
                 seen.append(claim.event.id)
-                store.settle(claim, Publish(), error=None, now=now)
+                settle_one(store, claim, Publish(), error=None, now=now)
     finally:
         store.close()
     return seen

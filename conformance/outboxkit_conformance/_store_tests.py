@@ -17,8 +17,9 @@ from outboxkit import (
     Outcome,
     Store,
 )
-from outboxkit._machine import DeadLetter, Publish, Retry
-from outboxkit._payload import build_event
+from outboxkit.core.machine import DeadLetter, Publish, Retry
+from outboxkit.core.payload import build_event
+from outboxkit.store import settle_one
 
 from ._base import LEASE, ConformanceBase
 from ._procs import claim_until_empty
@@ -177,8 +178,8 @@ class StoreLevelTests(ConformanceBase):
         (stale,) = self.claim(store, clock.now())
         later = clock.now() + LEASE
         (fresh,) = self.claim(store, later)
-        assert store.settle(stale, Publish(), error=None, now=later) is False
-        assert store.settle(stale, DeadLetter(), error="x", now=later) is False
+        assert settle_one(store, stale, Publish(), error=None, now=later) is False
+        assert settle_one(store, stale, DeadLetter(), error="x", now=later) is False
         assert store.extend([stale], lease=LEASE, now=later) == []
         assert store.release([stale], now=later) == 0
         with pytest.raises(LeaseLostError), store.delivery(stale, now=later) as tx:
@@ -188,14 +189,14 @@ class StoreLevelTests(ConformanceBase):
         assert store.records(event_id) == []
         assert store.stats(now=later).claimed == 1
         # The new owner is unaffected.
-        assert store.settle(fresh, Publish(), error=None, now=later) is True
+        assert settle_one(store, fresh, Publish(), error=None, now=later) is True
         assert store.stats(now=later).published == 1
 
     def test_settle_twice_is_refused(self, store: Store, clock: FrozenClock) -> None:
         self.put(store, clock.now(), ("t", 1))
         (claim,) = self.claim(store, clock.now())
-        assert store.settle(claim, Publish(), error=None, now=clock.now()) is True
-        assert store.settle(claim, DeadLetter(), error="x", now=clock.now()) is False
+        assert settle_one(store, claim, Publish(), error=None, now=clock.now()) is True
+        assert settle_one(store, claim, DeadLetter(), error="x", now=clock.now()) is False
         assert store.stats(now=clock.now()).published == 1
         assert store.stats(now=clock.now()).dead == 0
 
@@ -264,7 +265,7 @@ class StoreLevelTests(ConformanceBase):
         with store.delivery(claim, now=clock.now()) as tx:
             tx.record("no", Outcome.REJECTED, reason="r")
         retry = Retry(delay=5 * S, retry=1)
-        assert store.settle(claim, retry, error="other: boom", now=clock.now()) is True
+        assert settle_one(store, claim, retry, error="other: boom", now=clock.now()) is True
         (again,) = self.claim(store, clock.now() + 5 * S)
         assert again.event.id == event_id
         assert dict(again.done) == {"ok": Outcome.SUCCEEDED, "no": Outcome.REJECTED}
@@ -281,44 +282,16 @@ class StoreLevelTests(ConformanceBase):
             tx.record("h", Outcome.SUCCEEDED)
         assert len(store.records(event_id)) == 1
 
-    # -- settling in the delivery transaction, batches ------------------------------------------
-
-    def test_settle_in_delivery_commits_with_the_record(
-        self, store: Store, clock: FrozenClock
-    ) -> None:
-        self.require(store, "settle_in_delivery")
-        first, second = self.put(store, clock.now(), ("t", 1), ("t", 2))
-        claims = self.claim(store, clock.now())
-        assert self.ids(claims) == [first, second]
-        with (
-            pytest.raises(RuntimeError, match="after settling"),
-            store.delivery(claims[0], now=clock.now()) as tx,
-        ):
-            tx.record("h", Outcome.SUCCEEDED)
-            tx.settle(Publish(), error=None)  # type: ignore[attr-defined]
-            raise RuntimeError("after settling")
-        rolled_back = store.get(first)
-        assert rolled_back is not None and rolled_back.published_at is None
-        assert store.records(first) == []
-        with store.delivery(claims[1], now=clock.now()) as tx:
-            tx.record("h", Outcome.SUCCEEDED)
-            tx.settle(Publish(), error=None)  # type: ignore[attr-defined]
-        published = store.get(second)
-        assert published is not None and published.published_at == clock.now()
-        assert [r.handler for r in store.records(second)] == ["h"]
-        # Settled means the lease is gone: the token no longer settles or delivers.
-        assert store.settle(claims[1], Publish(), error=None, now=clock.now()) is False
-        with pytest.raises(LeaseLostError), store.delivery(claims[1], now=clock.now()):
-            pass
+    # -- batches ------------------------------------------------------------------------------
 
     def test_batch_commits_once_and_a_savepoint_rolls_back_one_delivery(
         self, store: Store, clock: FrozenClock
     ) -> None:
-        self.require(store, "batched_delivery")
+        self.require(store, "batches")
         ids = self.put(store, clock.now(), ("t", 1), ("t", 2), ("t", 3))
         claims = self.claim(store, clock.now())
         follow_ups: list[int] = []
-        with store.batch(now=clock.now()) as batch:  # type: ignore[attr-defined]
+        with store.batch(now=clock.now()) as batch:
             with batch.delivery(claims[0], now=clock.now()) as tx:
                 follow_ups += tx.enqueue([build_event("next", 1)])
                 tx.record("h", Outcome.SUCCEEDED)
@@ -331,10 +304,10 @@ class StoreLevelTests(ConformanceBase):
                 raise RuntimeError("second fails")
             with batch.delivery(claims[2], now=clock.now()) as tx:
                 tx.record("h", Outcome.REJECTED, reason="no")
-            assert batch.settle(claims[0], Publish(), error=None, now=clock.now()) is True
+            assert settle_one(batch, claims[0], Publish(), error=None, now=clock.now()) is True
             retry = Retry(delay=5 * S, retry=1)
-            assert batch.settle(claims[1], retry, error="h: boom", now=clock.now()) is True
-            assert batch.settle(claims[2], Publish(), error=None, now=clock.now()) is True
+            assert settle_one(batch, claims[1], retry, error="h: boom", now=clock.now()) is True
+            assert settle_one(batch, claims[2], Publish(), error=None, now=clock.now()) is True
             kept = batch.extend(claims, lease=LEASE, now=clock.now())
             assert self.ids(kept) == []  # all three settled already (in this transaction)
         one, two, three = (store.get(i) for i in ids)
@@ -351,7 +324,6 @@ class StoreLevelTests(ConformanceBase):
     def test_settle_many_settles_each_fenced_by_its_token(
         self, store: Store, clock: FrozenClock
     ) -> None:
-        self.require(store, "batched_settle")
         ids = self.put(store, clock.now(), ("t", 1), ("t", 2), ("t", 3), ("t", 4))
         claims = self.claim(store, clock.now(), batch_size=3)
         (stale,) = self.claim(store, clock.now(), batch_size=1)
@@ -359,7 +331,7 @@ class StoreLevelTests(ConformanceBase):
         (fresh,) = self.claim(store, clock.now(), batch_size=1)  # the 4th, a new token
         assert (fresh.event.id, fresh.attempt) == (stale.event.id, 1)
         later = clock.now() + S
-        done = store.settle_many(  # type: ignore[attr-defined]
+        done = store.settle_many(
             [
                 (claims[0], Publish(), None),
                 (claims[1], Retry(delay=5 * S, retry=1), "h: boom"),
@@ -375,28 +347,26 @@ class StoreLevelTests(ConformanceBase):
         assert two.last_error == "h: boom" and two.published_at is None
         assert three is not None and three.failed_at == later and three.last_error == "h: always"
         assert four is not None and four.published_at is None  # the stale token changed nothing
-        assert store.settle_many([(fresh, Publish(), None)], now=later) == [True]  # type: ignore[attr-defined]
-        assert store.settle_many([], now=later) == []  # type: ignore[attr-defined]
+        assert store.settle_many([(fresh, Publish(), None)], now=later) == [True]
+        assert store.settle_many([], now=later) == []
 
     def test_batch_settle_many_writes_in_the_batch(self, store: Store, clock: FrozenClock) -> None:
-        """A store with both ``batched_delivery`` and ``batched_settle`` settles a batch's
-        events with one ``settle_many`` inside the batch: fenced by token, true once the batch
-        commits, undone if it rolls back."""
-        self.require(store, "batched_delivery")
-        self.require(store, "batched_settle")
+        """A batch's events are settled with one ``settle_many`` inside the batch: fenced by
+        token, true once the batch commits, undone if it rolls back."""
+        self.require(store, "batches")
         ids = self.put(store, clock.now(), ("t", 1), ("t", 2), ("t", 3))
         claims = self.claim(store, clock.now(), batch_size=2)
         at = clock.now() + S
         with (
             pytest.raises(RuntimeError, match="batch dies"),
-            store.batch(now=at) as batch,  # type: ignore[attr-defined]
+            store.batch(now=at) as batch,
         ):
             assert batch.settle_many([(claims[0], Publish(), None)], now=at) == [True]
             raise RuntimeError("batch dies")
         undone = store.get(ids[0])
         assert undone is not None and undone.published_at is None
         (other,) = self.claim(store, clock.now(), batch_size=1)  # the third, not in the batch
-        with store.batch(now=at) as batch:  # type: ignore[attr-defined]
+        with store.batch(now=at) as batch:
             for claim in claims:
                 with batch.delivery(claim, now=at) as tx:
                     tx.record("h", Outcome.SUCCEEDED)
@@ -414,20 +384,20 @@ class StoreLevelTests(ConformanceBase):
         assert one is not None and one.published_at == at
         assert two is not None and two.available_at == at + 5 * S and two.last_error == "h: boom"
         assert three is not None and three.published_at is None  # a foreign token settles nothing
-        assert store.settle(other, Publish(), error=None, now=at) is True
+        assert settle_one(store, other, Publish(), error=None, now=at) is True
 
     def test_batch_that_raises_leaves_nothing(self, store: Store, clock: FrozenClock) -> None:
-        self.require(store, "batched_delivery")
+        self.require(store, "batches")
         (event_id,) = self.put(store, clock.now(), ("t", 1))
         (claim,) = self.claim(store, clock.now())
         with (
             pytest.raises(RuntimeError, match="poller died"),
-            store.batch(now=clock.now()) as batch,  # type: ignore[attr-defined]
+            store.batch(now=clock.now()) as batch,
         ):
             with batch.delivery(claim, now=clock.now()) as tx:
                 tx.enqueue([build_event("next", 1)])
                 tx.record("h", Outcome.SUCCEEDED)
-            assert batch.settle(claim, Publish(), error=None, now=clock.now()) is True
+            assert settle_one(batch, claim, Publish(), error=None, now=clock.now()) is True
             raise RuntimeError("poller died")
         event = store.get(event_id)
         assert event is not None and event.published_at is None
@@ -439,16 +409,16 @@ class StoreLevelTests(ConformanceBase):
         assert (again.event.id, again.attempt, dict(again.done)) == (event_id, 2, {})
 
     def test_batch_refuses_a_stale_token(self, store: Store, clock: FrozenClock) -> None:
-        self.require(store, "batched_delivery")
+        self.require(store, "batches")
         self.put(store, clock.now(), ("t", 1))
         (stale,) = self.claim(store, clock.now())
         (fresh,) = self.claim(store, clock.now() + LEASE)
-        with store.batch(now=clock.now() + LEASE) as batch:  # type: ignore[attr-defined]
+        with store.batch(now=clock.now() + LEASE) as batch:
             with pytest.raises(LeaseLostError), batch.delivery(stale, now=clock.now() + LEASE):
                 pass
-            assert batch.settle(stale, Publish(), error=None, now=clock.now() + LEASE) is False
+            assert settle_one(batch, stale, Publish(), error=None, now=clock.now() + LEASE) is False
             assert batch.extend([stale], lease=LEASE, now=clock.now() + LEASE) == []
-        assert store.settle(fresh, Publish(), error=None, now=clock.now() + LEASE) is True
+        assert settle_one(store, fresh, Publish(), error=None, now=clock.now() + LEASE) is True
 
     # -- settle (R8, R10, R12) ----------------------------------------------------------------
 
@@ -456,7 +426,7 @@ class StoreLevelTests(ConformanceBase):
         (event_id,) = self.put(store, clock.now(), ("t", 1))
         (claim,) = self.claim(store, clock.now())
         at = clock.now() + 3 * S
-        assert store.settle(claim, Publish(), error=None, now=at) is True
+        assert settle_one(store, claim, Publish(), error=None, now=at) is True
         stats = store.stats(now=at)
         assert (stats.published, stats.pending, stats.claimed) == (1, 0, 0)
         assert self.claim(store, at + 1000 * LEASE) == []
@@ -466,7 +436,7 @@ class StoreLevelTests(ConformanceBase):
         (event_id,) = self.put(store, clock.now(), ("t", 1))
         (claim,) = self.claim(store, clock.now())
         at = clock.now() + 2 * S
-        assert store.settle(claim, Retry(delay=8 * S, retry=1), error="h: boom", now=at)
+        assert settle_one(store, claim, Retry(delay=8 * S, retry=1), error="h: boom", now=at)
         event = store.get(event_id)
         assert event is not None
         assert event.available_at == at + 8 * S
@@ -482,7 +452,7 @@ class StoreLevelTests(ConformanceBase):
         (claim,) = self.claim(store, clock.now())
         with store.delivery(claim, now=clock.now()) as tx:
             tx.record("done-handler", Outcome.SUCCEEDED)
-        assert store.settle(claim, DeadLetter(), error="h: boom", now=clock.now())
+        assert settle_one(store, claim, DeadLetter(), error="h: boom", now=clock.now())
         far = clock.now() + timedelta(days=365)
         assert self.claim(store, far) == []
         (dead,) = store.dead_letters()
@@ -510,7 +480,7 @@ class StoreLevelTests(ConformanceBase):
         self.put(store, clock.now(), ("a", 1), ("b", 2))
         claims = self.claim(store, clock.now())
         for offset, claim in enumerate(claims):
-            store.settle(claim, DeadLetter(), error="x", now=clock.now() + offset * S)
+            settle_one(store, claim, DeadLetter(), error="x", now=clock.now() + offset * S)
         assert [d.event.topic for d in store.dead_letters()] == ["a", "b"]
         assert [d.event.topic for d in store.dead_letters(topic="b")] == ["b"]
         assert [d.event.topic for d in store.dead_letters(since=clock.now() + S)] == ["b"]
@@ -526,9 +496,9 @@ class StoreLevelTests(ConformanceBase):
         claims = {c.event.id: c for c in self.claim(store, now, batch_size=3)}
         with store.delivery(claims[old], now=now) as tx:
             tx.record("h", Outcome.SUCCEEDED)
-        store.settle(claims[old], Publish(), error=None, now=now)
-        store.settle(claims[new], Publish(), error=None, now=now + 10 * S)
-        store.settle(claims[dead], DeadLetter(), error="x", now=now)
+        settle_one(store, claims[old], Publish(), error=None, now=now)
+        settle_one(store, claims[new], Publish(), error=None, now=now + 10 * S)
+        settle_one(store, claims[dead], DeadLetter(), error="x", now=now)
         deleted = store.purge_published(before=now + 5 * S, limit=1000)
         assert deleted == 1
         assert store.get(old) is None
@@ -540,7 +510,7 @@ class StoreLevelTests(ConformanceBase):
     def test_purge_published_in_pages(self, store: Store, clock: FrozenClock) -> None:
         self.put(store, clock.now(), *[("t", i) for i in range(5)])
         for claim in self.claim(store, clock.now()):
-            store.settle(claim, Publish(), error=None, now=clock.now())
+            settle_one(store, claim, Publish(), error=None, now=clock.now())
         later = clock.now() + S
         assert store.purge_published(before=later, limit=2) == 2
         assert store.purge_published(before=later, limit=2) == 2
@@ -550,7 +520,7 @@ class StoreLevelTests(ConformanceBase):
     def test_purge_dead_by_id_and_age(self, store: Store, clock: FrozenClock) -> None:
         a, b, c = self.put(store, clock.now(), ("t", 1), ("t", 2), ("t", 3))
         for offset, claim in enumerate(self.claim(store, clock.now())):
-            store.settle(claim, DeadLetter(), error="x", now=clock.now() + offset * 10 * S)
+            settle_one(store, claim, DeadLetter(), error="x", now=clock.now() + offset * 10 * S)
         assert store.purge_dead(ids=[b], limit=100) == 1
         assert store.purge_dead(before=clock.now() + 15 * S, limit=100) == 1  # a only
         assert [d.event.id for d in store.dead_letters()] == [c]
@@ -561,8 +531,8 @@ class StoreLevelTests(ConformanceBase):
         self.put(store, now - 10 * S, ("a", 1))
         self.put(store, now, ("a", 2), ("b", 3), ("b", 4), ("c", 5, 60))
         c1, c2, c3 = self.claim(store, now, batch_size=3)
-        store.settle(c1, Publish(), error=None, now=now)
-        store.settle(c2, DeadLetter(), error="x", now=now)
+        settle_one(store, c1, Publish(), error=None, now=now)
+        settle_one(store, c2, DeadLetter(), error="x", now=now)
         # c3 stays claimed; one "b" is pending and due; "c" is pending but delayed.
         assert c3.event.topic == "b"
         stats = store.stats(now=now)
@@ -594,7 +564,7 @@ class StoreLevelTests(ConformanceBase):
         (again,) = self.claim(store, y2099)  # the 2001 lease is long gone
         assert again.attempt == 2
         assert again.locked_until == y2099 + LEASE
-        assert store.settle(again, Publish(), error=None, now=y2099) is True
+        assert settle_one(store, again, Publish(), error=None, now=y2099) is True
         (future,) = self.put(store, y2099, ("t", 2, 3600))
         assert self.claim(store, y2099) == []
         assert self.ids(self.claim(store, y2099 + timedelta(hours=1))) == [future]
@@ -604,7 +574,7 @@ class StoreLevelTests(ConformanceBase):
         (event_id,) = self.put(store, None, ("t", 1))
         (claim,) = self.claim(store, None)
         assert claim.event.id == event_id
-        assert store.settle(claim, Publish(), error=None, now=None) is True
+        assert settle_one(store, claim, Publish(), error=None, now=None) is True
         assert store.stats(now=None).published == 1
 
     def test_now_is_the_stores_production_clock(self, store: Store) -> None:
@@ -623,15 +593,15 @@ class StoreLevelTests(ConformanceBase):
 
     def test_any_storable_text_round_trips(self, store: Store, clock: FrozenClock) -> None:
         # What outboxkit stores besides validated events - error texts, rejection reasons -
-        # passes through outboxkit._text.storable first: no NUL, no lone surrogate, but
+        # passes through outboxkit.core.text.storable first: no NUL, no lone surrogate, but
         # anything else a store must keep exactly.
         text = "quotes ' \" back\\slash %s %(x)s ; -- \x01\x1b[2J\t\n 日本 😀 \u202e x" * 20
         (reject_id, dead_id) = self.put(store, clock.now(), ("t", 1), ("t", 2))
         claims = {c.event.id: c for c in self.claim(store, clock.now())}
         with store.delivery(claims[reject_id], now=clock.now()) as tx:
             tx.record("h", Outcome.REJECTED, reason=text)
-        assert store.settle(claims[reject_id], Publish(), error=None, now=clock.now())
-        assert store.settle(claims[dead_id], DeadLetter(), error=text, now=clock.now())
+        assert settle_one(store, claims[reject_id], Publish(), error=None, now=clock.now())
+        assert settle_one(store, claims[dead_id], DeadLetter(), error=text, now=clock.now())
         assert [r.reason for r in store.records(reject_id)] == [text]
         (letter,) = store.dead_letters()
         assert letter.last_error == text
@@ -653,7 +623,7 @@ class StoreLevelTests(ConformanceBase):
                 while claims := self.claim(store, clock.now(), batch_size=7):
                     seen[slot].extend(self.ids(claims))
                     for claim in claims:
-                        assert store.settle(claim, Publish(), error=None, now=clock.now())
+                        assert settle_one(store, claim, Publish(), error=None, now=clock.now())
             except BaseException as exc:  # pragma: no cover - reported below
                 errors.append(exc)
 
@@ -677,7 +647,7 @@ class StoreLevelTests(ConformanceBase):
         total = 1000
         for start in range(0, total, 250):
             self.put(store, clock.now(), *[("t", i) for i in range(start, start + 250)])
-        url, options = store.url, dict(store.options)  # type: ignore[attr-defined]
+        url, options = store.url, dict(store.options)
         context = multiprocessing.get_context("spawn")
         with context.Pool(2) as pool:
             jobs = [

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from outboxkit import OutboxError, Store, open_store
-from outboxkit._text import redact_url
+from outboxkit.core.text import redact_url
 from tests.backends import Target
 from tests.integration.pg.conftest import fresh_schema, pg_url
 

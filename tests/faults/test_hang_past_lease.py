@@ -39,7 +39,8 @@ from outboxkit import (
     StoreUnavailable,
     open_store,
 )
-from outboxkit._machine import Publish
+from outboxkit.core.machine import Publish
+from outboxkit.store import settle_one
 from tests.conftest import Recorder
 from tests.faults._sites import BACKENDS, Site
 
@@ -165,7 +166,7 @@ def test_a_non_transactional_handler_hanging_past_its_lease_is_overtaken_and_fen
         # Its stale claim, used directly, is refused by the store: no write, no settle.
         with pytest.raises(LeaseLostError), site.store.delivery(stale, now=clock.now()) as tx:
             site.write_order(tx.connection)  # pragma: no cover - never reached
-        assert not site.store.settle(stale, Publish(), error=None, now=clock.now())
+        assert not settle_one(site.store, stale, Publish(), error=None, now=clock.now())
         assert site.store.extend([stale], lease=LEASE, now=clock.now()) == []
         assert _state(site, event_id) == after_takeover
 

@@ -4,7 +4,7 @@ A handler's exception text and a ``Reject`` reason come from the handler, not th
 ``enqueue``'s validation: a lone surrogate (``os.fsdecode`` of an odd file name) or a NUL in them
 once stuck a SQLite store for good (every later claim failed to decode ``last_error``) and
 crashed a PostgreSQL batch (a raw ``UnicodeEncodeError``, or a ``DataError`` for the NUL) with its
-events left leased. Now the text is made storable in one place (``outboxkit._text.storable``):
+events left leased. Now the text is made storable in one place (``outboxkit.core.text.storable``):
 NUL and lone surrogates are replaced by their visible Python escapes, and every batch settles.
 Not marked ``faults``: one process, a frozen clock.
 """

@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 
 from outboxkit import ExponentialBackoff
-from outboxkit._backoff import as_policy, delay_for
+from outboxkit.core.backoff import as_policy, delay_for
 
 DEFAULT_SCHEDULE = [1, 2, 4, 8, 16, 32, 64, 128, 256, 300, 300]
 
@@ -81,7 +81,7 @@ def test_jitter_bounds_are_accepted(jitter: float) -> None:
 @pytest.mark.parametrize("jitter", [0.1, 0.5, 1.0])
 def test_jitter_stays_inside_its_bounds(monkeypatch: pytest.MonkeyPatch, jitter: float) -> None:
     # A seeded generator of our own: reproducible, and the global random state is left alone.
-    monkeypatch.setattr("outboxkit._backoff.random.random", random.Random(1234).random)
+    monkeypatch.setattr("outboxkit.core.backoff.random.random", random.Random(1234).random)
     policy = ExponentialBackoff(jitter=jitter)
     for retry in (1, 4, 9, 20):
         full = min(2.0 ** (retry - 1), 300.0)
@@ -95,7 +95,7 @@ def test_jitter_stays_inside_its_bounds(monkeypatch: pytest.MonkeyPatch, jitter:
 def test_jitter_scales_the_random_draw(
     monkeypatch: pytest.MonkeyPatch, draw: float, expected: float
 ) -> None:
-    monkeypatch.setattr("outboxkit._backoff.random.random", lambda: draw)
+    monkeypatch.setattr("outboxkit.core.backoff.random.random", lambda: draw)
     assert ExponentialBackoff(jitter=0.5)(4) == pytest.approx(expected)
 
 
@@ -103,7 +103,7 @@ def test_no_jitter_never_draws_a_random_number(monkeypatch: pytest.MonkeyPatch) 
     def boom() -> float:
         raise AssertionError("random drawn without jitter")
 
-    monkeypatch.setattr("outboxkit._backoff.random.random", boom)
+    monkeypatch.setattr("outboxkit.core.backoff.random.random", boom)
     assert ExponentialBackoff()(3) == 4
 
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -31,7 +30,7 @@ from outboxkit import (
     StoreUnavailable,
     ThreadWaiter,
 )
-from outboxkit._machine import Settlement
+from outboxkit.store import SettleItem
 from tests.conftest import Recorder
 
 JOIN_TIMEOUT = 60.0
@@ -76,27 +75,15 @@ class LoggingStore(MemoryStore):
         self.log.extend(("claim", c.event.id, c.token) for c in claims)
         return claims
 
-    def settle(
-        self, claim: Claim, settlement: Settlement, *, error: str | None, now: datetime | None
-    ) -> bool:
-        self.log.append(("settle", claim.event.id, claim.token))
-        settled = super().settle(claim, settlement, error=error, now=now)
-        if not settled:
-            self.log.append(("stale settle", claim.event.id, claim.token))
+    def settle_many(self, items: Sequence[SettleItem], *, now: datetime | None) -> list[bool]:
+        self.log.extend(("settle", claim.event.id, claim.token) for claim, _, _ in items)
+        settled = super().settle_many(items, now=now)
+        self.log.extend(
+            ("stale settle", claim.event.id, claim.token)
+            for (claim, _, _), ok in zip(items, settled, strict=True)
+            if not ok
+        )
         return settled
-
-    @contextmanager
-    def delivery(self, claim: Claim, *, now: datetime | None) -> Iterator[Any]:
-        # An event is settled in the transaction of its last delivery: log that settlement too.
-        with super().delivery(claim, now=now) as tx:
-            settle_in_delivery = tx.settle
-
-            def settle(settlement: Settlement, *, error: str | None) -> None:
-                self.log.append(("settle", claim.event.id, claim.token))
-                settle_in_delivery(settlement, error=error)
-
-            tx.settle = settle  # type: ignore[method-assign]
-            yield tx
 
     def release(self, claims: Any, *, now: datetime | None) -> int:
         self.log.extend(("release", c.event.id, c.token) for c in claims)

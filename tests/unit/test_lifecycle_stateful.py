@@ -6,7 +6,7 @@ drives the real code two ways:
 - the real ``Poller.run_once`` (claim -> deliver -> settle), with handlers whose behaviour (ok,
   reject, fail, crash before commit) is scripted per (event, handler) before each run;
 - a "manual poller": ``store.claim`` / ``store.delivery`` / ``store.settle`` called directly, with
-  settlements from ``outboxkit._machine.decide_settlement``; it can crash (abandon its claims).
+  settlements from ``outboxkit.core.machine.decide_settlement``; it can crash (abandon its claims).
 
 Besides: publishing (committed or rolled back), advancing the clock, requeueing dead events and
 replaying stale tokens. After every step the store must agree with the model, and at teardown a
@@ -60,7 +60,8 @@ from outboxkit import (
     Unrouted,
     hookimpl,
 )
-from outboxkit._machine import DeadLetter, Publish, Retry, decide_settlement, handlers_to_run
+from outboxkit.core.machine import DeadLetter, Publish, Retry, decide_settlement, handlers_to_run
+from outboxkit.store import settle_one
 
 # topic -> its handlers as (name, transactional), in subscription order
 TOPICS: dict[str, tuple[tuple[str, bool], ...]] = {
@@ -275,7 +276,7 @@ class LifecycleMachine(RuleBasedStateMachine):
     def _expect_stale(self, claim: Claim, decision: Any) -> None:
         """A stale token changes nothing: no settle, no delivery, no extension, no release."""
         before = self._snapshot()
-        assert self.store.settle(claim, decision, error="stale", now=self.now) is False
+        assert settle_one(self.store, claim, decision, error="stale", now=self.now) is False
         with pytest.raises(LeaseLostError):
             self._open_delivery(claim)
         assert self.store.extend([claim], lease=self.lease, now=self.now) == []
@@ -455,7 +456,7 @@ class LifecycleMachine(RuleBasedStateMachine):
         assert kind == expected
         note(f"manual: {kind}")
         error = "; ".join(errors) or None
-        assert self.store.settle(claim, settlement, error=error, now=self.now) is True
+        assert settle_one(self.store, claim, settlement, error=error, now=self.now) is True
         if isinstance(settlement, Retry):
             delay = timedelta(seconds=self.expected_delay(claim.attempt))
             assert settlement.delay == delay

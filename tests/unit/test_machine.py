@@ -1,15 +1,16 @@
-"""Table-driven tests of the pure lifecycle core (``outboxkit._machine``), with plain values only."""
+"""Table-driven tests of the pure lifecycle core (``outboxkit.core.machine``), with plain values only."""
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
 from outboxkit import ExponentialBackoff, IllegalTransition, OutboxError, Outcome, State
-from outboxkit._machine import (
+from outboxkit.core.machine import (
     TRANSITIONS,
     DeadLetter,
     Publish,
@@ -185,16 +186,37 @@ def test_decide_settlement_refuses_an_unclaimed_attempt_count(attempts: int) -> 
         )
 
 
-@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), "soon", None])
-def test_decide_settlement_refuses_a_bad_policy_value(bad: object) -> None:
-    with pytest.raises(ValueError, match="backoff returned"):
-        decide_settlement(
-            subscribed=("a",),
-            outcomes={"a": FAIL},
-            attempts=1,
-            max_retries=3,
-            backoff=lambda retry: bad,  # type: ignore[arg-type,return-value]
-        )
+def _raises(retry: int) -> float:
+    raise RuntimeError("no delay today")
+
+
+@pytest.mark.parametrize(
+    ("policy", "what"),
+    [
+        (lambda retry: -5, "it returned -5 for retry 2: the delay must be >= 0"),
+        (lambda retry: float("nan"), "it returned nan for retry 2"),
+        (lambda retry: float("inf"), "it returned inf for retry 2"),
+        (lambda retry: "soon", "it returned 'soon' for retry 2"),
+        (lambda retry: None, "it returned None for retry 2"),
+        (lambda retry: 10**400, "too large for a duration"),
+        (lambda retry: timedelta.max, "must be at most 3660 days"),
+        (_raises, "no delay today"),
+    ],
+    ids=["negative", "nan", "inf", "str", "none", "10**400", "timedelta.max", "raises"],
+)
+def test_a_bad_backoff_still_retries_after_the_default_delay_naming_the_policy(
+    policy: Any, what: str
+) -> None:
+    # The app's policy has a bug: the event is not lost and the loop does not die of it.
+    settlement = decide_settlement(
+        subscribed=("a",), outcomes={"a": FAIL}, attempts=2, max_retries=3, backoff=policy
+    )
+    assert isinstance(settlement, Retry)
+    assert (settlement.delay, settlement.retry) == (timedelta(seconds=2), 2)  # the default's
+    assert settlement.note is not None
+    assert settlement.note.startswith("backoff ")
+    assert what in settlement.note
+    assert settlement.note.endswith("retried after the default 2s")
 
 
 # -- is_due (R2) --------------------------------------------------------------------------------

@@ -14,7 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from outboxkit import EventBus, FrozenClock, InvalidEvent, MemoryStore, Message, Outbox
-from outboxkit._payload import DEFAULT_MAX_PAYLOAD_BYTES, _check_json, build_event, decode_payload
+from outboxkit.core.payload import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    _check_json,
+    build_event,
+    decode_payload,
+)
 
 
 @dataclass(frozen=True)

@@ -47,7 +47,8 @@ from outboxkit import (
     Unrouted,
     hookimpl,
 )
-from outboxkit._machine import Publish
+from outboxkit.core.machine import Publish
+from outboxkit.store import settle_one
 
 T0 = datetime(2030, 1, 1, tzinfo=UTC)
 LEASE = timedelta(seconds=30)
@@ -815,11 +816,8 @@ class TakeOver:
             self.claims += self.store.claim(batch_size=1, lease=LEASE, now=self.clock.now())
 
 
-def test_r8_stale_settle_changes_nothing_and_emits_lease_lost(
-    store, bus, outbox, clock, recorder, monkeypatch
-):
-    # A separate settle (a store without settle_in_delivery): the window this test opens.
-    monkeypatch.setattr(store, "capabilities", store.capabilities - {"settle_in_delivery"})
+def test_r8_stale_settle_changes_nothing_and_emits_lease_lost(store, bus, outbox, clock, recorder):
+    # The round's settle comes after the deliveries: the window this test opens.
     bus.subscribe("t", ok([]), name="h")
     event_id = enqueue(store, outbox)
     takeover = TakeOver(store, clock)
@@ -839,26 +837,9 @@ def test_r8_stale_settle_changes_nothing_and_emits_lease_lost(
         LeaseLost(event_id, "t", 1, None),
     ]
     # The new owner's settle goes through.
-    assert store.settle(fresh, Publish(), error=None, now=clock.now())
+    assert settle_one(store, fresh, Publish(), error=None, now=clock.now())
     assert row(store, event_id).published_at == T0 + LEASE
-    assert not store.settle(fresh, Publish(), error=None, now=clock.now())
-
-
-def test_r8_settled_in_the_last_delivery_leaves_no_window_for_a_takeover(
-    store, bus, outbox, clock, recorder
-):
-    assert "settle_in_delivery" in store.capabilities
-    bus.subscribe("t", ok([]), name="h")
-    event_id = enqueue(store, outbox)
-    takeover = TakeOver(store, clock)
-    outbox.add_observer(takeover)
-    report = outbox.poller().run_once()
-    # The record and the settlement committed together: nothing is left to take over.
-    assert takeover.claims == []
-    assert report.published == [event_id]
-    assert report.lease_lost == []
-    r = row(store, event_id)
-    assert (r.attempts, r.published_at, r.token, r.locked_until) == (1, T0, None, None)
+    assert not settle_one(store, fresh, Publish(), error=None, now=clock.now())
 
 
 # -- R9 unrouted --------------------------------------------------------------------------------
@@ -1016,7 +997,7 @@ def test_r13_event_of_a_dead_poller_is_due_once_the_lease_passes(store, bus, out
     assert report.published == [event_id]
     assert calls == [(event_id, "h", 2)]
     # The dead poller's token changes nothing any more.
-    assert not store.settle(dead_poller, Publish(), error=None, now=clock.now())
+    assert not settle_one(store, dead_poller, Publish(), error=None, now=clock.now())
     assert store.extend([dead_poller], lease=LEASE, now=clock.now()) == []
     assert row(store, event_id).published_at == T0 + LEASE
 
@@ -1040,13 +1021,15 @@ def test_r13_long_batch_extends_the_leases_it_has_not_delivered(
     assert seen == [
         (1, T0, [T0 + LEASE] * 3),
         [],
-        # 14 s left (< half a lease): the rest of the batch was extended to now + lease.
-        (2, T0 + s(16), [None, T0 + s(46), T0 + s(46)]),
+        # 14 s left (< half a lease): the batch was extended to now + lease, the delivered
+        # event too (it waits for the round's settle).
+        (2, T0 + s(16), [T0 + s(46)] * 3),
         [],  # at T0 + 32 the original lease (T0 + 30) would have let another poller in
-        (3, T0 + s(32), [None, None, T0 + s(62)]),  # settled: lease cleared
+        (3, T0 + s(32), [T0 + s(62)] * 3),
         [],
     ]
-    assert [row(store, i).published_at for i in ids] == [T0 + s(16), T0 + s(32), T0 + s(48)]
+    # One settle for the round, when it ends.
+    assert [row(store, i).published_at for i in ids] == [T0 + s(48)] * 3
     assert [store.get(i).attempts for i in ids] == [1, 1, 1]
     assert recorder.of(LeaseLost) == []
 
@@ -1071,8 +1054,8 @@ def test_r13_never_starts_a_handler_once_the_lease_is_gone(store, bus, outbox, c
         Claimed(e1, "t", 1),
         Claimed(e2, "t", 1),
         HandlerSucceeded(e1, "t", "h", 1),
-        Published(e1, "t", 1),
         LeaseLost(e2, "t", 1, None),
+        Published(e1, "t", 1),  # the round's settle, once it ends
     ]
     r = row(store, e2)
     assert (r.attempts, r.locked_until, r.published_at) == (1, T0 + LEASE, None)

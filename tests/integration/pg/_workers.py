@@ -21,8 +21,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -108,47 +107,6 @@ def make_bus(
     return bus
 
 
-class SettleSpy:
-    """Stands in for a delivery transaction and tells ``on_settle`` when the poller settles the
-    event inside it (the ``settle_in_delivery`` capability); the rest is passed through."""
-
-    def __init__(self, tx: Any, on_settle: Any) -> None:
-        self._tx = tx
-        self._on_settle = on_settle
-        self.settled = False
-
-    @property
-    def connection(self) -> Any:
-        return self._tx.connection
-
-    def enqueue(self, events: Any) -> Any:
-        return self._tx.enqueue(events)
-
-    def record(self, handler: str, outcome: Any, *, reason: str | None = None) -> None:
-        self._tx.record(handler, outcome, reason=reason)
-
-    def settle(self, settlement: Any, *, error: str | None) -> None:
-        self._on_settle()
-        self._tx.settle(settlement, error=error)
-        self.settled = True
-
-
-def spy_on_deliveries(store: Any, before_settle: Any, after_commit: Any) -> None:
-    """Make ``store.delivery`` call ``before_settle(claim)`` just before the poller settles an
-    event in its delivery transaction, and ``after_commit(claim)`` once that committed."""
-    delivery = store.delivery
-
-    @contextmanager
-    def spied(claim: Any, **kw: Any) -> Iterator[Any]:
-        with delivery(claim, **kw) as tx:
-            spy = SettleSpy(tx, lambda: before_settle(claim))
-            yield spy
-        if spy.settled:
-            after_commit(claim)
-
-    store.delivery = spied
-
-
 class _Trace:
     """Appends what this process claimed, extended and settled to a JSON-lines file."""
 
@@ -164,7 +122,7 @@ class _Trace:
             self.file.flush()
 
     def wrap(self, store: Any) -> None:
-        claim, extend, settle, release = store.claim, store.extend, store.settle, store.release
+        claim, extend, release = store.claim, store.extend, store.release
         settle_many = store.settle_many
         pid = os.getpid()
 
@@ -193,12 +151,6 @@ class _Trace:
             )
             return kept
 
-        def traced_settle(claim: Any, settlement: Any, **kw: Any) -> Any:
-            done = settle(claim, settlement, **kw)
-            if done:
-                self.write([{"kind": "settle", "token": claim.token}])
-            return done
-
         def traced_settle_many(items: Any, **kw: Any) -> Any:
             done = settle_many(items, **kw)
             self.write(
@@ -215,13 +167,7 @@ class _Trace:
             return count
 
         store.claim, store.extend = traced_claim, traced_extend
-        store.settle, store.release = traced_settle, traced_release
-        store.settle_many = traced_settle_many
-        spy_on_deliveries(
-            store,
-            lambda claim: None,
-            lambda claim: self.write([{"kind": "settle", "token": claim.token}]),
-        )
+        store.release, store.settle_many = traced_release, traced_settle_many
 
     def close(self) -> None:
         self.file.close()

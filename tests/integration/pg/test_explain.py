@@ -15,7 +15,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outboxkit._payload import build_event
+from outboxkit.core.payload import build_event
 from outboxkit_pg import PostgresStore
 
 pytestmark = [pytest.mark.pg, pytest.mark.slow]

@@ -32,7 +32,7 @@ from outboxkit import (
     StoreUnavailable,
     open_store,
 )
-from outboxkit._payload import build_event
+from outboxkit.core.payload import build_event
 from outboxkit_pg import PostgresStore
 from outboxkit_pg.store import SCHEMA_VERSION
 

@@ -20,10 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from outboxkit import EventBus, Message, Outbox, open_store
-from outboxkit._machine import Settlement
-from outboxkit._model import Claim
+from outboxkit.core.machine import Settlement
+from outboxkit.core.model import Claim
 from outboxkit_sqlite import SQLiteStore
-from tests.integration.pg._workers import spy_on_deliveries
 
 LEDGER_SQL = (
     "CREATE TABLE IF NOT EXISTS ledger ("
@@ -37,24 +36,18 @@ class ClaimLog(SQLiteStore):
     """A SQLite store that notes, per claim, when this process surely held it.
 
     ``held_from`` is taken after ``claim`` returned (the lease was committed before it) and
-    ``held_until`` before ``settle`` is called (the lease is cleared only by it), so the window
-    lies inside the real lease: two windows of one event that overlap mean a double claim.
+    ``held_until`` before ``settle_many`` is called (the lease is cleared only by it), so the
+    window lies inside the real lease: two windows of one event that overlap mean a double claim.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.windows: dict[str, dict[str, Any]] = {}
-        spy_on_deliveries(self, self._settling, self._settled)
 
     def _settling(self, claim: Claim) -> None:
         window = self.windows.get(claim.token)
         if window is not None:
             window["until"] = time.time()
-
-    def _settled(self, claim: Claim) -> None:
-        window = self.windows.get(claim.token)
-        if window is not None:
-            window["settled"] = True
 
     def claim(self, *, batch_size: int, lease: timedelta, now: datetime | None) -> list[Claim]:
         claims = super().claim(batch_size=batch_size, lease=lease, now=now)
@@ -62,17 +55,6 @@ class ClaimLog(SQLiteStore):
         for c in claims:
             self.windows[c.token] = {"event": c.event.id, "from": held_from, "until": None}
         return claims
-
-    def settle(
-        self, claim: Claim, settlement: Settlement, *, error: str | None, now: datetime | None
-    ) -> bool:
-        window = self.windows.get(claim.token)
-        if window is not None:
-            window["until"] = time.time()
-        settled = super().settle(claim, settlement, error=error, now=now)
-        if window is not None:
-            window["settled"] = settled
-        return settled
 
     def settle_many(
         self, items: Sequence[tuple[Claim, Settlement, str | None]], *, now: datetime | None

@@ -27,7 +27,8 @@ from outboxkit import (
     StoreUnavailable,
     open_store,
 )
-from outboxkit._machine import Publish
+from outboxkit.core.machine import Publish
+from outboxkit.store import settle_one
 from outboxkit_sqlite import SQLiteStore, _schema
 from outboxkit_sqlite._sql import TableNames
 
@@ -317,7 +318,7 @@ def test_purged_ids_are_never_reused(tmp_path: Path) -> None:
         with store.transaction() as conn:
             first = outbox.enqueue_many(conn, [("t", 1), ("t", 2)])
         for claim in store.claim(batch_size=10, lease=LEASE, now=clock.now()):
-            store.settle(claim, Publish(), error=None, now=clock.now())
+            settle_one(store, claim, Publish(), error=None, now=clock.now())
         assert store.purge_published(before=clock.advance(1), limit=10) == 2
         with store.transaction() as conn:
             (again,) = outbox.enqueue_many(conn, [("t", 3)])

@@ -13,8 +13,8 @@ from datetime import timedelta
 from types import MappingProxyType
 from typing import Any
 
-from ._model import NewEvent, UndecodablePayload
-from .errors import InvalidEvent
+from ..errors import InvalidEvent
+from .model import NewEvent, UndecodablePayload
 
 __all__ = ["DEFAULT_MAX_PAYLOAD_BYTES", "MAX_TOPIC_LENGTH", "build_event", "decode_payload"]
 

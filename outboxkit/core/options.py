@@ -1,4 +1,4 @@
-"""Poller options and their validation (R14). PURE: values in, values or ValueError out."""
+"""Poller options and their validation (R14). PURE: values in, values or ConfigurationError out."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Literal, get_args
 
-from ._backoff import BackoffPolicy, ExponentialBackoff
-from ._duration import MAX_DURATION, as_timedelta
-from .errors import ConfigurationError
+from ..errors import ConfigurationError
+from .backoff import BackoffPolicy, ExponentialBackoff
+from .duration import MAX_DURATION, as_timedelta
 
 __all__ = ["MAX_BATCH_SIZE", "PollerOptions", "TransactionMode"]
 
@@ -68,10 +68,7 @@ class PollerOptions:
 
 def _duration(name: str) -> Any:
     def check(value: object) -> timedelta:
-        try:
-            return as_timedelta(value, what=name, allow_zero=False, maximum=MAX_DURATION)
-        except ValueError as exc:
-            raise ConfigurationError(str(exc)) from None
+        return as_timedelta(value, what=name, allow_zero=False, maximum=MAX_DURATION)
 
     return check
 
@@ -89,11 +86,7 @@ def _count(name: str, minimum: int, maximum: int) -> Any:
 
 def _backoff(value: object) -> BackoffPolicy:
     if isinstance(value, timedelta | int | float) and not isinstance(value, bool):
-        try:
-            constant = as_timedelta(value, what="backoff", maximum=MAX_DURATION)
-        except ValueError as exc:
-            raise ConfigurationError(str(exc)) from None
-        return _Constant(constant)
+        return _Constant(as_timedelta(value, what="backoff", maximum=MAX_DURATION))
     if not callable(value):
         raise ConfigurationError(
             f"backoff must be a callable retry -> seconds, or a constant delay, got {value!r}"

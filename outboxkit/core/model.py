@@ -14,6 +14,7 @@ from typing import Any
 __all__ = [
     "Claim",
     "Claimed",
+    "Delivery",
     "DeadLetter",
     "DeadLettered",
     "DeliveryRecord",
@@ -25,12 +26,14 @@ __all__ = [
     "NewEvent",
     "ObserverEvent",
     "Outcome",
+    "PollReport",
     "Published",
     "RetryScheduled",
     "State",
     "Stats",
     "UndecodablePayload",
     "Unrouted",
+    "state_of",
 ]
 
 JSON = Any
@@ -38,12 +41,31 @@ JSON = Any
 
 
 class State(enum.Enum):
-    """Where an event is in its lifecycle (see ``_machine`` for the transitions)."""
+    """Where an event is in its lifecycle (see ``machine`` for the transitions)."""
 
     PENDING = "pending"
     CLAIMED = "claimed"
     PUBLISHED = "published"
     DEAD = "dead"
+
+
+def state_of(
+    *,
+    published_at: datetime | None,
+    failed_at: datetime | None,
+    locked_until: datetime | None,
+    now: datetime | None,
+) -> State:
+    """The lifecycle state of a stored event at ``now``; without ``now``, a lease is not
+    looked at (PENDING for an event that is neither published nor dead). The one place a
+    state is derived from stored columns (``Event.state``, the stores, the test kit)."""
+    if published_at is not None:
+        return State.PUBLISHED
+    if failed_at is not None:
+        return State.DEAD
+    if now is not None and locked_until is not None and locked_until > now:
+        return State.CLAIMED
+    return State.PENDING
 
 
 class Outcome(enum.Enum):
@@ -110,11 +132,12 @@ class Event:
     @property
     def state(self) -> State:
         """PUBLISHED, DEAD, or PENDING (a lease is not a state here: it needs ``now``)."""
-        if self.published_at is not None:
-            return State.PUBLISHED
-        if self.failed_at is not None:
-            return State.DEAD
-        return State.PENDING
+        return state_of(
+            published_at=self.published_at,
+            failed_at=self.failed_at,
+            locked_until=self.locked_until,
+            now=None,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +196,44 @@ class Stats:
     @property
     def total(self) -> int:
         return self.pending + self.claimed + self.published + self.dead
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """One handler run: what happened, when, on which attempt."""
+
+    event_id: int
+    topic: str
+    handler: str
+    attempt: int
+    outcome: Outcome
+    at: datetime
+    error: str | None = None
+    exception: BaseException | None = field(default=None, compare=False, repr=False)
+
+
+@dataclass(slots=True)
+class PollReport:
+    """What one ``run_once`` did. Event ids per result; every handler run in ``deliveries``."""
+
+    claimed: list[int] = field(default_factory=list)
+    published: list[int] = field(default_factory=list)
+    retried: list[int] = field(default_factory=list)
+    dead_lettered: list[int] = field(default_factory=list)
+    lease_lost: list[int] = field(default_factory=list)
+    released: list[int] = field(default_factory=list)
+    deliveries: list[Delivery] = field(default_factory=list)
+
+    @property
+    def rejected(self) -> list[Delivery]:
+        return [d for d in self.deliveries if d.outcome is Outcome.REJECTED]
+
+    @property
+    def failed(self) -> list[Delivery]:
+        return [d for d in self.deliveries if d.outcome is Outcome.FAILED]
+
+    def __bool__(self) -> bool:
+        return bool(self.claimed)
 
 
 # -- observer events -------------------------------------------------------------------------

@@ -1,9 +1,11 @@
-"""Durations given as seconds or ``timedelta``. PURE: values in, a timedelta or ValueError out."""
+"""Durations given as seconds or ``timedelta``. PURE: values in, a timedelta or a named error out."""
 
 from __future__ import annotations
 
 import math
 from datetime import UTC, datetime, timedelta
+
+from ..errors import ConfigurationError
 
 __all__ = ["MAX_DURATION", "as_timedelta", "before"]
 
@@ -20,25 +22,28 @@ def as_timedelta(
     """Seconds or a timedelta as a non-negative timedelta, naming ``what`` when it is not one.
 
     Raises:
-        ValueError: negative (or zero when ``allow_zero`` is false), not finite, longer than
-            ``maximum`` (or than a ``timedelta`` can be), or not a duration at all.
+        ConfigurationError: (a ``ValueError``) negative (or zero when ``allow_zero`` is
+            false), not finite, longer than ``maximum`` (or than a ``timedelta`` can be), or
+            not a duration at all.
     """
     if isinstance(value, timedelta):
         delta = value
     elif isinstance(value, int | float) and not isinstance(value, bool):
         try:
             if not math.isfinite(value):
-                raise ValueError(f"{what} must be a finite duration, got {value!r}")
+                raise ConfigurationError(f"{what} must be a finite duration, got {value!r}")
             delta = timedelta(seconds=value)
         except OverflowError:
-            raise ValueError(f"{what} is too large for a duration, got {value!r:.40}") from None
+            raise ConfigurationError(
+                f"{what} is too large for a duration, got {value!r:.40}"
+            ) from None
     else:
-        raise ValueError(f"{what} must be seconds or a timedelta, got {value!r:.80}")
+        raise ConfigurationError(f"{what} must be seconds or a timedelta, got {value!r:.80}")
     if delta < timedelta(0) or (not allow_zero and delta == timedelta(0)):
         bound = ">= 0 (not negative)" if allow_zero else "> 0"
-        raise ValueError(f"{what} must be {bound}, got {value!r}")
+        raise ConfigurationError(f"{what} must be {bound}, got {value!r}")
     if maximum is not None and delta > maximum:
-        raise ValueError(f"{what} must be at most {maximum.days} days, got {value!r:.40}")
+        raise ConfigurationError(f"{what} must be at most {maximum.days} days, got {value!r:.40}")
     return delta
 
 

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TypeGuard
 
-from ._duration import as_timedelta
+from ..errors import ConfigurationError
+from .duration import MAX_DURATION, as_timedelta
 
 __all__ = ["BackoffPolicy", "ExponentialBackoff", "as_policy", "delay_for"]
 
@@ -28,7 +29,7 @@ class ExponentialBackoff:
     off by default so schedules are reproducible.
 
     Raises:
-        ValueError: ``base`` or ``max`` is not > 0, or ``jitter`` is outside 0..1.
+        ConfigurationError: ``base`` or ``max`` is not > 0, or ``jitter`` is outside 0..1.
     """
 
     base: float = 1.0
@@ -37,15 +38,15 @@ class ExponentialBackoff:
 
     def __post_init__(self) -> None:
         if not _positive(self.base):
-            raise ValueError(f"backoff base must be > 0 seconds, got {self.base!r}")
+            raise ConfigurationError(f"backoff base must be > 0 seconds, got {self.base!r}")
         if not _positive(self.max):
-            raise ValueError(f"backoff max must be > 0 seconds, got {self.max!r}")
+            raise ConfigurationError(f"backoff max must be > 0 seconds, got {self.max!r}")
         if not (_number(self.jitter) and 0.0 <= self.jitter <= 1.0):
-            raise ValueError(f"backoff jitter must be between 0 and 1, got {self.jitter!r}")
+            raise ConfigurationError(f"backoff jitter must be between 0 and 1, got {self.jitter!r}")
 
     def __call__(self, retry: int) -> float:
         if retry < 1:
-            raise ValueError(f"retry numbers start at 1, got {retry!r}")
+            raise ConfigurationError(f"retry numbers start at 1, got {retry!r}")
         # Cap the exponent first: 2**retry for a huge retry would overflow a float.
         exponent = min(retry - 1, 64)
         delay = min(self.base * 2.0**exponent, self.max)
@@ -67,23 +68,25 @@ def as_policy(backoff: BackoffPolicy | None) -> BackoffPolicy:
     """The policy to use: the given callable, or the default exponential one.
 
     Raises:
-        ValueError: ``backoff`` is neither None nor callable.
+        ConfigurationError: ``backoff`` is neither None nor callable.
     """
     if backoff is None:
         return ExponentialBackoff()
     if not callable(backoff):
-        raise ValueError(f"backoff must be a callable retry -> seconds, got {backoff!r}")
+        raise ConfigurationError(f"backoff must be a callable retry -> seconds, got {backoff!r}")
     return backoff
 
 
 def delay_for(policy: BackoffPolicy, retry: int) -> timedelta:
-    """The policy's delay before retry ``retry`` as a non-negative ``timedelta``.
+    """The policy's delay before retry ``retry`` as a ``timedelta`` from 0 to ``MAX_DURATION``.
 
     Raises:
-        ValueError: the policy returned something that is not a finite, non-negative duration.
+        ConfigurationError: the policy returned something that is not a finite, non-negative
+            duration of at most ``MAX_DURATION`` (the message quotes it).
+        Exception: whatever the policy itself raised.
     """
     value = policy(retry)
     try:
-        return as_timedelta(value, what="the delay")
-    except ValueError as exc:
-        raise ValueError(f"backoff returned {value!r} for retry {retry}: {exc}") from None
+        return as_timedelta(value, what="the delay", maximum=MAX_DURATION)
+    except ConfigurationError as exc:
+        raise ConfigurationError(f"it returned {value!r:.40} for retry {retry}: {exc}") from None

@@ -1,0 +1,242 @@
+"""One claimed batch as a poller works through it: the bookkeeping, none of the I/O. PURE.
+
+The poller shells (``outboxkit.poller`` blocking, ``outboxkit.aio`` asyncio) own the I/O: they
+claim, run handlers, extend leases, settle and release. A ``ClaimedBatch`` says what comes next
+and keeps what happened; every decision in it is the machine's (``plan``, ``check_lease``,
+``decide_settlement``), so both shells decide alike by construction.
+
+The life of a batch::
+
+    batch = ClaimedBatch(claims, claimed_at=..., lease=..., max_retries=..., backoff=...)
+    while (run := batch.take(subscribed)) is not None:      # claim order (R5)
+        for handler in run.handlers:                          # empty for a SettleNow plan
+            check = batch.check_lease(run, now)               # HELD, EXTEND or LOST (R13)
+            ... batch.extended(asked, kept, now) / batch.lose(run) ...
+            batch.delivered(run, delivery)
+        batch.finish(run)                                     # the settlement is decided
+    results = store.settle_many(batch.to_write())             # one write for the round
+    batch.wrote(items, results); batch.committed()            # announced once committed
+    store.release(batch.unstarted())                          # a stopped poller's rest
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import NamedTuple
+
+from .backoff import BackoffPolicy
+from .machine import LeaseCheck, Plan, Retry, Run, Settlement, SettleNow, check_lease, plan
+from .machine import decide_settlement as _decide
+from .model import Claim, Delivery, Outcome, PollReport, State
+from .text import storable
+
+__all__ = ["ClaimedBatch", "EventRun", "Settled"]
+
+
+class Settled(NamedTuple):
+    """A decided settlement: the claim it fences, what it is, the event's error text."""
+
+    claim: Claim
+    settlement: Settlement
+    error: str | None
+
+
+@dataclass(slots=True)
+class EventRun:
+    """One claimed event, from its claim to its settlement.
+
+    Attributes:
+        claim: the claim (its token fences every write).
+        plan: the machine's plan for it (``Run`` the handlers, or ``SettleNow``).
+        subscribed: the handler names subscribed to its topic, in subscription order.
+        outcomes: each handler's outcome so far (the recorded ones from earlier attempts too).
+        errors: ``"handler: error"`` for each handler that failed in this attempt.
+        lost: the lease is gone: nothing more runs or is written for this event.
+    """
+
+    claim: Claim
+    plan: Plan
+    subscribed: tuple[str, ...]
+    outcomes: dict[str, Outcome]
+    errors: list[str] = field(default_factory=list)
+    lost: bool = False
+
+    @property
+    def handlers(self) -> tuple[str, ...]:
+        """The handlers to run, in order (none when the plan settles the event at once)."""
+        return self.plan.handlers if isinstance(self.plan, Run) else ()
+
+
+class ClaimedBatch:
+    """The bookkeeping of one claimed batch (see the module docstring).
+
+    Args:
+        claims: fresh claims, in claim order.
+        claimed_at: the poller's local-clock instant just before the claim: every lease
+            deadline counts from it, so it is never later than the store's.
+        lease, max_retries, backoff: the poller's options.
+    """
+
+    def __init__(
+        self,
+        claims: Sequence[Claim],
+        *,
+        claimed_at: datetime,
+        lease: timedelta,
+        max_retries: int,
+        backoff: BackoffPolicy,
+    ) -> None:
+        self.lease = lease
+        self.max_retries = max_retries
+        self.backoff = backoff
+        self.report = PollReport(claimed=[c.event.id for c in claims])
+        self._unstarted: deque[Claim] = deque(claims)
+        self._deadlines = {c.token: claimed_at + lease for c in claims}
+        self._running: dict[str, EventRun] = {}
+        self._to_write: list[Settled] = []  # decided, not written yet
+        self._written: list[Settled] = []  # written, not committed yet
+
+    # -- what comes next ------------------------------------------------------------------------
+
+    def take(self, subscribed: Callable[[str], Sequence[str]]) -> EventRun | None:
+        """The next unstarted event in claim order, planned; None when there is none left.
+
+        Args:
+            subscribed: the handler names subscribed to a topic, in order.
+        """
+        if not self._unstarted:
+            return None
+        claim = self._unstarted.popleft()
+        names = tuple(subscribed(claim.event.topic))
+        run = EventRun(
+            claim=claim,
+            plan=plan(claim, names, max_retries=self.max_retries, backoff=self.backoff),
+            subscribed=names,
+            outcomes=dict(claim.done),
+        )
+        self._running[claim.token] = run
+        return run
+
+    def check_lease(self, run: EventRun, now: datetime) -> LeaseCheck:
+        """R13, before one of ``run``'s handlers starts at ``now`` (local clock)."""
+        if run.lost:
+            return LeaseCheck.LOST
+        return check_lease(deadline=self._deadlines[run.claim.token], now=now, lease=self.lease)
+
+    def to_extend(self) -> list[Claim]:
+        """Every claim whose lease this poller still needs: the events running, the ones not
+        started yet, and the ones delivered but waiting for the round's write."""
+        return [
+            *(r.claim for r in self._running.values() if not r.lost),
+            *self._unstarted,
+            *(s.claim for s in self._to_write),
+        ]
+
+    def extended(self, asked: Sequence[Claim], kept: Sequence[Claim], now: datetime) -> list[Claim]:
+        """The store extended ``kept`` of ``asked`` at ``now`` (local clock). Returns the claims
+        it did not keep: their leases are gone (an unstarted one is dropped from the batch, a
+        running one is marked lost)."""
+        kept_tokens = {c.token for c in kept}
+        lost: list[Claim] = []
+        for claim in asked:
+            if claim.token in kept_tokens:
+                self._deadlines[claim.token] = now + self.lease
+                continue
+            lost.append(claim)
+            if claim in self._unstarted:
+                self._unstarted.remove(claim)
+                self.report.lease_lost.append(claim.event.id)
+            elif claim.token in self._running:
+                self.lose(self._running[claim.token])
+            else:  # waiting for the round's write: the write will find it stale
+                pass
+        return lost
+
+    def lose(self, run: EventRun) -> None:
+        """``run``'s lease is gone: nothing more is run or written for it."""
+        if not run.lost:
+            run.lost = True
+            self.report.lease_lost.append(run.claim.event.id)
+
+    # -- what happened ------------------------------------------------------------------------------
+
+    def delivered(self, run: EventRun, delivery: Delivery) -> None:
+        """One of ``run``'s handlers ran (``CRASHED``: the lease was lost under it)."""
+        self.report.deliveries.append(delivery)
+        if delivery.outcome is Outcome.CRASHED:
+            self.lose(run)
+            return
+        run.outcomes[delivery.handler] = delivery.outcome
+        if delivery.outcome is Outcome.FAILED:
+            run.errors.append(f"{delivery.handler}: {delivery.error}")
+
+    def finish(self, run: EventRun) -> Settled | None:
+        """R8: decide ``run``'s settlement and queue it for the round's write; None when its
+        lease was lost (a stale claim writes nothing)."""
+        self._running.pop(run.claim.token, None)
+        if run.lost:
+            return None
+        if isinstance(run.plan, SettleNow):
+            settlement: Settlement = run.plan.settlement
+            error = run.plan.error
+        else:
+            settlement = _decide(
+                subscribed=run.subscribed,
+                outcomes=run.outcomes,
+                attempts=run.claim.attempt,
+                max_retries=self.max_retries,
+                backoff=self.backoff,
+            )
+            notes = list(run.errors)
+            if isinstance(settlement, Retry) and settlement.note:
+                notes.append(settlement.note)
+            error = storable("; ".join(notes)) if notes else None
+        settled = Settled(run.claim, settlement, error)
+        self._to_write.append(settled)
+        return settled
+
+    def to_write(self) -> list[Settled]:
+        """The settlements decided since the last write, in order (taken: the caller writes
+        them and reports back with :meth:`wrote`)."""
+        items, self._to_write = self._to_write, []
+        return items
+
+    def wrote(self, items: Sequence[Settled], results: Sequence[bool]) -> list[Claim]:
+        """The store wrote ``items``; ``results`` says which it settled. Returns the claims it
+        did not (stale: their leases were lost)."""
+        lost: list[Claim] = []
+        for item, ok in zip(items, results, strict=True):
+            if ok:
+                self._written.append(item)
+            else:
+                lost.append(item.claim)
+                self.report.lease_lost.append(item.claim.event.id)
+        return lost
+
+    def committed(self) -> list[Settled]:
+        """What was written is committed (at once per event; at the batch's commit in a
+        batch): the settlements to announce, now reported."""
+        done, self._written = self._written, []
+        by_state = {
+            State.PUBLISHED: self.report.published,
+            State.DEAD: self.report.dead_lettered,
+            State.PENDING: self.report.retried,
+        }
+        for item in done:
+            by_state[item.settlement.state].append(item.claim.event.id)
+        return done
+
+    def unstarted(self) -> list[Claim]:
+        """The claims not started (the poller is stopping): to be released. Taken."""
+        claims = list(self._unstarted)
+        self._unstarted.clear()
+        for claim in claims:
+            self._deadlines.pop(claim.token, None)
+        self.report.released.extend(c.event.id for c in claims)
+        return claims
+
+    def __len__(self) -> int:
+        return len(self._unstarted)
