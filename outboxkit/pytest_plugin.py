@@ -1,153 +1,24 @@
-"""The outboxkit pytest plugin (entry point ``pytest11``, active once outboxkit is installed).
-
-Fixtures: ``outbox_clock``, ``outbox_store``, ``outbox``, ``outbox_drain``. Kept small and lazy:
-nothing from outboxkit is imported until a fixture or hook needs it.
-"""
+"""The pytest plugin's earlier module name, kept as an alias: it lives in
+``outboxkit.testing.pytest_plugin`` (the ``pytest11`` entry point names that one)."""
 
 from __future__ import annotations
 
-import importlib
-import sys
-from collections.abc import Iterator
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from .testing.pytest_plugin import (
+    outbox,
+    outbox_clock,
+    outbox_drain,
+    outbox_store,
+    pytest_addoption,
+    pytest_assertrepr_compare,
+    pytest_configure,
+)
 
-import pytest
-
-if TYPE_CHECKING:
-    from outboxkit import FrozenClock, Outbox, Store
-    from outboxkit.testing import Drain
-
-
-def pytest_addoption(parser: pytest.Parser) -> None:
-    group = parser.getgroup("outboxkit")
-    group.addoption(
-        "--outbox-store",
-        dest="outbox_store_url",
-        default=None,
-        metavar="URL",
-        help="store URL for the outbox_store fixture (default: a SQLite file per test)",
-    )
-    group.addoption(
-        "--outbox-store-factory",
-        dest="outbox_store_factory",
-        default=None,
-        metavar="MODULE:FACTORY",
-        help="the store factory the outboxkit conformance suite checks",
-    )
-    parser.addini("outboxkit_store", "store URL for the outbox_store fixture", default="")
-    parser.addini("outboxkit_app", "module:attribute naming the app's Outbox", default="")
-    parser.addini(
-        "outboxkit_freezegun", "tie freezegun to the outbox clock", type="bool", default=False
-    )
-    parser.addini(
-        "outboxkit_strict",
-        "fail a test that leaves enqueued events neither drained nor asserted",
-        type="bool",
-        default=False,
-    )
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers",
-        "outbox(now=None, freezegun=None): start time of outbox_clock, and whether freezegun "
-        "follows it",
-    )
-
-
-def pytest_assertrepr_compare(config: pytest.Config, op: str, left: Any, right: Any) -> Any:
-    testing = sys.modules.get("outboxkit.testing")
-    if testing is None:
-        return None
-    for side in (left, right):
-        if isinstance(side, testing.DrainReport):
-            return [f"comparing a DrainReport ({op})", *side.summary().splitlines()]
-    return None
-
-
-@pytest.fixture
-def outbox_clock(request: pytest.FixtureRequest) -> Iterator[FrozenClock]:
-    """A frozen clock that moves only when told: ``now()``, ``advance()``, ``set()``."""
-    from outboxkit import FrozenClock
-
-    marker = request.node.get_closest_marker("outbox")
-    kwargs = marker.kwargs if marker is not None else {}
-    clock = FrozenClock(kwargs["now"]) if kwargs.get("now") else FrozenClock()
-    tie = kwargs.get("freezegun")
-    if tie is None:
-        tie = bool(request.config.getini("outboxkit_freezegun"))
-    if not tie:
-        yield clock
-        return
-    import freezegun
-
-    from outboxkit.testing import FreezegunClock
-
-    with freezegun.freeze_time(clock.now()) as frozen:
-        yield FreezegunClock(frozen)
-
-
-@pytest.fixture
-def outbox_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    """A fresh, migrated store per test: a SQLite file under ``tmp_path`` unless
-    ``--outbox-store=URL`` or the ``outboxkit_store`` ini option says otherwise."""
-    from outboxkit.testing import open_test_store
-
-    url = request.config.getoption("outbox_store_url") or request.config.getini("outboxkit_store")
-    with open_test_store(url or None, tmp_path, request.node.nodeid) as store:
-        yield store
-
-
-@pytest.fixture
-def outbox(
-    request: pytest.FixtureRequest, outbox_store: Store, outbox_clock: FrozenClock
-) -> Outbox:
-    """The app's ``Outbox`` (ini ``outboxkit_app``) rebound to the test store and clock, or a
-    fresh one with an empty bus."""
-    from outboxkit import EventBus, Outbox
-
-    spec = request.config.getini("outboxkit_app")
-    if not spec:
-        return Outbox(outbox_store, EventBus(), clock=outbox_clock)
-    app = _load_app(str(spec))
-    return app.rebind(store=outbox_store, clock=outbox_clock)
-
-
-@pytest.fixture
-def outbox_drain(
-    request: pytest.FixtureRequest, outbox: Outbox, outbox_clock: FrozenClock
-) -> Iterator[Drain]:
-    """Deliver everything due, synchronously, on the production path: ``outbox_drain()``."""
-    from outboxkit.testing import Drain
-
-    drain = Drain(outbox, outbox_clock)
-    yield drain
-    if request.config.getini("outboxkit_strict"):
-        left = drain.unaccounted()
-        if left:
-            listing = "\n".join(f"  event {e.id} {e.topic!r}: {e.payload!r}" for e in left[:20])
-            pytest.fail(
-                f"outboxkit_strict: {len(left)} enqueued event(s) were neither drained nor "
-                f"asserted:\n{listing}",
-                pytrace=False,
-            )
-
-
-def _load_app(spec: str) -> Outbox:
-    from outboxkit import Outbox
-
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise pytest.UsageError(f"outboxkit_app must be 'module:attribute', got {spec!r}")
-    try:
-        target: Any = importlib.import_module(module_name)
-        for part in attribute.split("."):
-            target = getattr(target, part)
-    except (ImportError, AttributeError) as exc:
-        raise pytest.UsageError(f"outboxkit_app {spec!r} cannot be loaded: {exc}") from exc
-    if not isinstance(target, Outbox):
-        raise pytest.UsageError(
-            f"outboxkit_app {spec!r} is a {type(target).__name__}, not an Outbox"
-        )
-    return target
+__all__ = [
+    "outbox",
+    "outbox_clock",
+    "outbox_drain",
+    "outbox_store",
+    "pytest_addoption",
+    "pytest_assertrepr_compare",
+    "pytest_configure",
+]

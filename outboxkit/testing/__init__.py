@@ -31,13 +31,13 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from .bus import EventBus
-from .clock import FrozenClock, as_timedelta, parse_instant
-from .core.model import Event, Outcome, State
-from .errors import ConfigurationError, DrainError
-from .outbox import Outbox
-from .poller import Delivery, PollReport
-from .store import Store
+from ..bus import EventBus
+from ..clock import FrozenClock, as_timedelta, parse_instant
+from ..core.model import Event, Outcome, State
+from ..errors import ConfigurationError, DrainError
+from ..outbox import Outbox
+from ..poller import Delivery, PollReport
+from ..store import Store
 
 __all__ = [
     "Capture",
@@ -564,7 +564,7 @@ def open_test_store(url: str | None, tmp_path: Path, name: str = "test") -> Iter
     ``postgresql://`` URL a schema of its own (named after ``name`` and the xdist worker),
     dropped at the end.
     """
-    from .plugins import open_store
+    from ..plugins import open_store
 
     if url is None:
         path = tmp_path / "outbox.db"
@@ -590,7 +590,7 @@ def open_test_store(url: str | None, tmp_path: Path, name: str = "test") -> Iter
 @functools.cache
 def _sqlite_template() -> Path:
     """An empty, migrated SQLite outbox file, made once per process and copied for each test."""
-    from .plugins import open_store
+    from ..plugins import open_store
 
     folder = Path(tempfile.mkdtemp(prefix="outboxkit-template-"))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)

@@ -27,11 +27,11 @@ from typing import Any, NoReturn, TypeVar
 
 import click
 
-from . import __version__
-from .core.model import DeadLetter, DeliveryRecord, Event, Stats, UndecodablePayload
-from .core.text import printable, printable_json, redact_url
-from .errors import ConfigurationError, OutboxError
-from .outbox import Outbox
+from .. import __version__
+from ..core.model import DeadLetter, DeliveryRecord, Event, Stats, UndecodablePayload
+from ..core.text import printable, printable_json, redact_url
+from ..errors import ConfigurationError, OutboxError
+from ..outbox import Outbox
 
 __all__ = ["STORE_ENV", "STORE_OPTIONS_ENV", "cli", "load_app", "main", "parse_duration"]
 
@@ -161,7 +161,7 @@ class Since(click.ParamType):  # type: ignore[type-arg,unused-ignore]
             return parse_duration(str(value))
         except ValueError:
             pass
-        from .clock import parse_instant
+        from ..clock import parse_instant
 
         try:
             return parse_instant(str(value))
@@ -227,7 +227,7 @@ def load_app(spec: str) -> Outbox:
 
 
 def _open_store(url: str, options: Mapping[str, Any]) -> Any:
-    from .plugins import open_store
+    from ..plugins import open_store
 
     try:
         return open_store(url, **options)
@@ -503,7 +503,7 @@ def run(
     lease). A summary line is logged every --log-every: published/s, pending, oldest due
     age, dead letters.
     """
-    from . import _runner
+    from . import runner as _runner
 
     if log_every <= timedelta(0):
         raise click.BadParameter("must be > 0", param_hint="'--log-every'")

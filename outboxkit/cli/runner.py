@@ -37,11 +37,11 @@ from typing import Any
 
 import click
 
-from .core.model import DeadLettered, ObserverEvent, Published
-from .core.text import printable
-from .hookspecs import hookimpl
-from .outbox import Outbox
-from .poller import Poller, ThreadWaiter
+from ..core.model import DeadLettered, ObserverEvent, Published
+from ..core.text import printable
+from ..hookspecs import hookimpl
+from ..outbox import Outbox
+from ..poller import Poller, ThreadWaiter
 
 __all__ = ["RunSettings", "run"]
 
@@ -72,7 +72,7 @@ class RunSettings:
         """The command line of one child poller process. The store's URL and options are not on
         it (a command line is world-readable in ``/proc``, and a URL may hold a password): they
         go in the child's environment, see :meth:`child_env`."""
-        from .cli import format_duration
+        from . import format_duration
 
         argv = [sys.executable, "-m", "outboxkit", "run", self.app]
         for name, value in self.poller_options.items():
@@ -88,7 +88,7 @@ class RunSettings:
     def child_env(self, base: dict[str, str]) -> dict[str, str]:
         """``base`` with the store for a child: ``OUTBOXKIT_STORE`` and
         ``OUTBOXKIT_STORE_OPTIONS`` (a JSON object), readable by this user only."""
-        from .cli import STORE_ENV, STORE_OPTIONS_ENV
+        from . import STORE_ENV, STORE_OPTIONS_ENV
 
         env = {k: v for k, v in base.items() if k not in (STORE_ENV, STORE_OPTIONS_ENV)}
         if self.store_url:
@@ -105,8 +105,8 @@ def run(settings: RunSettings) -> int:
         InputError, ConfigurationError: wrong input (the CLI reports it in one line, exit 2).
         StoreError: the store failed for good (a missing schema, say).
     """
-    from .cli import open_outbox
-    from .core.options import PollerOptions
+    from ..core.options import PollerOptions
+    from . import open_outbox
 
     who = os.environ.get(POLLER_ENV)
     supervisor = os.environ.get(SUPERVISOR_ENV)

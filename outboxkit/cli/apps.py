@@ -1,0 +1,63 @@
+"""The one loader of ``module:attribute`` specs: ``outboxkit run APP``, ``--app``, the pytest
+plugin's ``outboxkit_app`` and the conformance runner's store factory all name their object so.
+
+Light on purpose (no click, nothing of the CLI): the pytest plugin imports it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Any
+
+from ..errors import ConfigurationError
+
+__all__ = ["LoadError", "load_object"]
+
+
+class LoadError(ConfigurationError):
+    """A ``module:attribute`` spec that names nothing usable: malformed, a module that does not
+    import, a missing attribute, or an object of the wrong kind (the message says which)."""
+
+
+def load_object(spec: str, *, what: str, kind: type | None = None) -> Any:
+    """The object ``module:attribute.path`` names; the working directory is importable.
+
+    Args:
+        spec: ``module:attribute`` (the attribute may be dotted).
+        what: what the spec is for, in messages (``APP``, ``store factory`` ...).
+        kind: the type the object must be, or None; a callable is required when ``kind`` is
+            ``callable``.
+
+    Raises:
+        LoadError: naming the spec and what is wrong with it.
+    """
+    module_name, sep, attribute = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+    if not sep or not module_name or not attribute:
+        raise LoadError(
+            f"{what} must be module:attribute (e.g. myapp.events:outbox), got {spec!r:.200}"
+        )
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        target: Any = importlib.import_module(module_name)
+    except Exception as exc:
+        raise LoadError(
+            f"cannot import {module_name!r} for {what} {spec!r}: {type(exc).__name__}: {exc}"
+        ) from None
+    try:
+        for part in attribute.split("."):
+            target = getattr(target, part)
+    except AttributeError:
+        raise LoadError(
+            f"{what} {spec!r}: {module_name!r} has no attribute {attribute!r}"
+        ) from None
+    if kind is callable and not callable(target):
+        raise LoadError(f"{what} {spec!r} is not callable: {target!r:.80}")
+    if isinstance(kind, type) and not isinstance(target, kind):
+        raise LoadError(
+            f"{what} {spec!r} is a {type(target).__name__}, not a {kind.__module__}.{kind.__name__}"
+        )
+    return target
