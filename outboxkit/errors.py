@@ -21,6 +21,8 @@ so callers never need to import a driver to catch them::
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 __all__ = [
     "ConfigurationError",
     "DrainError",
@@ -35,6 +37,7 @@ __all__ = [
     "StoreError",
     "StoreUnavailable",
     "UnknownStore",
+    "chain",
 ]
 
 
@@ -102,3 +105,15 @@ class HandlerCrashed(OutboxError):
 
 class DrainError(OutboxError):
     """The test drain could not finish: see the message for the rounds or the errors."""
+
+
+def chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and the exceptions it was raised from or during (``__cause__``, else
+    ``__context__``), each once: where the stores look for the driver's error under a
+    handler's, and where passwords are scrubbed from."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__

@@ -26,7 +26,6 @@ from datetime import UTC, datetime, timedelta
 from types import MappingProxyType
 from typing import Any
 
-from ._storekit import event_from_row
 from .core.machine import Retry, Settlement, Transition, allowed, is_due
 from .core.model import (
     Claim,
@@ -39,6 +38,7 @@ from .core.model import (
     Stats,
     state_of,
 )
+from .core.payload import decode_payload
 from .errors import ConfigurationError, HandlerCrashed, LeaseLostError, StoreError
 from .hookspecs import RegisterStore, hookimpl
 from .store import Capabilities, SettleItem
@@ -65,11 +65,11 @@ class _Row:
     row_lock: object | None = None  # the delivery transaction holding this row
 
     def to_event(self) -> Event:
-        return event_from_row(
+        return Event(
             id=self.id,
             topic=self.topic,
-            payload=self.payload_json,
-            headers=self.headers,
+            payload=decode_payload(self.payload_json),
+            headers=dict(self.headers),
             key=self.key,
             created_at=self.created_at,
             available_at=self.available_at,

@@ -14,7 +14,7 @@ import pluggy
 from . import hookspecs
 from .core.model import ObserverEvent
 from .core.text import redact_url, scrub, secrets_of
-from .errors import ConfigurationError, UnknownStore
+from .errors import ConfigurationError, UnknownStore, chain
 
 __all__ = ["StoreEntry", "make_plugin_manager", "notify", "open_store", "registered_stores"]
 
@@ -118,15 +118,11 @@ def _scrub_exception(exc: BaseException, secrets: tuple[str, ...]) -> None:
     """Remove ``secrets`` from the messages of ``exc`` and the exceptions chained to it."""
     if not secrets:
         return
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if any(isinstance(arg, str) for arg in current.args):
-            current.args = tuple(
-                scrub(arg, secrets) if isinstance(arg, str) else arg for arg in current.args
+    for cause in chain(exc):
+        if any(isinstance(arg, str) for arg in cause.args):
+            cause.args = tuple(
+                scrub(arg, secrets) if isinstance(arg, str) else arg for arg in cause.args
             )
-        current = current.__cause__ or current.__context__
 
 
 def notify(pm: pluggy.PluginManager, event: ObserverEvent) -> None:

@@ -2,57 +2,41 @@
 
 Theory of operation:
 
-- The schema is created and migrated with sqlite-utils (``_schema``); the hot path runs on plain
-  ``sqlite3``. The store's own connections are opened with ``isolation_level=None``: every
-  transaction is an explicit ``BEGIN IMMEDIATE`` ... ``COMMIT``, short, and never left open
-  between calls. ``BEGIN IMMEDIATE`` takes SQLite's single write lock up front, so a transaction
-  never has to upgrade a read snapshot (the one case ``busy_timeout`` cannot wait out); a busy
-  ``BEGIN`` is retried a few times with backoff on top of ``busy_timeout``.
+- The schema is created and migrated with sqlite-utils (``schema``); the hot path runs on plain
+  ``sqlite3``, on the store's own connections (``connections``): every transaction an explicit,
+  short ``BEGIN IMMEDIATE`` ... ``COMMIT`` that takes SQLite's single write lock up front.
 - The file runs in WAL mode (readers never block the writer) with ``synchronous=NORMAL``: a
   committed transaction survives any process crash; a power cut may lose the last few commits.
-  ``journal_size_limit`` shrinks the WAL file back once a checkpoint has reset it. A read
-  transaction held open elsewhere stops every checkpoint at its snapshot, so the WAL grows with
-  every commit: after a commit, at most every ``_WAL_CHECK_INTERVAL`` seconds, the store looks at
-  the WAL's size and, over ``wal_warn_bytes``, runs a passive checkpoint; if that cannot get
-  through the log, it logs a warning on ``outboxkit.sqlite`` (at most once a minute).
+- The SQL is in ``queries.sql``; the operations every SQL store shares (claim, extend, the
+  round's ``settle_many``, release, requeue, listings, purges, stats) are
+  ``outboxkit._sql.base.SQLStore``'s. What is SQLite's own lives here: its transactions, the
+  delivery transaction, the batch, enqueue through the app's connection, the paths.
 - A claim is one ``UPDATE ... WHERE id IN (SELECT ... LIMIT n) RETURNING ...`` under the write
   lock: two claimers, in threads or processes, never get the same event (R3).
 - A delivery transaction holds the write lock while its handler runs, so handlers on SQLite
-  should be short. While the handler runs, an authorizer refuses ``COMMIT``/``ROLLBACK``/``BEGIN``
-  on the connection it was given: a handler cannot end the transaction its record commits in.
+  should be short; the connection's authorizer refuses ``COMMIT``/``ROLLBACK``/``BEGIN`` from
+  the handler.
 - Instants are INTEGER microseconds since the epoch (UTC), bound from the caller's clock.
 - ``sqlite://:memory:`` is one in-memory database on one connection, shared by the threads of one
-  process under a re-entrant lock (the app's transactions, the pollers and the store's reads all
-  see the same data).
+  process under a re-entrant lock.
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import logging
-import math
 import os
 import sqlite3
-import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, Self, TypeVar
+from typing import Any, Self
 
-from outboxkit._storekit import (
-    done_from_pairs,
-    encode_headers,
-    event_from_row,
-    record_from_row,
-    settle_params,
-    sort_claims,
-    still_owned,
-)
-from outboxkit.core.machine import Settlement
-from outboxkit.core.model import Claim, DeadLetter, DeliveryRecord, Event, NewEvent, Outcome, Stats
+from outboxkit._sql.base import SQLBatch, SQLStore
+from outboxkit._sql.names import check_count, check_options, check_seconds
+from outboxkit._sql.rows import encode_headers, record_params
+from outboxkit.core.model import Claim, NewEvent, Outcome
 from outboxkit.errors import (
     ConfigurationError,
     HandlerCrashed,
@@ -60,28 +44,34 @@ from outboxkit.errors import (
     Reject,
     SchemaError,
     StoreError,
-    StoreUnavailable,
 )
 from outboxkit.store import Capabilities
 from outboxkit.waiter import ClosingWaiter
 
-from . import _schema
-from ._sql import INSERT_COLUMNS, Queries, TableNames
+from . import schema
+from .connections import (
+    BEGIN,
+    BEGIN_READ,
+    COMMIT,
+    RELEASE_SAVEPOINT,
+    ROLLBACK_TO_SAVEPOINT,
+    SAVEPOINT,
+    Connections,
+    StoreConnection,
+    WalWatch,
+    connect,
+    in_transaction,
+    retry_busy,
+)
+from .errors import database_failure, map_error, open_error
+from .tables import INSERT_COLUMNS, TableNames, insert_events, render_queries
 
 __all__ = ["SQLiteStore"]
-
-T = TypeVar("T")
-
-log = logging.getLogger("outboxkit.sqlite")
 
 MEMORY = ":memory:"
 DEFAULT_BUSY_TIMEOUT = 30.0
 MIB = 1024 * 1024
 DEFAULT_WAL_WARN_BYTES = 64 * MIB
-_JOURNAL_SIZE_LIMIT = 32 * MIB  # what the WAL file shrinks back to once a checkpoint reset it
-_WAL_CHECK_INTERVAL = 5.0  # seconds between two looks at the WAL's size (one stat call)
-_WAL_WARN_INTERVAL = 60.0  # seconds between two warnings about it
-_BUSY_RETRIES = 8
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _MICROSECOND = timedelta(microseconds=1)
 _OPTIONS = frozenset(
@@ -95,8 +85,6 @@ _OPTIONS = frozenset(
         "migrate",
     }
 )
-_UNAVAILABLE = ("SQLITE_BUSY", "SQLITE_LOCKED", "SQLITE_IOERR", "SQLITE_CANTOPEN", "SQLITE_FULL")
-_UNUSABLE_AT_OPEN = ("SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_NOTADB", "SQLITE_PERM")
 
 
 def _to_us(at: datetime) -> int:
@@ -107,68 +95,6 @@ def _to_us(at: datetime) -> int:
 
 def _from_us(us: int) -> datetime:
     return _EPOCH + timedelta(microseconds=us)
-
-
-def _from_us_or_none(us: int | None) -> datetime | None:
-    return None if us is None else _from_us(us)
-
-
-def _now(now: datetime | None) -> datetime:
-    return now if now is not None else datetime.now(UTC)
-
-
-def _error_name(exc: sqlite3.Error) -> str:
-    return str(getattr(exc, "sqlite_errorname", "") or "")
-
-
-def _is_busy(exc: sqlite3.Error) -> bool:
-    name = _error_name(exc)
-    if name:
-        return name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED"))
-    return "locked" in str(exc) or "busy" in str(exc)
-
-
-def _in_transaction(conn: sqlite3.Connection) -> bool:
-    """Whether ``conn`` has an open transaction; False once it is closed."""
-    try:
-        return conn.in_transaction
-    except sqlite3.ProgrammingError:  # closed
-        return False
-
-
-def _retry_busy(action: Callable[..., T], *args: object, busy_timeout: float) -> T:
-    """Run ``action(*args)``, retrying with backoff while SQLite reports busy, for at most
-    ``busy_timeout`` in all.
-
-    SQLite's own busy handler already waits up to ``busy_timeout``; this covers the cases where
-    SQLite answers busy at once without calling it (e.g. while another connection recovers the
-    WAL). An answer that came after the full wait is final.
-    """
-    deadline = time.monotonic() + busy_timeout
-    delay = 0.005
-    for attempt in range(_BUSY_RETRIES + 1):
-        try:
-            return action(*args)
-        except sqlite3.OperationalError as exc:
-            if attempt == _BUSY_RETRIES or not _is_busy(exc) or time.monotonic() >= deadline:
-                raise
-            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 3, 1.0)
-    raise AssertionError("unreachable")  # pragma: no cover
-
-
-# The store's own transaction statements, the only ones its connections run (see
-# _StoreConnection). Spelled apart from a plain "COMMIT": sqlite3 caches prepared statements by
-# their text, and anyone else's COMMIT must be freshly prepared, so the authorizer sees it.
-_BEGIN = "BEGIN IMMEDIATE -- outboxkit"
-_COMMIT = "COMMIT -- outboxkit"
-_ROLLBACK = "ROLLBACK -- outboxkit"
-_BEGIN_READ = "BEGIN DEFERRED -- outboxkit"
-# The order of each event's values in settle_many's :items array (see _sql.Queries).
-_SETTLE_MANY_COLUMNS = ("id", "token", "publish", "dead", "retry_after", "keeps_error", "error")
-_SAVEPOINT = "SAVEPOINT outboxkit_delivery"
-_ROLLBACK_TO_SAVEPOINT = "ROLLBACK TO outboxkit_delivery"
-_RELEASE_SAVEPOINT = "RELEASE outboxkit_delivery"
 
 
 class _Mapped:
@@ -186,104 +112,17 @@ class _Mapped:
 
     def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
         if isinstance(exc, sqlite3.Error):
-            raise self._store._store_error(exc, self._what) from exc
-
-
-class _StoreConnection(sqlite3.Connection):
-    """A store connection: only the store begins, commits and rolls back its transactions.
-
-    An authorizer refuses BEGIN/COMMIT/ROLLBACK prepared by anyone else: a handler given the
-    connection in its delivery transaction, or an app inside ``store.transaction()``, cannot end
-    the transaction the store commits (with the delivery record) or rolls back. Savepoints stay
-    allowed. The authorizer is installed once: installing one expires every prepared statement.
-    """
-
-    delivery: _Delivery | None = None
-    _controlling = False
-
-    def guard(self) -> None:
-        self.set_authorizer(self._authorize)
-
-    def control(self, statement: str) -> None:
-        """Run one of the store's own transaction statements (``_BEGIN``, ``_COMMIT`` ...)."""
-        self._controlling = True
-        try:
-            self.execute(statement)
-        finally:
-            self._controlling = False
-
-    def _authorize(self, action: int, *_: object) -> int:
-        if action == sqlite3.SQLITE_TRANSACTION and not self._controlling:
-            if self.delivery is not None:
-                self.delivery.ended_by_handler = True
-            return sqlite3.SQLITE_DENY
-        return sqlite3.SQLITE_OK
-
-
-class _Connections:
-    """The store's own connections.
-
-    A file database gets one connection per concurrent user, kept for reuse (connections are
-    handed between threads, one user at a time). ``:memory:`` gets exactly one connection, shared
-    under a re-entrant lock, since every connection would otherwise see its own empty database.
-    """
-
-    def __init__(self, connect: Callable[[], _StoreConnection], *, shared: bool) -> None:
-        self._connect = connect
-        self._lock = threading.Lock()
-        self._idle: list[_StoreConnection] = []
-        self._closed = False
-        self._shared_lock = threading.RLock()
-        self._shared = connect() if shared else None
-
-    @contextmanager
-    def acquire(self) -> Iterator[_StoreConnection]:
-        if self._shared is not None:
-            with self._shared_lock:
-                if self._closed:
-                    raise StoreError("the SQLite store is closed")
-                yield self._shared
-            return
-        with self._lock:
-            if self._closed:
-                raise StoreError("the SQLite store is closed")
-            conn = self._idle.pop() if self._idle else None
-        if conn is None:
-            conn = self._connect()
-        try:
-            yield conn
-        finally:
-            self._give_back(conn)
-
-    def _give_back(self, conn: _StoreConnection) -> None:
-        try:
-            usable = not conn.in_transaction
-        except sqlite3.ProgrammingError:  # closed by a misbehaving handler
-            return
-        with self._lock:
-            if usable and not self._closed:
-                self._idle.append(conn)
-                return
-        conn.close()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
-        if self._shared is not None:
-            with self._shared_lock:
-                self._shared.close()
+            raise map_error(exc, self._store._where, self._what) from exc
 
 
 class _Delivery:
-    """One delivery transaction: the store's connection inside ``BEGIN IMMEDIATE``, token checked."""
+    """One delivery transaction: the store's connection inside ``BEGIN IMMEDIATE`` (or a
+    savepoint of a batch's), the claim's token checked."""
 
     __slots__ = ("_claim", "_now", "_store", "conn", "ended_by_handler")
 
     def __init__(
-        self, store: SQLiteStore, conn: sqlite3.Connection, claim: Claim, now: datetime
+        self, store: SQLiteStore, conn: sqlite3.Connection, claim: Claim, now: int
     ) -> None:
         self._store = store
         self._claim = claim
@@ -300,79 +139,46 @@ class _Delivery:
         return self._store._insert(self.conn, events, self._now)
 
     def record(self, handler: str, outcome: Outcome, *, reason: str | None = None) -> None:
-        if not outcome.recorded:
-            raise ConfigurationError(
-                f"only succeeded/rejected outcomes are recorded, got {outcome}"
-            )
+        params = record_params(self._claim, handler, outcome, reason, self._now)
         self.check_open()
         with self._store._mapped(f"record {handler!r} for event {self._claim.event.id}"):
-            self.conn.execute(
-                self._store._queries.insert_record,
-                {
-                    "event_id": self._claim.event.id,
-                    "handler": handler,
-                    "outcome": outcome.value,
-                    "attempt": self._claim.attempt,
-                    "recorded_at": _to_us(self._now),
-                    "reason": reason,
-                },
-            )
+            self.conn.execute(self._store._queries["insert_record"], params)
 
     def check_open(self) -> None:
         """Raises HandlerCrashed if the transaction is no longer open (a handler closed it)."""
-        if not _in_transaction(self.conn):
+        if not in_transaction(self.conn):
             raise HandlerCrashed(
                 f"event {self._claim.event.id}: the delivery transaction was ended by a handler "
                 "(committed, rolled back or closed); outboxkit commits it with the delivery record"
             )
 
 
-class _Batch:
-    """One transaction for a claimed batch: deliveries in savepoints, settlements and lease
-    extensions on the same connection (another one would wait for this one's write lock)."""
+class _Batch(SQLBatch):
+    """One transaction for a claimed batch: deliveries in savepoints; settlements and lease
+    extensions on the same connection (``SQLBatch``)."""
 
-    __slots__ = ("_conn", "_store")
-
-    def __init__(self, store: SQLiteStore, conn: _StoreConnection) -> None:
-        self._store = store
-        self._conn = conn
+    _store: SQLiteStore
+    _conn: StoreConnection
 
     @contextmanager
     def delivery(self, claim: Claim, *, now: datetime | None) -> Iterator[_Delivery]:
         conn = self._conn
         with self._store._mapped(f"open a savepoint for event {claim.event.id}"):
-            conn.execute(_SAVEPOINT)
+            conn.execute(SAVEPOINT)
         try:
-            with self._store._delivering(conn, claim, _now(now)) as tx:
+            with self._store._delivering(conn, claim, now) as tx:
                 yield tx
         except BaseException:
-            if _in_transaction(conn):
+            if in_transaction(conn):
                 with suppress(sqlite3.Error):
-                    conn.execute(_ROLLBACK_TO_SAVEPOINT)
-                    conn.execute(_RELEASE_SAVEPOINT)
+                    conn.execute(ROLLBACK_TO_SAVEPOINT)
+                    conn.execute(RELEASE_SAVEPOINT)
             raise
         with self._store._mapped(f"release the savepoint of event {claim.event.id}"):
-            conn.execute(_RELEASE_SAVEPOINT)
-
-    def settle_many(
-        self, items: Sequence[tuple[Claim, Settlement, str | None]], *, now: datetime | None
-    ) -> list[bool]:
-        """``SQLiteStore.settle_many`` inside the batch's transaction."""
-        if not items:
-            return []
-        with self._store._mapped(f"settle {len(items)} event(s)"):
-            return self._store._settle_many_on(self._conn, items, _now(now))
-
-    def extend(
-        self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None
-    ) -> list[Claim]:
-        if not claims:
-            return []
-        with self._store._mapped(f"extend {len(claims)} lease(s)"):
-            return self._store._extend_on(self._conn, claims, lease, _now(now))
+            conn.execute(RELEASE_SAVEPOINT)
 
 
-class SQLiteStore:
+class SQLiteStore(SQLStore):
     """The SQLite store (``sqlite:///path/to/file.db``, ``sqlite://:memory:``).
 
     Thread-safe. With a file database, several processes on one machine may share it (each opens
@@ -410,37 +216,17 @@ class SQLiteStore:
         wal_warn_bytes: int = DEFAULT_WAL_WARN_BYTES,
         migrate: bool = True,
     ) -> None:
-        defaults = TableNames.with_prefix(table_prefix)
-        self.tables = TableNames(
-            events=events_table if events_table is not None else defaults.events,
-            deliveries=deliveries_table if deliveries_table is not None else defaults.deliveries,
-            schema=schema_table if schema_table is not None else defaults.schema,
+        self.tables = TableNames.from_options(
+            table_prefix, events_table, deliveries_table, schema_table
         )
-        if (
-            not isinstance(busy_timeout, int | float)
-            or isinstance(busy_timeout, bool)
-            or not math.isfinite(busy_timeout)
-            or busy_timeout < 0
-        ):
-            raise ConfigurationError(
-                f"busy_timeout must be a finite number of seconds >= 0, got {busy_timeout!r}"
-            )
-        self.busy_timeout = float(busy_timeout)
-        if (
-            not isinstance(wal_warn_bytes, int)
-            or isinstance(wal_warn_bytes, bool)
-            or (wal_warn_bytes <= 0)
-        ):
-            raise ConfigurationError(
-                f"wal_warn_bytes must be an integer number of bytes > 0, got {wal_warn_bytes!r}"
-            )
-        self.wal_warn_bytes = wal_warn_bytes
-        self._queries = Queries.build(self.tables)
-        self._insert_one = self._queries.insert_events(1)
+        self.busy_timeout = check_seconds("busy_timeout", busy_timeout, allow_zero=True)
+        self.wal_warn_bytes = check_count("wal_warn_bytes", wal_warn_bytes, minimum=1)
+        self._queries = render_queries(self.tables)
+        self._insert_one = insert_events(self._queries["insert_events_head"], 1)
         self.memory = os.fspath(path) == MEMORY
         if self.memory:
             self.path: Path | None = None
-            self.url = "sqlite://:memory:"
+            self.url: str | None = "sqlite://:memory:"
         else:
             self.path = Path(os.path.abspath(os.fspath(path)))
             self.url = f"sqlite:///{self.path.as_posix()}"
@@ -458,10 +244,7 @@ class SQLiteStore:
             "busy_timeout": self.busy_timeout,
             "wal_warn_bytes": self.wal_warn_bytes,
         }
-        # The WAL watch (file databases only): the next look at its size, the next warning.
-        self._wal_lock = threading.Lock()
-        self._wal_check_at = math.inf if self.memory else 0.0
-        self._wal_warn_at = 0.0
+        self._wal = WalWatch(None if self.memory else self._where, self.wal_warn_bytes)
         self._connections = self._open_connections()
         # An older schema found with migrate=False: pollers are refused until migrate().
         self._older: int | None = None
@@ -470,9 +253,9 @@ class SQLiteStore:
                 self.migrate()
             else:
                 with self._read("check the schema version") as conn:
-                    found = _schema.current_version(conn, self.tables)
-                _schema.check_version(found, self._where)
-                if 0 < found < _schema.SCHEMA_VERSION:
+                    found = schema.current_version(conn, self.tables)
+                schema.check_version(found, self._where)
+                if 0 < found < schema.SCHEMA_VERSION:
                     self._older = found
         except BaseException:
             self._connections.close()
@@ -488,11 +271,7 @@ class SQLiteStore:
         Raises:
             ConfigurationError: the URL or an option is malformed (and as the constructor).
         """
-        unknown = sorted(set(options) - _OPTIONS)
-        if unknown:
-            raise ConfigurationError(
-                f"unknown SQLite store option(s) {unknown}; known: {sorted(_OPTIONS)}"
-            )
+        check_options(options, _OPTIONS, store="SQLite")
         return cls(_path_from_url(url), **options)
 
     def __repr__(self) -> str:
@@ -508,21 +287,80 @@ class SQLiteStore:
     def _where(self) -> str:
         return MEMORY if self.path is None else str(self.path)
 
-    # -- connections and transactions -----------------------------------------------------------
+    # -- the dialect seam (outboxkit._sql.base) ---------------------------------------------------
 
-    def _open_connections(self) -> _Connections:
-        connections = _Connections(self._connect, shared=self.memory)
+    def _mapped(self, doing: str, conn: Any = None) -> _Mapped:
+        return _Mapped(self, doing)
+
+    def _rows(self, conn: Any, name: str, params: Mapping[str, Any]) -> list[Sequence[Any]]:
+        rows: list[Sequence[Any]] = conn.execute(self._queries[name], params).fetchall()
+        return rows
+
+    def _instant(self, at: datetime | None) -> int:
+        # The store's clock is this host's: microseconds straight from it.
+        return _to_us(at) if at is not None else time.time_ns() // 1000
+
+    def _stored_instant(self, raw: Any) -> datetime:
+        return _from_us(raw)
+
+    def _duration(self, delta: timedelta) -> int:
+        return delta // _MICROSECOND
+
+    def _array(self, values: Sequence[Any]) -> str:
+        return json.dumps(list(values))
+
+    def _done(self, raw: Any) -> list[Sequence[str]]:
+        pairs: list[Sequence[str]] = json.loads(raw) if raw else []
+        return pairs
+
+    def _settle_params(self, rows: Sequence[tuple[Any, ...]]) -> dict[str, Any]:
+        return {"items": json.dumps(rows)}
+
+    @contextmanager
+    def _write(self, doing: str) -> Iterator[StoreConnection]:
+        """A short write transaction on a store connection: BEGIN IMMEDIATE ... COMMIT."""
+        with self._connections.acquire() as conn:
+            try:
+                with self._mapped(doing):
+                    self._begin(conn)
+                    yield conn
+                    self._commit(conn)
+            except BaseException:
+                conn.rollback_quietly()
+                raise
+
+    @contextmanager
+    def _read(self, doing: str) -> Iterator[StoreConnection]:
+        """A read transaction (one consistent snapshot across several statements)."""
+        with self._connections.acquire() as conn:
+            if in_transaction(conn):  # :memory:, inside the same thread's transaction()
+                with self._mapped(doing):
+                    yield conn
+                return
+            try:
+                with self._mapped(doing):
+                    conn.control(BEGIN_READ)
+                    yield conn
+                    conn.control(COMMIT)
+            except BaseException:
+                conn.rollback_quietly()
+                raise
+
+    # -- connections and transactions ---------------------------------------------------------------
+
+    def _open_connections(self) -> Connections:
+        connections = Connections(self._connect, shared=self.memory)
         if not self.memory:
             # WAL is a property of the file: set once, kept by every later connection.
             try:
                 with connections.acquire() as conn:
-                    (mode,) = _retry_busy(
+                    (mode,) = retry_busy(
                         lambda: conn.execute("PRAGMA journal_mode=WAL").fetchone(),
                         busy_timeout=self.busy_timeout,
                     )
             except sqlite3.Error as exc:
                 connections.close()
-                raise self._open_error(exc) from exc
+                raise open_error(exc, self._where) from exc
             except BaseException:
                 connections.close()
                 raise
@@ -531,138 +369,19 @@ class SQLiteStore:
                 raise StoreError(f"SQLite database {self._where}: cannot use WAL mode ({mode})")
         return connections
 
-    def _connect(self) -> _StoreConnection:
+    def _connect(self) -> StoreConnection:
         try:
-            conn = sqlite3.connect(
-                self._where,
-                isolation_level=None,
-                check_same_thread=False,
-                timeout=self.busy_timeout,
-                factory=_StoreConnection,
-            )
-            conn.guard()
+            return connect(self._where, busy_timeout=self.busy_timeout)
         except sqlite3.Error as exc:
-            raise self._open_error(exc) from exc
-        # Text that is not UTF-8 (written behind outboxkit's back, or by an older version that
-        # let a lone surrogate through) reads back with its bad bytes escaped, instead of
-        # failing every query that touches the row.
-        conn.text_factory = _read_text
-        try:
-            conn.execute("PRAGMA synchronous=NORMAL")
-            conn.execute(f"PRAGMA journal_size_limit={_JOURNAL_SIZE_LIMIT}")
-        except sqlite3.Error as exc:
-            conn.close()
-            raise self._open_error(exc) from exc
-        return conn
+            raise open_error(exc, self._where) from exc
 
-    def _open_error(self, exc: sqlite3.Error) -> ConfigurationError | StoreError:
-        if _error_name(exc).startswith(_UNUSABLE_AT_OPEN) or "unable to open" in str(exc):
-            return ConfigurationError(
-                f"cannot use the SQLite database {self._where}: {exc} (outboxkit needs to read "
-                "and write the file and to create its -wal and -shm files beside it)"
-            )
-        return self._store_error(exc, "open the database")
+    def _begin(self, conn: StoreConnection) -> None:
+        retry_busy(conn.control, BEGIN, busy_timeout=self.busy_timeout)
 
-    def _store_error(self, exc: sqlite3.Error, what: str) -> StoreError:
-        message = f"SQLite store {self._where}: cannot {what}: {exc}"
-        if isinstance(exc, sqlite3.ProgrammingError) and "closed" in str(exc):
-            return StoreError(f"SQLite store {self._where}: the connection is closed: {exc}")
-        if isinstance(exc, sqlite3.OperationalError) and "no such table" in str(exc):
-            return SchemaError(f"{message} (is the schema migrated? call migrate())")
-        if _error_name(exc).startswith(_UNAVAILABLE) or _is_busy(exc):
-            return StoreUnavailable(message)
-        return StoreError(message)
-
-    def _mapped(self, what: str) -> _Mapped:
-        """A block whose sqlite3 errors become outboxkit's errors, naming ``what``."""
-        return _Mapped(self, what)
-
-    def _begin(self, conn: _StoreConnection) -> None:
-        _retry_busy(conn.control, _BEGIN, busy_timeout=self.busy_timeout)
-
-    def _commit(self, conn: _StoreConnection) -> None:
+    def _commit(self, conn: StoreConnection) -> None:
         """Commit a write transaction (and look at the WAL's size, now and then)."""
-        _retry_busy(conn.control, _COMMIT, busy_timeout=self.busy_timeout)
-        if time.monotonic() >= self._wal_check_at:  # the hot path's only cost
-            self._check_wal(conn)
-
-    def _check_wal(self, conn: _StoreConnection) -> None:
-        """Over ``wal_warn_bytes``, checkpoint (passively); if a reader's snapshot stops the
-        checkpoint, warn (at most every ``_WAL_WARN_INTERVAL`` seconds). Never raises."""
-        if not self._wal_lock.acquire(blocking=False):
-            return  # another thread is looking
-        try:
-            now = time.monotonic()
-            if now < self._wal_check_at:
-                return
-            self._wal_check_at = now + _WAL_CHECK_INTERVAL
-            wal = f"{self._where}-wal"
-            try:
-                size = os.path.getsize(wal)
-            except OSError:
-                return
-            if size <= self.wal_warn_bytes:
-                return
-            try:
-                row = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
-            except sqlite3.Error as exc:
-                log.debug("SQLite database %s: passive checkpoint failed: %s", self._where, exc)
-                return
-            busy, frames, checkpointed = row if row is not None else (1, -1, -1)
-            if busy or checkpointed < 0 or checkpointed >= frames or now < self._wal_warn_at:
-                return
-            self._wal_warn_at = now + _WAL_WARN_INTERVAL
-            log.warning(
-                "SQLite database %s: the WAL file %s is %.1f MB (over wal_warn_bytes=%d) and a "
-                "checkpoint got through only %d of its %d frames: a connection holds a read "
-                "transaction open, so the WAL cannot be reset and grows with every commit; end "
-                "long-lived read transactions (a BEGIN without COMMIT, an unfinished cursor)",
-                self._where,
-                wal,
-                size / 1_000_000,
-                self.wal_warn_bytes,
-                checkpointed,
-                frames,
-            )
-        finally:
-            self._wal_lock.release()
-
-    @staticmethod
-    def _rollback_quietly(conn: _StoreConnection) -> None:
-        if _in_transaction(conn):
-            # If even ROLLBACK fails, the pool closes the connection (it is left in a transaction).
-            with suppress(sqlite3.Error):
-                conn.control(_ROLLBACK)
-
-    @contextmanager
-    def _write(self, what: str) -> Iterator[_StoreConnection]:
-        """A short write transaction on a store connection: BEGIN IMMEDIATE ... COMMIT."""
-        with self._connections.acquire() as conn:
-            try:
-                with self._mapped(what):
-                    self._begin(conn)
-                    yield conn
-                    self._commit(conn)
-            except BaseException:
-                self._rollback_quietly(conn)
-                raise
-
-    @contextmanager
-    def _read(self, what: str) -> Iterator[_StoreConnection]:
-        """A read transaction (one consistent snapshot across several statements)."""
-        with self._connections.acquire() as conn:
-            if _in_transaction(conn):  # :memory:, inside the same thread's transaction()
-                with self._mapped(what):
-                    yield conn
-                return
-            try:
-                with self._mapped(what):
-                    conn.control(_BEGIN_READ)
-                    yield conn
-                    conn.control(_COMMIT)
-            except BaseException:
-                self._rollback_quietly(conn)
-                raise
+        retry_busy(conn.control, COMMIT, busy_timeout=self.busy_timeout)
+        self._wal.after_commit(conn)
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
@@ -679,17 +398,17 @@ class SQLiteStore:
             try:
                 yield conn
             except BaseException:
-                self._rollback_quietly(conn)
+                conn.rollback_quietly()
                 raise
-            if _in_transaction(conn):
+            if in_transaction(conn):
                 try:
                     with self._mapped("commit the transaction"):
                         self._commit(conn)
                 except BaseException:
-                    self._rollback_quietly(conn)
+                    conn.rollback_quietly()
                     raise
 
-    # -- Store protocol -------------------------------------------------------------------------
+    # -- Store protocol -----------------------------------------------------------------------------
 
     def migrate(self) -> None:
         """Create or upgrade the schema. Idempotent; safe while other processes use the file.
@@ -700,9 +419,7 @@ class SQLiteStore:
             StoreError: SQLite failed.
         """
         with self._write("migrate the schema") as conn:
-            _schema.migrate(
-                conn, self.tables, applied_at=_to_us(datetime.now(UTC)), where=self._where
-            )
+            schema.migrate(conn, self.tables, applied_at=self._instant(None), where=self._where)
         self._older = None
 
     def close(self) -> None:
@@ -711,7 +428,12 @@ class SQLiteStore:
 
     def now(self) -> datetime:
         """The store's clock: this host's (every process sharing the file is on it)."""
-        return _now(None)
+        return datetime.now(UTC)
+
+    def make_waiter(self) -> ClosingWaiter | None:
+        """None: SQLite has no notifications; pollers poll (and an enqueue in the same process
+        wakes them directly)."""
+        return None
 
     def enqueue(self, conn: Any, events: Sequence[NewEvent], *, now: datetime | None) -> list[int]:
         """Insert ``events`` through the app's connection, in the app's open transaction (R1).
@@ -731,20 +453,18 @@ class SQLiteStore:
             SchemaError: the connection's database has no outboxkit tables.
             StoreError: SQLite failed (the app's transaction is left to the app).
         """
-        return self._insert(_app_connection(conn), events, now)
+        return self._insert(_app_connection(conn), events, self._instant(now))
 
     def _insert(
-        self, conn: sqlite3.Connection, events: Sequence[NewEvent], now: datetime | None
+        self, conn: sqlite3.Connection, events: Sequence[NewEvent], created: int
     ) -> list[int]:
         if not events:
             return []
-        # The store's clock is the system clock: microseconds straight from it.
-        created = _to_us(now) if now is not None else time.time_ns() // 1000
         if len(events) == 1:  # Outbox.enqueue, the hot path: one cached statement, no chunking
             try:
                 (event_id,) = conn.execute(self._insert_one, _row(events[0], created)).fetchone()
             except sqlite3.Error as exc:
-                raise self._store_error(exc, "enqueue 1 event") from exc
+                raise map_error(exc, self._where, "enqueue 1 event") from exc
             return [event_id]
         rows = [_row(e, created) for e in events]
         ids: list[int] = []
@@ -752,10 +472,11 @@ class SQLiteStore:
             per_statement = max(
                 1, conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // INSERT_COLUMNS
             )
+            head = self._queries["insert_events_head"]
             for start in range(0, len(rows), per_statement):
                 chunk = rows[start : start + per_statement]
                 values = [value for row in chunk for value in row]
-                returned = conn.execute(self._queries.insert_events(len(chunk)), values)
+                returned = conn.execute(insert_events(head, len(chunk)), values)
                 # RETURNING has no order; one INSERT hands out increasing ids in VALUES order.
                 ids.extend(sorted(row[0] for row in returned.fetchall()))
         return ids
@@ -764,34 +485,9 @@ class SQLiteStore:
         if self._older is not None:
             raise SchemaError(
                 f"SQLite database {self._where} has outboxkit schema version {self._older}, "
-                f"older than version {_schema.SCHEMA_VERSION} this outboxkit needs: run migrate()"
+                f"older than version {schema.SCHEMA_VERSION} this outboxkit needs: run migrate()"
             )
-        at = _now(now)
-        with self._write("claim events") as conn:
-            rows = conn.execute(
-                self._queries.claim,
-                {
-                    "now": _to_us(at),
-                    "lease_end": _to_us(at + lease),
-                    "batch_size": batch_size,
-                },
-            ).fetchall()
-            done: dict[int, list[tuple[str, str]]] = {}
-            if rows:
-                ids = json.dumps([row[0] for row in rows])
-                for event_id, handler, outcome in conn.execute(
-                    self._queries.done_for_events, {"ids": ids}
-                ):
-                    done.setdefault(event_id, []).append((handler, outcome))
-        return sort_claims(
-            Claim(
-                event=_event(row),
-                token=row[12],
-                locked_until=_from_us(row[10]),
-                done=done_from_pairs(done.get(row[0], ())),
-            )
-            for row in rows
-        )
+        return super().claim(batch_size=batch_size, lease=lease, now=now)
 
     @contextmanager
     def delivery(self, claim: Claim, *, now: datetime | None) -> Iterator[_Delivery]:
@@ -803,19 +499,19 @@ class SQLiteStore:
         Raises:
             LeaseLostError: the token is stale (nothing runs, nothing is written).
             HandlerCrashed: the handler ended or closed the transaction it was given.
+            StoreUnavailable: the database failed under the handler.
             StoreError: SQLite failed.
         """
-        at = _now(now)
         with self._connections.acquire() as conn:
             with self._mapped(f"open a delivery transaction for event {claim.event.id}"):
                 self._begin(conn)
             try:
-                with self._delivering(conn, claim, at) as tx:
+                with self._delivering(conn, claim, now) as tx:
                     yield tx
                 with self._mapped(f"commit the delivery of event {claim.event.id}"):
                     self._commit(conn)
             except BaseException:
-                self._rollback_quietly(conn)
+                conn.rollback_quietly()
                 raise
 
     @contextmanager
@@ -829,22 +525,23 @@ class SQLiteStore:
             try:
                 yield _Batch(self, conn)
                 with self._mapped("commit the batch"):
-                    if not _in_transaction(conn):
+                    if not in_transaction(conn):
                         raise StoreError("the batch transaction was ended by a handler")
                     self._commit(conn)
             except BaseException:
-                self._rollback_quietly(conn)
+                conn.rollback_quietly()
                 raise
 
     @contextmanager
     def _delivering(
-        self, conn: _StoreConnection, claim: Claim, at: datetime
+        self, conn: StoreConnection, claim: Claim, now: datetime | None
     ) -> Iterator[_Delivery]:
         """Inside ``conn``'s open transaction: check the token, hand out the delivery, check
         the handler left the transaction open. Commits nothing."""
+        at = self._instant(now)
         with self._mapped(f"check the claim on event {claim.event.id}"):
             owned = conn.execute(
-                self._queries.owned, {"id": claim.event.id, "token": claim.token}
+                self._queries["owned"], {"id": claim.event.id, "token": claim.token}
             ).fetchone()
         if owned is None:
             raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
@@ -854,12 +551,13 @@ class SQLiteStore:
             yield tx
             tx.check_open()
         except Exception as exc:
-            failure = _database_failure(exc)
+            failure = database_failure(exc)
             if failure is not None:
                 # The file failed under the handler (disk full, I/O error): the database's
                 # failure, not the handler's, whatever the handler made of it.
-                raise self._store_error(
+                raise map_error(
                     failure,
+                    self._where,
                     f"deliver event {claim.event.id} (the database failed while a handler ran)",
                 ) from exc
             if tx.ended_by_handler and not isinstance(
@@ -873,257 +571,6 @@ class SQLiteStore:
             raise
         finally:
             conn.delivery = None
-
-    def extend(
-        self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None
-    ) -> list[Claim]:
-        if not claims:
-            return []
-        with self._write(f"extend {len(claims)} lease(s)") as conn:
-            return self._extend_on(conn, claims, lease, _now(now))
-
-    def _extend_on(
-        self, conn: sqlite3.Connection, claims: Sequence[Claim], lease: timedelta, at: datetime
-    ) -> list[Claim]:
-        kept = {
-            token: locked_until
-            for token, locked_until in conn.execute(
-                self._queries.extend,
-                {"lease_end": _to_us(at + lease), **_claim_keys(claims)},
-            ).fetchall()
-        }
-        return still_owned(claims, {token: _from_us(end) for token, end in kept.items()})
-
-    def make_waiter(self) -> ClosingWaiter | None:
-        """None: SQLite has no notifications; pollers poll (and an enqueue in the same process
-        wakes them directly)."""
-        return None
-
-    def settle_many(
-        self, items: Sequence[tuple[Claim, Settlement, str | None]], *, now: datetime | None
-    ) -> list[bool]:
-        """``settle`` for several events in one transaction (the ``batched_settle``
-        capability); which of them were settled, in order."""
-        if not items:
-            return []
-        with self._write(f"settle {len(items)} event(s)") as conn:
-            return self._settle_many_on(conn, items, _now(now))
-
-    def _settle_many_on(
-        self,
-        conn: sqlite3.Connection,
-        items: Sequence[tuple[Claim, Settlement, str | None]],
-        at: datetime,
-    ) -> list[bool]:
-        rows = [
-            [params[key] for key in _SETTLE_MANY_COLUMNS]
-            for params in (self._settle_params(c, s, e, at) for c, s, e in items)
-        ]
-        settled = {
-            row[0]
-            for row in conn.execute(
-                self._queries.settle_many, {"now": _to_us(at), "items": json.dumps(rows)}
-            )
-        }
-        return [claim.event.id in settled for claim, _, _ in items]
-
-    def _settle_on(
-        self,
-        conn: sqlite3.Connection,
-        claim: Claim,
-        settlement: Settlement,
-        error: str | None,
-        at: datetime,
-    ) -> bool:
-        params = self._settle_params(claim, settlement, error, at)
-        return conn.execute(self._queries.settle, params).rowcount == 1
-
-    @staticmethod
-    def _settle_params(
-        claim: Claim, settlement: Settlement, error: str | None, at: datetime
-    ) -> dict[str, Any]:
-        return settle_params(
-            claim,
-            settlement,
-            error=error,
-            now=_to_us(at),
-            retry_after=lambda delay: delay // _MICROSECOND,
-        )
-
-    def release(self, claims: Sequence[Claim], *, now: datetime | None) -> int:
-        if not claims:
-            return 0
-        with self._write(f"release {len(claims)} claim(s)") as conn:
-            cursor = conn.execute(self._queries.release, _claim_keys(claims))
-            return cursor.rowcount
-
-    def requeue(self, ids: Iterable[int], *, now: datetime | None) -> int:
-        wanted = sorted(set(ids))
-        if not wanted:
-            return 0
-        at = _now(now)
-        with self._write(f"requeue {len(wanted)} event(s)") as conn:
-            cursor = conn.execute(
-                self._queries.requeue, {"ids": json.dumps(wanted), "now": _to_us(at)}
-            )
-            return cursor.rowcount
-
-    def dead_letters(
-        self, *, topic: str | None = None, since: datetime | None = None, limit: int = 100
-    ) -> list[DeadLetter]:
-        with self._read("list dead letters") as conn:
-            rows = conn.execute(
-                self._queries.dead_letters,
-                {
-                    "topic": topic,
-                    "since": None if since is None else _to_us(since),
-                    "limit": limit,
-                },
-            ).fetchall()
-            records = self._records_of(conn, [row[0] for row in rows])
-        return [
-            DeadLetter(
-                event=_event(row),
-                failed_at=_from_us(row[9]),
-                last_error=row[11],
-                records=tuple(records.get(row[0], ())),
-            )
-            for row in rows
-        ]
-
-    def _records_of(
-        self, conn: sqlite3.Connection, ids: list[int]
-    ) -> dict[int, list[DeliveryRecord]]:
-        found: dict[int, list[DeliveryRecord]] = {}
-        if not ids:
-            return found
-        for event_id, handler, outcome, attempt, recorded_at, reason in conn.execute(
-            self._queries.records, {"ids": json.dumps(ids)}
-        ):
-            found.setdefault(event_id, []).append(
-                record_from_row(
-                    event_id=event_id,
-                    handler=handler,
-                    outcome=outcome,
-                    attempt=attempt,
-                    recorded_at=_from_us(recorded_at),
-                    reason=reason,
-                )
-            )
-        return found
-
-    def get(self, event_id: int) -> Event | None:
-        with self._read(f"read event {event_id}") as conn:
-            row = conn.execute(self._queries.get, {"id": event_id}).fetchone()
-        return None if row is None else _event(row)
-
-    def events(
-        self, *, after_id: int = 0, topic: str | None = None, limit: int = 1000
-    ) -> list[Event]:
-        with self._read("list events") as conn:
-            rows = conn.execute(
-                self._queries.events, {"after_id": after_id, "topic": topic, "limit": limit}
-            ).fetchall()
-        return [_event(row) for row in rows]
-
-    def records(self, event_id: int) -> list[DeliveryRecord]:
-        with self._read(f"read the records of event {event_id}") as conn:
-            return self._records_of(conn, [event_id]).get(event_id, [])
-
-    def purge_published(self, *, before: datetime, limit: int) -> int:
-        with self._write("purge published events") as conn:
-            ids = [
-                row[0]
-                for row in conn.execute(
-                    self._queries.purge_published, {"before": _to_us(before), "limit": limit}
-                ).fetchall()
-            ]
-            return self._purge_records(conn, ids)
-
-    def purge_dead(
-        self, *, ids: Iterable[int] | None = None, before: datetime | None = None, limit: int
-    ) -> int:
-        wanted = None if ids is None else json.dumps(sorted(set(ids)))
-        with self._write("purge dead events") as conn:
-            doomed = [
-                row[0]
-                for row in conn.execute(
-                    self._queries.purge_dead,
-                    {
-                        "ids": wanted,
-                        "before": None if before is None else _to_us(before),
-                        "limit": limit,
-                    },
-                ).fetchall()
-            ]
-            return self._purge_records(conn, doomed)
-
-    def _purge_records(self, conn: sqlite3.Connection, ids: list[int]) -> int:
-        if ids:
-            conn.execute(self._queries.purge_records, {"ids": json.dumps(ids)})
-        return len(ids)
-
-    def stats(self, *, now: datetime | None) -> Stats:
-        at = _now(now)
-        counts = {"pending": 0, "claimed": 0, "published": 0, "dead": 0}
-        by_topic: dict[str, dict[str, int]] = {}
-        oldest: int | None = None
-        with self._read("count events") as conn:
-            rows = conn.execute(self._queries.stats, {"now": _to_us(at)}).fetchall()
-        for topic, state, count, oldest_due in rows:
-            counts[state] += count
-            by_topic.setdefault(topic, {})[state] = count
-            if oldest_due is not None and (oldest is None or oldest_due < oldest):
-                oldest = oldest_due
-        return Stats(**counts, by_topic=by_topic, oldest_due_at=_from_us_or_none(oldest))
-
-
-def _event(row: Sequence[Any]) -> Event:
-    """An Event from the first twelve columns of a row (``_sql.EVENT_COLUMNS``)."""
-    return event_from_row(
-        id=row[0],
-        topic=row[1],
-        payload=row[2],
-        headers=row[3],
-        key=row[4],
-        created_at=_from_us(row[5]),
-        available_at=_from_us(row[6]),
-        attempts=row[7],
-        published_at=_from_us_or_none(row[8]),
-        failed_at=_from_us_or_none(row[9]),
-        locked_until=_from_us_or_none(row[10]),
-        last_error=row[11],
-    )
-
-
-# SQLite result codes that mean the database file itself failed (never a handler's own doing).
-_DATABASE_FAILED = (
-    "SQLITE_FULL",
-    "SQLITE_IOERR",
-    "SQLITE_CORRUPT",
-    "SQLITE_NOTADB",
-    "SQLITE_CANTOPEN",
-)
-
-
-def _database_failure(exc: BaseException) -> sqlite3.Error | None:
-    """The ``sqlite3`` error in ``exc``'s chain that says the database file failed, if any."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, sqlite3.Error) and _error_name(current).startswith(_DATABASE_FAILED):
-            return current
-        current = current.__cause__ or current.__context__
-    return None
-
-
-def _claim_keys(claims: Sequence[Claim]) -> dict[str, str]:
-    """The ``:ids`` and ``:tokens`` JSON arrays that ``extend`` and ``release`` match rows by."""
-    return {
-        "ids": json.dumps([c.event.id for c in claims]),
-        "tokens": json.dumps([c.token for c in claims]),
-    }
 
 
 def _row(event: NewEvent, created: int) -> tuple[Any, ...]:
@@ -1141,7 +588,6 @@ def _row(event: NewEvent, created: int) -> tuple[Any, ...]:
 
 
 _HAS_AUTOCOMMIT = hasattr(sqlite3.Connection, "autocommit")  # Python 3.12+
-_read_text = functools.partial(str, encoding="utf-8", errors="backslashreplace")
 
 
 def _app_connection(conn: Any) -> sqlite3.Connection:

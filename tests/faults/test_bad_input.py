@@ -138,20 +138,20 @@ def test_missing_schema_sqlite(tmp_path: Path) -> None:
 def test_older_schema_sqlite(tmp_path: Path, old: int) -> None:
     """``migrate=False`` on a file of an older version: the first poll is refused, naming both
     versions; ``migrate()`` lifts it, and the events written meanwhile are delivered."""
-    from outboxkit_sqlite import SQLiteStore, _schema
-    from outboxkit_sqlite._sql import TableNames
+    from outboxkit_sqlite import SQLiteStore, schema
+    from outboxkit_sqlite.tables import TableNames
 
     path = tmp_path / "app.db"
     with closing(sqlite3.connect(path, isolation_level=None)) as conn:
         conn.execute("BEGIN IMMEDIATE")
-        _schema.migrate(conn, TableNames(), applied_at=0, where=str(path), target=old)
+        schema.migrate(conn, TableNames(), applied_at=0, where=str(path), target=old)
         conn.execute("COMMIT")
     with SQLiteStore(path, migrate=False) as store:
         with store.transaction() as conn:  # enqueueing still works: the tables are there
             event_id = Outbox(store).enqueue(conn, "t", {})
         _assert_first_poll_fails(
             store,
-            rf"version {old}, older than version {_schema.SCHEMA_VERSION} .*run migrate\(\)",
+            rf"version {old}, older than version {schema.SCHEMA_VERSION} .*run migrate\(\)",
         )
         store.migrate()
         bus = EventBus()

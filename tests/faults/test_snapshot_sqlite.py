@@ -38,7 +38,7 @@ import pytest
 
 from outboxkit import Outbox
 from outboxkit_sqlite import SQLiteStore
-from outboxkit_sqlite import store as sqlite_store
+from outboxkit_sqlite import connections as sqlite_connections
 from tests.faults._harness_sqlite import (
     APP_TIMEOUT,
     Figures,
@@ -121,7 +121,7 @@ def _scenario(path: Path, reader_mode: str) -> Run:
         with pytest.MonkeyPatch.context() as patch:
             # Look at the WAL after every commit, not every few seconds (from the store's first
             # commit on): how long the drain takes must not decide whether the store looks.
-            patch.setattr(sqlite_store, "_WAL_CHECK_INTERVAL", 0.0)
+            patch.setattr(sqlite_connections, "WAL_CHECK_INTERVAL", 0.0)
             with SQLiteStore(path) as store:
                 if reader_mode == "held":
                     reader.execute("BEGIN")

@@ -29,8 +29,8 @@ from outboxkit import (
 )
 from outboxkit.core.machine import Publish
 from outboxkit.store import settle_one
-from outboxkit_sqlite import SQLiteStore, _schema
-from outboxkit_sqlite._sql import TableNames
+from outboxkit_sqlite import SQLiteStore, schema
+from outboxkit_sqlite.tables import TableNames
 
 LEASE = timedelta(seconds=30)
 
@@ -266,7 +266,7 @@ def test_newer_schema_is_refused_naming_both_versions(tmp_path: Path) -> None:
         with pytest.raises(SchemaError) as info:
             SQLiteStore(path, migrate=migrate)
         message = str(info.value)
-        assert "99" in message and str(_schema.SCHEMA_VERSION) in message and str(path) in message
+        assert "99" in message and str(schema.SCHEMA_VERSION) in message and str(path) in message
 
 
 def test_older_schema_is_migrated_keeping_its_events(tmp_path: Path) -> None:
@@ -274,13 +274,13 @@ def test_older_schema_is_migrated_keeping_its_events(tmp_path: Path) -> None:
     tables = TableNames()
     with closing(sqlite3.connect(path, isolation_level=None)) as conn:
         conn.execute("BEGIN IMMEDIATE")
-        _schema.migrate(conn, tables, applied_at=0, where=str(path), target=1)
+        schema.migrate(conn, tables, applied_at=0, where=str(path), target=1)
         conn.execute(
             "INSERT INTO outbox_events (topic, payload, headers, created_at, available_at)"
             " VALUES ('t', '{\"n\": 1}', '{}', 0, 0)"
         )
         conn.execute("COMMIT")
-        assert _schema.current_version(conn, tables) == 1
+        assert schema.current_version(conn, tables) == 1
     with SQLiteStore(path, migrate=False) as store:  # an older schema opens; migrate() upgrades
         store.migrate()
         store.migrate()  # idempotent
@@ -290,7 +290,7 @@ def test_older_schema_is_migrated_keeping_its_events(tmp_path: Path) -> None:
     with closing(sqlite3.connect(path)) as conn:
         versions = [r[0] for r in conn.execute("SELECT version FROM outbox_schema ORDER BY 1")]
         indexes = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='index'")}
-    assert versions == list(range(1, _schema.SCHEMA_VERSION + 1))
+    assert versions == list(range(1, schema.SCHEMA_VERSION + 1))
     assert "outbox_events_due" in indexes
     assert "outbox_events_token" not in indexes  # version 3 dropped it
 

@@ -1,7 +1,7 @@
 """The WAL watch: ``journal_size_limit``, the ``wal_warn_bytes`` option, and the warning when a
 read transaction held open elsewhere keeps every checkpoint from getting through the WAL.
 
-The store looks at the WAL's size at most every ``_WAL_CHECK_INTERVAL`` seconds; the tests set
+The store looks at the WAL's size at most every ``WAL_CHECK_INTERVAL`` seconds; the tests set
 it to 0 so that every commit looks. The warning stays rate-limited (once a minute).
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-import outboxkit_sqlite.store as sqlite_store
+import outboxkit_sqlite.connections as sqlite_connections
 from outboxkit import ConfigurationError, EventBus, Outbox, open_store
 from outboxkit_sqlite import SQLiteStore
 
@@ -25,7 +25,7 @@ SMALL = 64 * 1024  # bytes: a few dozen pages of WAL
 
 @pytest.fixture
 def look_every_commit(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(sqlite_store, "_WAL_CHECK_INTERVAL", 0.0)
+    monkeypatch.setattr(sqlite_connections, "WAL_CHECK_INTERVAL", 0.0)
 
 
 @pytest.fixture
@@ -85,7 +85,7 @@ def test_the_wal_shrinks_back_once_the_reader_ends(
     look_every_commit: None,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(sqlite_store, "_JOURNAL_SIZE_LIMIT", 256 * 1024)
+    monkeypatch.setattr(sqlite_connections, "JOURNAL_SIZE_LIMIT", 256 * 1024)
     path = tmp_path / "app.db"
     wal = path.parent / "app.db-wal"
     with SQLiteStore(path, wal_warn_bytes=SMALL) as store:

@@ -9,6 +9,8 @@ records (primary key ``(event_id, handler)``) and the version table. Version 2: 
 path and the operations use (due events in claim order, tokens, dead and published events).
 Version 3: the token index is dropped; extend and release reach their rows by id (the claim set a
 token and the settle cleared it, so every claim and every settle paid for that index).
+Version 4: a trigger deletes an event's delivery records with it (``{events}_purge``), so a purge
+is one statement, as on PostgreSQL (``ON DELETE CASCADE``); it costs nothing but on delete.
 """
 
 from __future__ import annotations
@@ -20,11 +22,11 @@ from sqlite_utils import Database
 
 from outboxkit.errors import SchemaError
 
-from ._sql import TableNames
+from .tables import TableNames, render_queries
 
 __all__ = ["SCHEMA_VERSION", "current_version", "migrate"]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 
 def current_version(conn: sqlite3.Connection, tables: TableNames) -> int:
@@ -144,8 +146,13 @@ def _v3_no_token_index(db: Database, tables: TableNames) -> None:
     db.execute("DROP INDEX IF EXISTS {events_token}".format(**tables.placeholders()))
 
 
+def _v4_purge_trigger(db: Database, tables: TableNames) -> None:
+    db.execute(render_queries(tables)["create_purge_trigger"])
+
+
 _STEPS: tuple[tuple[int, Callable[[Database, TableNames], None]], ...] = (
     (1, _v1_tables),
     (2, _v2_indexes),
     (3, _v3_no_token_index),
+    (4, _v4_purge_trigger),
 )

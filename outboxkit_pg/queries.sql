@@ -1,4 +1,6 @@
--- The Postgres store's SQL, one named statement per block (see outboxkit_pg/_queries.py).
+-- The Postgres store's SQL, one named statement per block (loaded by outboxkit._sql.loader; the
+-- statements the shared operations run are listed in outboxkit/_sql/base.py, with the same
+-- names and parameters as the SQLite store's; outboxkit_pg/names.py fills the identifiers).
 --
 -- Identifiers are slots: {schema}, {events}, {deliveries}, {versions} (schema-qualified tables),
 -- {due_index} and friends (index names) and {channel}; outboxkit_pg fills them with
@@ -222,27 +224,9 @@ UPDATE {events} AS e
    AND e.failed_at IS NULL
 RETURNING e.claim_token::text, e.locked_until
 
--- name: settle
--- R8, fenced by the token; the flags come from outboxkit._storekit.settle_values.
-UPDATE {events}
-   SET published_at = CASE WHEN %(publish)s::boolean
-                           THEN coalesce(%(now)s::timestamptz, now()) ELSE published_at END,
-       failed_at = CASE WHEN %(dead)s::boolean
-                        THEN coalesce(%(now)s::timestamptz, now()) ELSE failed_at END,
-       available_at = CASE WHEN %(retry_after)s::interval IS NULL THEN available_at
-                           ELSE coalesce(%(now)s::timestamptz, now()) + %(retry_after)s::interval
-                      END,
-       last_error = CASE WHEN %(keeps_error)s::boolean THEN %(error)s::text ELSE last_error END,
-       locked_until = NULL,
-       claim_token = NULL
- WHERE id = %(id)s
-   AND claim_token = %(token)s::uuid
-   AND published_at IS NULL
-   AND failed_at IS NULL
-
 -- name: settle_many
--- R8 for a round's events in one statement, each fenced by its token; the flags come from
--- outboxkit._storekit.settle_values, one array element per event. Returns the ids settled.
+-- R8 for a round's events in one statement, each fenced by its token; one array element per
+-- event of each of SETTLE_COLUMNS (outboxkit._sql.rows.settle_row). Returns the ids settled.
 -- The id = ANY(...) condition lets the planner reach the rows through the primary key: joined
 -- with the unnest alone it estimates one row and scans the whole table (so do extend, release).
 UPDATE {events} AS e
@@ -336,6 +320,7 @@ DELETE FROM {events}
                ORDER BY published_at
                LIMIT %(limit)s)
    AND published_at < %(before)s::timestamptz
+RETURNING id
 
 -- name: purge_dead
 -- As purge_published: the outer conditions make a requeue that commits first win (its row is
@@ -352,6 +337,7 @@ DELETE FROM {events}
    AND failed_at IS NOT NULL
    AND published_at IS NULL
    AND (%(before)s::timestamptz IS NULL OR failed_at < %(before)s::timestamptz)
+RETURNING id
 
 -- name: stats
 SELECT topic, state, count(*), min(available_at) FILTER (WHERE due)

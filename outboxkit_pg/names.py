@@ -1,43 +1,20 @@
-"""Loads ``sql/queries.sql`` into named statements and fills in the identifiers.
+"""The PostgreSQL store's names, and its SQL (``queries.sql``) with them in place.
 
-The file holds blocks introduced by ``-- name: <name>``; other comment lines are dropped. Slots
-in braces (``{events}``...) are identifiers, filled with ``psycopg.sql.Identifier`` only; values
-stay ``%(name)s`` placeholders, bound at execution. Nothing else is ever put into SQL.
+Slots in braces (``{events}``...) are identifiers, filled with ``psycopg.sql.Identifier`` only;
+values stay ``%(name)s`` placeholders, bound at execution. Nothing else is ever put into SQL.
 """
 
 from __future__ import annotations
 
-import functools
-import re
 from dataclasses import dataclass
-from importlib import resources
 
 from psycopg import sql
 
-from outboxkit._storekit import validate_identifier, validate_table_names
+from outboxkit._sql.loader import load_queries
+from outboxkit._sql.names import validate_identifier, validate_table_names
 from outboxkit.errors import ConfigurationError
 
-__all__ = ["Names", "Queries", "load_templates", "validate_schema"]
-
-_NAME = re.compile(r"^-- name: ([a-z_0-9]+)\s*$")
-
-
-@functools.cache
-def load_templates() -> dict[str, str]:
-    """The statements of ``sql/queries.sql`` by name, comment lines removed."""
-    text = resources.files("outboxkit_pg").joinpath("sql/queries.sql").read_text("utf-8")
-    templates: dict[str, list[str]] = {}
-    current: list[str] | None = None
-    for line in text.splitlines():
-        match = _NAME.match(line)
-        if match:
-            name = match.group(1)
-            if name in templates:
-                raise RuntimeError(f"queries.sql: {name!r} is defined twice")
-            current = templates[name] = []
-        elif current is not None and not line.lstrip().startswith("--"):
-            current.append(line)
-    return {name: "\n".join(lines).strip() for name, lines in templates.items()}
+__all__ = ["Names", "Queries", "validate_schema"]
 
 
 def _index_name(table: str, suffix: str) -> str:
@@ -123,7 +100,7 @@ class Queries:
         slots = names.slots()
         self._rendered = {
             name: sql.SQL(template).format(**slots).as_bytes(None)
-            for name, template in load_templates().items()
+            for name, template in load_queries("outboxkit_pg").items()
         }
 
     def __getitem__(self, name: str) -> bytes:

@@ -1,0 +1,288 @@
+"""``SQLStore``: the Store protocol's operations, written once for every SQL dialect.
+
+A SQL store subclasses ``SQLStore`` and fills in the dialect seam - how it reads and writes
+(transactions, connections, its driver's errors mapped to outboxkit's), how it runs one of its
+named statements, and how it binds an instant, a duration and an array - plus what is its own
+(enqueue through the app's connection, the delivery transaction, the batch transaction,
+migrations). Its ``queries.sql`` holds the statements named here with the parameters named here:
+
+=============== ============================================ ============================
+statement       parameters                                   returns
+=============== ============================================ ============================
+claim           now, lease, batch_size                       EVENT_COLUMNS, token, done
+extend          now, lease, ids, tokens                      token, locked_until
+settle_many     now, and the store's shape of SETTLE_COLUMNS id
+release         ids, tokens                                  id
+requeue         ids, now                                     id
+dead_letters    topic, since, limit                          EVENT_COLUMNS
+get             id                                           EVENT_COLUMNS
+events          after_id, topic, limit                       EVENT_COLUMNS
+records         ids                                          the record columns
+purge_published before, limit                                id (records go along)
+purge_dead      ids, before, limit                           id (records go along)
+stats           now                                          topic, state, count, oldest
+=============== ============================================ ============================
+
+Each write is one of the machine's transitions (``outboxkit.core.machine.TRANSITIONS``):
+``claim`` is CLAIM, ``release`` RELEASE, ``requeue`` REQUEUE, and ``settle_many`` writes the
+state ``settlement.state`` gives from the table (PUBLISH, RETRY or DEAD_LETTER, see
+``rows.settle_row``); a lease running out (LEASE_EXPIRE) is no write at all.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from datetime import datetime, timedelta
+from typing import Any
+
+from ..core.model import Claim, DeadLetter, DeliveryRecord, Event, Stats
+from ..store import SettleItem
+from .rows import (
+    done_from_pairs,
+    event_from_row,
+    fold_stats,
+    record_from_row,
+    settle_row,
+    sort_claims,
+    still_owned,
+)
+
+__all__ = ["SQLBatch", "SQLStore"]
+
+Row = Sequence[Any]
+
+
+class SQLStore(ABC):
+    """The operations of a SQL store; see the module docstring for the dialect seam."""
+
+    # -- the dialect seam -------------------------------------------------------------------------
+
+    @abstractmethod
+    def _read(self, doing: str) -> AbstractContextManager[Any]:
+        """A connection in a read transaction (one snapshot); driver errors mapped, naming
+        ``doing``."""
+
+    @abstractmethod
+    def _write(self, doing: str) -> AbstractContextManager[Any]:
+        """A connection in a short write transaction, committed when the block ends; driver
+        errors mapped, naming ``doing``."""
+
+    @abstractmethod
+    def _mapped(self, doing: str, conn: Any = None) -> AbstractContextManager[None]:
+        """A block whose driver errors become outboxkit's, naming ``doing`` (``conn``: the
+        connection they happened on, when it tells more)."""
+
+    @abstractmethod
+    def _rows(self, conn: Any, name: str, params: Mapping[str, Any]) -> list[Row]:
+        """Run the named statement on ``conn``; its rows (none for one that returns none)."""
+
+    @abstractmethod
+    def _instant(self, at: datetime | None) -> Any:
+        """``at`` as the store binds an instant; None: the store's own clock."""
+
+    @abstractmethod
+    def _stored_instant(self, raw: Any) -> datetime:
+        """A stored instant as an aware datetime."""
+
+    @abstractmethod
+    def _duration(self, delta: timedelta) -> Any:
+        """``delta`` as the store binds a duration."""
+
+    @abstractmethod
+    def _array(self, values: Sequence[Any]) -> Any:
+        """``values`` as the store binds an array parameter."""
+
+    @abstractmethod
+    def _done(self, raw: Any) -> Iterable[Sequence[str]]:
+        """The claim statement's ``done`` column as (handler, outcome) pairs."""
+
+    @abstractmethod
+    def _settle_params(self, rows: Sequence[tuple[Any, ...]]) -> dict[str, Any]:
+        """``settle_many``'s parameters (besides ``now``) for rows of ``SETTLE_COLUMNS``."""
+
+    # -- claims and leases --------------------------------------------------------------------------
+
+    def claim(self, *, batch_size: int, lease: timedelta, now: datetime | None) -> list[Claim]:
+        """R3 (see ``Store.claim``)."""
+        params = {
+            "now": self._instant(now),
+            "lease": self._duration(lease),
+            "batch_size": batch_size,
+        }
+        with self._write("claim events") as conn:
+            rows = self._rows(conn, "claim", params)
+        return sort_claims(
+            Claim(
+                event=self._event(row),
+                token=str(row[12]),
+                locked_until=self._stored_instant(row[10]),
+                done=done_from_pairs(self._done(row[13])),
+            )
+            for row in rows
+        )
+
+    def extend(
+        self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None
+    ) -> list[Claim]:
+        """R13 (see ``Deliveries.extend``)."""
+        if not claims:
+            return []
+        with self._write(f"extend {len(claims)} lease(s)") as conn:
+            return self._extend_on(conn, claims, lease, now)
+
+    def settle_many(self, items: Sequence[SettleItem], *, now: datetime | None) -> list[bool]:
+        """R8 for a round's events in one statement (see ``Deliveries.settle_many``)."""
+        if not items:
+            return []
+        with self._write(f"settle {len(items)} event(s)") as conn:
+            return self._settle_many_on(conn, items, now)
+
+    def release(self, claims: Sequence[Claim], *, now: datetime | None) -> int:
+        """Unstarted claims handed back: lease cleared, the attempt refunded, fenced by token."""
+        if not claims:
+            return 0
+        ordered = sorted(claims, key=lambda c: c.event.id)
+        params = {
+            "ids": self._array([c.event.id for c in ordered]),
+            "tokens": self._array([c.token for c in ordered]),
+        }
+        with self._write(f"release {len(claims)} claim(s)") as conn:
+            return len(self._rows(conn, "release", params))
+
+    def _extend_on(
+        self, conn: Any, claims: Sequence[Claim], lease: timedelta, now: datetime | None
+    ) -> list[Claim]:
+        ordered = sorted(claims, key=lambda c: c.event.id)  # one lock order for every poller
+        rows = self._rows(
+            conn,
+            "extend",
+            {
+                "now": self._instant(now),
+                "lease": self._duration(lease),
+                "ids": self._array([c.event.id for c in ordered]),
+                "tokens": self._array([c.token for c in ordered]),
+            },
+        )
+        ends = {str(token): self._stored_instant(end) for token, end in rows}
+        return still_owned(claims, ends)
+
+    def _settle_many_on(
+        self, conn: Any, items: Sequence[SettleItem], now: datetime | None
+    ) -> list[bool]:
+        rows = [settle_row(c, s, e, self._duration) for c, s, e in items]
+        params = {"now": self._instant(now), **self._settle_params(rows)}
+        settled = {row[0] for row in self._rows(conn, "settle_many", params)}
+        return [claim.event.id in settled for claim, _, _ in items]
+
+    # -- operations ---------------------------------------------------------------------------------
+
+    def requeue(self, ids: Iterable[int], *, now: datetime | None) -> int:
+        """R12: dead events due again with attempts reset; their records stay."""
+        wanted = sorted(set(ids))
+        if not wanted:
+            return 0
+        params = {"ids": self._array(wanted), "now": self._instant(now)}
+        with self._write(f"requeue {len(wanted)} event(s)") as conn:
+            return len(self._rows(conn, "requeue", params))
+
+    def dead_letters(
+        self, *, topic: str | None = None, since: datetime | None = None, limit: int = 100
+    ) -> list[DeadLetter]:
+        params = {
+            "topic": topic,
+            "since": None if since is None else self._instant(since),
+            "limit": limit,
+        }
+        with self._read("list dead letters") as conn:
+            rows = self._rows(conn, "dead_letters", params)
+            records = self._records_of(conn, [row[0] for row in rows])
+        return [
+            DeadLetter(
+                event=self._event(row),
+                failed_at=self._stored_instant(row[9]),
+                last_error=row[11],
+                records=tuple(records.get(row[0], ())),
+            )
+            for row in rows
+        ]
+
+    def get(self, event_id: int) -> Event | None:
+        with self._read(f"read event {event_id}") as conn:
+            rows = self._rows(conn, "get", {"id": event_id})
+        return self._event(rows[0]) if rows else None
+
+    def events(
+        self, *, after_id: int = 0, topic: str | None = None, limit: int = 1000
+    ) -> list[Event]:
+        params = {"after_id": after_id, "topic": topic, "limit": limit}
+        with self._read("list events") as conn:
+            rows = self._rows(conn, "events", params)
+        return [self._event(row) for row in rows]
+
+    def records(self, event_id: int) -> list[DeliveryRecord]:
+        with self._read(f"read the records of event {event_id}") as conn:
+            return self._records_of(conn, [event_id]).get(event_id, [])
+
+    def _records_of(self, conn: Any, ids: Sequence[int]) -> dict[int, list[DeliveryRecord]]:
+        found: dict[int, list[DeliveryRecord]] = {}
+        if ids:
+            for row in self._rows(conn, "records", {"ids": self._array(ids)}):
+                record = record_from_row(row, self._stored_instant)
+                found.setdefault(record.event_id, []).append(record)
+        return found
+
+    def purge_published(self, *, before: datetime, limit: int) -> int:
+        params = {"before": self._instant(before), "limit": limit}
+        with self._write("purge published events") as conn:
+            return len(self._rows(conn, "purge_published", params))
+
+    def purge_dead(
+        self, *, ids: Iterable[int] | None = None, before: datetime | None = None, limit: int
+    ) -> int:
+        params = {
+            "ids": None if ids is None else self._array(sorted(set(ids))),
+            "before": None if before is None else self._instant(before),
+            "limit": limit,
+        }
+        with self._write("purge dead events") as conn:
+            return len(self._rows(conn, "purge_dead", params))
+
+    def stats(self, *, now: datetime | None) -> Stats:
+        with self._read("count events") as conn:
+            rows = self._rows(conn, "stats", {"now": self._instant(now)})
+        return fold_stats(rows, self._stored_instant)
+
+    def _event(self, row: Row) -> Event:
+        return event_from_row(row, self._stored_instant)
+
+
+class SQLBatch:
+    """What a SQL store's batch transaction (``Store.batch``) does the same way: lease
+    extensions and the round's ``settle_many``, on the batch's connection (another one would
+    wait for the batch's own locks). Its ``delivery`` (a savepoint) is the store's own."""
+
+    def __init__(self, store: SQLStore, conn: Any) -> None:
+        self._store = store
+        self._conn = conn
+
+    def _check_open(self) -> None:
+        """Raise if the batch's transaction is no longer the one the store opened."""
+
+    def extend(
+        self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None
+    ) -> list[Claim]:
+        if not claims:
+            return []
+        self._check_open()
+        with self._store._mapped(f"extend {len(claims)} lease(s)", self._conn):
+            return self._store._extend_on(self._conn, claims, lease, now)
+
+    def settle_many(self, items: Sequence[SettleItem], *, now: datetime | None) -> list[bool]:
+        """``settle_many`` inside the batch's transaction: true once the batch commits."""
+        if not items:
+            return []
+        self._check_open()
+        with self._store._mapped(f"settle {len(items)} event(s)", self._conn):
+            return self._store._settle_many_on(self._conn, items, now)

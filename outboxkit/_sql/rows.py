@@ -1,0 +1,193 @@
+"""Rows in, values out (and values in, parameters out): the mapping both SQL stores share.
+
+Every query that returns events selects the columns of ``EVENT_COLUMNS`` first, in that order;
+a claim adds the token and the recorded handlers. A store passes its own converter for stored
+instants (PostgreSQL hands back datetimes, SQLite integer microseconds).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
+from datetime import datetime, timedelta
+from typing import Any
+
+from ..core.machine import Retry, Settlement
+from ..core.model import Claim, DeliveryRecord, Event, Outcome, State, Stats
+from ..core.payload import decode_payload
+from ..errors import ConfigurationError
+
+__all__ = [
+    "EVENT_COLUMNS",
+    "SETTLE_COLUMNS",
+    "decode_headers",
+    "done_from_pairs",
+    "encode_headers",
+    "event_from_row",
+    "fold_stats",
+    "record_from_row",
+    "record_params",
+    "settle_row",
+    "sort_claims",
+    "still_owned",
+]
+
+EVENT_COLUMNS = (
+    "id",
+    "topic",
+    "payload",
+    "headers",
+    "key",
+    "created_at",
+    "available_at",
+    "attempts",
+    "published_at",
+    "failed_at",
+    "locked_until",
+    "last_error",
+)
+"""What every query returning events selects first, in this order."""
+
+Instant = Callable[[Any], datetime]
+
+
+def encode_headers(headers: Mapping[str, str]) -> str:
+    """Validated headers (``build_event``) as the JSON object text a store keeps."""
+    return json.dumps(dict(headers), ensure_ascii=False, separators=(",", ":")) if headers else "{}"
+
+
+def decode_headers(raw: str | bytes | Mapping[str, str] | None) -> dict[str, str]:
+    if raw is None or raw == "{}":  # no headers, as nearly every event has
+        return {}
+    if isinstance(raw, Mapping):
+        return dict(raw)
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return {}
+    return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else {}
+
+
+def event_from_row(row: Sequence[Any], instant: Instant) -> Event:
+    """An ``Event`` from the leading ``EVENT_COLUMNS`` of a row; ``instant`` turns a stored
+    instant into an aware datetime. The payload may be JSON text or already parsed."""
+    payload = row[2]
+    return Event(
+        id=row[0],
+        topic=row[1],
+        payload=decode_payload(payload) if isinstance(payload, str | bytes) else payload,
+        headers=decode_headers(row[3]),
+        key=row[4],
+        created_at=instant(row[5]),
+        available_at=instant(row[6]),
+        attempts=row[7],
+        published_at=None if row[8] is None else instant(row[8]),
+        failed_at=None if row[9] is None else instant(row[9]),
+        locked_until=None if row[10] is None else instant(row[10]),
+        last_error=row[11],
+    )
+
+
+def record_from_row(row: Sequence[Any], instant: Instant) -> DeliveryRecord:
+    """A ``DeliveryRecord`` from ``event_id, handler, outcome, attempt, recorded_at, reason``."""
+    event_id, handler, outcome, attempt, recorded_at, reason = row
+    return DeliveryRecord(
+        event_id=event_id,
+        handler=handler,
+        outcome=Outcome(outcome),
+        attempt=attempt,
+        recorded_at=instant(recorded_at),
+        reason=reason,
+    )
+
+
+def done_from_pairs(pairs: Iterable[Sequence[str]]) -> dict[str, Outcome]:
+    """The ``Claim.done`` mapping from (handler, outcome) pairs."""
+    return {handler: Outcome(outcome) for handler, outcome in pairs}
+
+
+def record_params(
+    claim: Claim, handler: str, outcome: Outcome, reason: str | None, now: Any
+) -> dict[str, Any]:
+    """The ``insert_record`` statement's parameters (the record guard: only a succeeded or
+    rejected delivery is ever recorded).
+
+    Raises:
+        ConfigurationError: ``outcome`` is not one that is recorded.
+    """
+    if not outcome.recorded:
+        raise ConfigurationError(f"only succeeded/rejected outcomes are recorded, got {outcome}")
+    return {
+        "event_id": claim.event.id,
+        "handler": handler,
+        "outcome": outcome.value,
+        "attempt": claim.attempt,
+        "now": now,
+        "reason": reason,
+    }
+
+
+SETTLE_COLUMNS = ("id", "token", "publish", "dead", "retry_after", "keeps_error", "error")
+"""What ``settle_many`` writes per event (``settle_row``), in this order."""
+
+
+def settle_row(
+    claim: Claim,
+    settlement: Settlement,
+    error: str | None,
+    duration: Callable[[timedelta], Any],
+) -> tuple[Any, ...]:
+    """One event's ``SETTLE_COLUMNS``: the state the machine's table gives for the settlement
+    (published, dead, or pending again after the retry's delay, ``duration`` converting it to
+    the store's unit), the error kept with a retry or a dead letter, fenced by the token."""
+    state = settlement.state
+    retry_after = (
+        duration(settlement.delay)
+        if isinstance(settlement, Retry) and state is State.PENDING
+        else None
+    )
+    keeps_error = state is not State.PUBLISHED
+    return (
+        claim.event.id,
+        claim.token,
+        state is State.PUBLISHED,
+        state is State.DEAD,
+        retry_after,
+        keeps_error,
+        error if keeps_error else None,
+    )
+
+
+def still_owned(claims: Iterable[Claim], lease_ends: Mapping[str, datetime]) -> list[Claim]:
+    """The claims whose token the store extended (``token -> new lease end``), updated."""
+    return [
+        replace(claim, locked_until=lease_ends[claim.token])
+        for claim in claims
+        if claim.token in lease_ends
+    ]
+
+
+def sort_claims(claims: Iterable[Claim]) -> list[Claim]:
+    """Claim order (R3/R5): oldest ``(available_at, id)`` first; RETURNING has no order."""
+    return sorted(claims, key=lambda c: (c.event.available_at, c.event.id))
+
+
+def fold_stats(rows: Iterable[Sequence[Any]], instant: Instant) -> Stats:
+    """``Stats`` from ``topic, state, count, oldest due`` rows (one per topic and state)."""
+    counts = {state.value: 0 for state in State}
+    by_topic: dict[str, dict[str, int]] = {}
+    oldest: Any = None
+    for topic, state, count, oldest_due in rows:
+        counts[state] += count
+        by_topic.setdefault(topic, {})[state] = count
+        if oldest_due is not None and (oldest is None or oldest_due < oldest):
+            oldest = oldest_due
+    return Stats(
+        pending=counts["pending"],
+        claimed=counts["claimed"],
+        published=counts["published"],
+        dead=counts["dead"],
+        by_topic=by_topic,
+        oldest_due_at=None if oldest is None else instant(oldest),
+    )

@@ -1,0 +1,104 @@
+"""PostgreSQL's errors as outboxkit's: a table keyed by SQLSTATE, as psycopg's own
+``errors`` module maps codes to classes.
+
+A code is looked up whole, then by its class (the first two characters); a connection psycopg
+found broken is an outage whatever the code. Messages name host, port and database (never the
+password) and what was being done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import psycopg
+
+from outboxkit.errors import SchemaError, StoreError, StoreUnavailable, chain
+
+__all__ = ["ENDED_BY_HANDLER", "SQLSTATES", "error_class", "map_error", "session_ended_by_handler"]
+
+SQLSTATES: dict[str, type[StoreError]] = {
+    "08": StoreUnavailable,  # class 08, connection exception: refused, lost, failed
+    "25P03": StoreUnavailable,  # idle_in_transaction_session_timeout: the server ended it
+    "57P01": StoreUnavailable,  # admin_shutdown, also pg_terminate_backend
+    "57P02": StoreUnavailable,  # crash_shutdown
+    "57P03": StoreUnavailable,  # cannot_connect_now (starting up, shutting down)
+    "57P05": StoreUnavailable,  # idle_session_timeout
+    "53300": StoreUnavailable,  # too_many_connections
+    "42P01": SchemaError,  # undefined_table: no schema yet (or another one)
+    "42703": SchemaError,  # undefined_column: an older schema
+    "3F000": SchemaError,  # invalid_schema_name
+    "42883": SchemaError,  # undefined_function: the commit guard is missing
+}
+"""SQLSTATE (or its two-character class) -> the outboxkit error it is; anything else is a
+``StoreError``."""
+
+_SESSION_ENDED = frozenset({"08", "25P03", "57P01", "57P02", "57P03", "57P05"})
+"""The codes with which the connection itself is gone (messages say "the connection was lost")."""
+
+ENDED_BY_HANDLER = frozenset({"25P03"})
+"""SQLSTATEs with which the server ends a session because of what the handler did: it left
+its delivery transaction idle past ``idle_in_transaction_session_timeout``. A handler failure
+(retried, then dead-lettered), not an outage."""
+
+
+def _lookup(state: str) -> tuple[str, type[StoreError]] | None:
+    for key in (state, state[:2]):
+        if key and key in SQLSTATES:
+            return key, SQLSTATES[key]
+    return None
+
+
+def error_class(
+    exc: psycopg.Error, conn: psycopg.Connection[Any] | None = None
+) -> type[StoreError]:
+    """The outboxkit error class for ``exc`` (``conn``: the connection it happened on)."""
+    found = _lookup(exc.sqlstate or "")
+    if found is not None:
+        return found[1]
+    if conn is not None and conn.broken:
+        return StoreUnavailable
+    if isinstance(exc, psycopg.OperationalError | psycopg.InterfaceError):
+        return StoreUnavailable
+    return StoreError
+
+
+def map_error(
+    exc: psycopg.Error,
+    *,
+    where: str,
+    schema: str,
+    doing: str,
+    scrub: Callable[[str], str],
+    conn: psycopg.Connection[Any] | None = None,
+) -> StoreError:
+    """The outboxkit error for ``exc``, raised while doing ``doing`` on the server ``where``;
+    ``scrub`` takes any secret out of the driver's message."""
+    message = scrub(str(exc).strip()) or type(exc).__name__
+    kind = error_class(exc, conn)
+    found = _lookup(exc.sqlstate or "")
+    if kind is StoreUnavailable:
+        lost = (found is not None and found[0] in _SESSION_ENDED) or (
+            conn is not None and conn.broken
+        )
+        if lost:
+            return StoreUnavailable(
+                f"PostgreSQL at {where} is unavailable ({doing}): the connection was lost: "
+                f"{message}"
+            )
+        return StoreUnavailable(f"PostgreSQL at {where} is unavailable ({doing}): {message}")
+    if kind is SchemaError:
+        return SchemaError(
+            f"PostgreSQL at {where}, schema {schema!r}: the outboxkit tables are missing or out "
+            f"of date ({doing}): {message}; run migrate()"
+        )
+    return StoreError(f"PostgreSQL at {where}: {doing} failed: {type(exc).__name__}: {message}")
+
+
+def session_ended_by_handler(exc: BaseException) -> bool:
+    """Whether ``exc``'s chain holds the server's error for a session the handler's own
+    idling ended (``ENDED_BY_HANDLER``)."""
+    return any(
+        isinstance(cause, psycopg.Error) and cause.sqlstate in ENDED_BY_HANDLER
+        for cause in chain(exc)
+    )

@@ -1,0 +1,155 @@
+-- The SQLite store's SQL, one named statement per block (loaded by outboxkit._sql.loader; the
+-- statements the shared operations run are listed in outboxkit/_sql/base.py, with the same
+-- names and parameters as the PostgreSQL store's).
+--
+-- Identifiers are slots: {events}, {deliveries}, {schema} (the tables), {events_due} and the
+-- other names derived from the events table, {event_columns}. outboxkit_sqlite fills them with
+-- double-quoted names that passed validate_identifier, and nothing else. Values are always
+-- bound parameters, :name. Instants are INTEGER microseconds since the Unix epoch (UTC) and
+-- durations integer microseconds: SQLite's own time functions are never used, so the clock the
+-- outbox binds is the only clock. Arrays are JSON text, read with json_each.
+
+
+-- name: create_purge_trigger
+-- Schema version 4: an event's delivery records go with it (as ON DELETE CASCADE does on
+-- PostgreSQL), so a purge is one statement; the trigger costs nothing but on a delete.
+CREATE TRIGGER {events_purge} AFTER DELETE ON {events}
+BEGIN
+    DELETE FROM {deliveries} WHERE event_id = OLD.id;
+END
+
+-- name: schema_version
+SELECT max(version) FROM {schema}
+
+-- name: insert_events_head
+INSERT INTO {events} (topic, payload, headers, key, created_at, available_at) VALUES
+
+-- name: claim
+-- R3: one atomic statement under BEGIN IMMEDIATE; the subquery's LIMIT keeps the batch size.
+-- The handlers already recorded come back with each event (as a JSON array of pairs).
+UPDATE {events}
+   SET attempts = attempts + 1,
+       locked_until = :now + :lease,
+       token = lower(hex(randomblob(16)))
+ WHERE id IN (
+       SELECT id FROM {events}
+        WHERE published_at IS NULL AND failed_at IS NULL
+          AND available_at <= :now
+          AND (locked_until IS NULL OR locked_until <= :now)
+        ORDER BY available_at, id
+        LIMIT :batch_size)
+RETURNING {event_columns}, token,
+          (SELECT json_group_array(json_array(handler, outcome))
+             FROM (SELECT handler, outcome FROM {deliveries} AS r
+                    WHERE r.event_id = {events}.id ORDER BY r.rowid))
+
+-- name: owned
+-- R6: the delivery transaction's token check (it already holds the write lock).
+SELECT 1 FROM {events}
+ WHERE id = :id AND token = :token AND published_at IS NULL AND failed_at IS NULL
+
+-- name: insert_record
+INSERT INTO {deliveries} (event_id, handler, outcome, attempt, recorded_at, reason)
+VALUES (:event_id, :handler, :outcome, :attempt, :now, :reason)
+
+-- name: extend
+-- R13. extend and release reach their rows through the primary key (:ids) and are fenced by
+-- the tokens: a token is unique to one claim of one event, so a row whose id is listed and
+-- whose token is listed is exactly a row one of these claims still holds.
+UPDATE {events} SET locked_until = :now + :lease
+ WHERE id IN (SELECT value FROM json_each(:ids))
+   AND token IN (SELECT value FROM json_each(:tokens))
+   AND published_at IS NULL AND failed_at IS NULL
+RETURNING token, locked_until
+
+-- name: settle_many
+-- R8 for a round's events in one statement, each fenced by its token: :items is a JSON array
+-- of SETTLE_COLUMNS rows [id, token, publish, dead, retry_after, keeps_error, error]
+-- (outboxkit._sql.rows.settle_row). RETURNING may not name the FROM table, so the settled rows
+-- come back by id.
+UPDATE {events}
+   SET published_at = CASE WHEN s.publish THEN :now ELSE published_at END,
+       failed_at = CASE WHEN s.dead THEN :now ELSE failed_at END,
+       available_at = CASE WHEN s.retry_after IS NOT NULL
+                           THEN :now + s.retry_after ELSE available_at END,
+       last_error = CASE WHEN s.keeps_error THEN s.error ELSE last_error END,
+       locked_until = NULL,
+       token = NULL
+  FROM (SELECT json_extract(value, '$[0]') AS id, json_extract(value, '$[1]') AS token,
+               json_extract(value, '$[2]') AS publish, json_extract(value, '$[3]') AS dead,
+               json_extract(value, '$[4]') AS retry_after,
+               json_extract(value, '$[5]') AS keeps_error,
+               json_extract(value, '$[6]') AS error
+          FROM json_each(:items)) AS s
+ WHERE {events}.id = s.id AND {events}.token = s.token
+   AND published_at IS NULL AND failed_at IS NULL
+RETURNING id
+
+-- name: release
+-- Unstarted claims handed back: lease cleared, the attempt refunded, fenced by token.
+UPDATE {events}
+   SET locked_until = NULL, token = NULL, attempts = max(0, attempts - 1)
+ WHERE id IN (SELECT value FROM json_each(:ids))
+   AND token IN (SELECT value FROM json_each(:tokens))
+   AND published_at IS NULL AND failed_at IS NULL
+RETURNING id
+
+-- name: requeue
+-- R12: dead events due again with attempts reset; their delivery records stay.
+UPDATE {events}
+   SET failed_at = NULL, attempts = 0, available_at = :now,
+       locked_until = NULL, token = NULL
+ WHERE id IN (SELECT value FROM json_each(:ids)) AND failed_at IS NOT NULL
+RETURNING id
+
+-- name: dead_letters
+SELECT {event_columns} FROM {events}
+ WHERE failed_at IS NOT NULL
+   AND (:topic IS NULL OR topic = :topic)
+   AND (:since IS NULL OR failed_at >= :since)
+ ORDER BY failed_at, id
+ LIMIT :limit
+
+-- name: get
+SELECT {event_columns} FROM {events} WHERE id = :id
+
+-- name: events
+SELECT {event_columns} FROM {events}
+ WHERE id > :after_id AND (:topic IS NULL OR topic = :topic)
+ ORDER BY id
+ LIMIT :limit
+
+-- name: records
+SELECT event_id, handler, outcome, attempt, recorded_at, reason FROM {deliveries}
+ WHERE event_id IN (SELECT value FROM json_each(:ids))
+ ORDER BY rowid
+
+-- name: purge_published
+-- One page; the delivery records go with their events (the {events_purge} trigger).
+DELETE FROM {events}
+ WHERE id IN (SELECT id FROM {events}
+               WHERE published_at IS NOT NULL AND published_at < :before
+               ORDER BY id LIMIT :limit)
+RETURNING id
+
+-- name: purge_dead
+DELETE FROM {events}
+ WHERE id IN (SELECT id FROM {events}
+               WHERE failed_at IS NOT NULL
+                 AND (:ids IS NULL OR id IN (SELECT value FROM json_each(:ids)))
+                 AND (:before IS NULL OR failed_at < :before)
+               ORDER BY id LIMIT :limit)
+RETURNING id
+
+-- name: stats
+SELECT topic,
+       CASE WHEN published_at IS NOT NULL THEN 'published'
+            WHEN failed_at IS NOT NULL THEN 'dead'
+            WHEN locked_until IS NOT NULL AND locked_until > :now THEN 'claimed'
+            ELSE 'pending' END AS state,
+       count(*),
+       min(CASE WHEN published_at IS NULL AND failed_at IS NULL
+                 AND (locked_until IS NULL OR locked_until <= :now)
+                 AND available_at <= :now THEN available_at END)
+  FROM {events}
+ GROUP BY topic, state

@@ -1,0 +1,130 @@
+"""The SQLite store's table names, and its SQL with them in place.
+
+Identifiers: only table names that passed ``validate_identifier`` are put into SQL,
+double-quoted, in one place (``render_queries``). Values: always bound parameters, never
+formatted in. The statements are in ``queries.sql``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from outboxkit._sql.loader import load_queries
+from outboxkit._sql.names import table_names, validate_identifier, validate_table_names
+from outboxkit._sql.rows import EVENT_COLUMNS
+from outboxkit.errors import ConfigurationError
+
+__all__ = [
+    "INDEX_SUFFIXES",
+    "INSERT_COLUMNS",
+    "TableNames",
+    "index_names",
+    "insert_events",
+    "quote",
+    "render_queries",
+]
+
+INSERT_COLUMNS = 6
+"""Bound values per row of ``insert_events``."""
+
+
+def quote(identifier: str, what: str = "identifier") -> str:
+    """``identifier`` double-quoted, after checking it is a safe identifier.
+
+    Raises:
+        ConfigurationError: ``identifier`` is not ``^[A-Za-z_][A-Za-z0-9_]{0,62}$``.
+    """
+    return f'"{validate_identifier(identifier, what)}"'
+
+
+INDEX_SUFFIXES = ("due", "token", "failed", "published", "purge")
+"""The store's indexes (and its purge trigger) on the events table are named
+``{events}_{suffix}`` (``schema``)."""
+
+RESERVED_PREFIX = "sqlite_"
+"""SQLite refuses to create tables whose name starts with this, in any case."""
+
+
+def index_names(events: str) -> list[str]:
+    """The names of the store's indexes on the events table ``events``."""
+    return [f"{events}_{suffix}" for suffix in INDEX_SUFFIXES]
+
+
+def _derived(option: str, table: str) -> list[str]:
+    return index_names(table) if option == "events_table" else []
+
+
+def _refuse_reserved(option: str, table: str) -> None:
+    if table.lower().startswith(RESERVED_PREFIX):
+        raise ConfigurationError(
+            f"{option}: SQLite reserves table names starting with {RESERVED_PREFIX!r} (in any "
+            f"case), got {table!r}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TableNames:
+    """The store's three tables. Each name is validated on construction: a safe identifier, not
+    ``sqlite_*`` (in any case), the three different ignoring case (as SQLite compares names), none
+    named like one of the store's indexes (``{events}_due`` ...)."""
+
+    events: str = "outbox_events"
+    deliveries: str = "outbox_deliveries"
+    schema: str = "outbox_schema"
+
+    def __post_init__(self) -> None:
+        validate_table_names(
+            self.events, self.deliveries, self.schema, derived=_derived, ignore_case=True
+        )
+        _refuse_reserved("events_table", self.events)
+        _refuse_reserved("deliveries_table", self.deliveries)
+        _refuse_reserved("schema_table", self.schema)
+
+    @classmethod
+    def from_options(
+        cls,
+        prefix: object,
+        events: object = None,
+        deliveries: object = None,
+        schema_table: object = None,
+    ) -> TableNames:
+        """``{prefix}events``, ``{prefix}deliveries``, ``{prefix}schema``, each replaced by its
+        own option when given."""
+        names = table_names(prefix, events, deliveries, schema_table)
+        for option, table, given in zip(
+            ("events_table", "deliveries_table", "schema_table"),
+            names,
+            (events, deliveries, schema_table),
+            strict=True,
+        ):
+            _refuse_reserved(option if given is not None else "table_prefix", table)
+        return cls(*names)
+
+    def placeholders(self) -> dict[str, str]:
+        """The quoted names for the ``{events}``, ``{deliveries}``, ``{schema}`` slots, plus
+        quoted index names derived from them (``{events_due}`` ...)."""
+        return {
+            "events": quote(self.events),
+            "deliveries": quote(self.deliveries),
+            "schema": quote(self.schema),
+            **{
+                f"events_{suffix}": f'"{name}"'
+                for suffix, name in zip(INDEX_SUFFIXES, index_names(self.events), strict=True)
+            },
+            "event_columns": ", ".join(EVENT_COLUMNS),
+        }
+
+
+def render_queries(tables: TableNames) -> dict[str, str]:
+    """Every statement of ``queries.sql`` with ``tables``' quoted names in place (the only place
+    names go into SQL)."""
+    names = tables.placeholders()
+    return {
+        name: template.format(**names)
+        for name, template in load_queries("outboxkit_sqlite").items()
+    }
+
+
+def insert_events(head: str, rows: int) -> str:
+    """One multi-row ``INSERT ... RETURNING id`` for ``rows`` events: placeholders only."""
+    return head + " " + ", ".join(["(?, ?, ?, ?, ?, ?)"] * rows) + " RETURNING id"
