@@ -93,7 +93,7 @@ def run_conformance(env_dir: Path, factory: str) -> subprocess.CompletedProcess[
 def test_wheel_ships_the_suite_and_a_third_party_store_passes(venv_with_wheel: Path) -> None:
     result = run_conformance(venv_with_wheel, "mystore:make_store")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "outboxkit conformance suite 1.0.0 against mystore:make_store" in result.stdout
+    assert "outboxkit conformance suite 1.1.0 against mystore:make_store" in result.stdout
     assert (
         "declared capabilities: batches, concurrent_batches, concurrent_claimers, "
         "transactional_handlers" in result.stdout
