@@ -16,34 +16,73 @@ Or subclass the base class in your own tests (fsspec / dbapi20 style)::
             return MyStore(tmp_path / "db")
 
 The factory (or ``make_store``) may return a context manager yielding the store when it needs
-cleanup. Tests needing a capability the store does not declare are skipped with the reason;
-``known_failures`` (on the subclass, or an attribute of the factory) maps test names to reasons
-and runs those tests as strict xfail.
+cleanup. Tests needing a capability the store does not declare (a field of
+``outboxkit.store.Capabilities``) are skipped with the reason; ``known_failures`` (on the
+subclass, or an attribute of the factory) maps test names to reasons and runs those tests as
+strict xfail.
+
+The tests are split by concern, one mixin per module, which ``StoreConformance`` composes:
+``EnqueueTests`` (``_enqueue``), ``ClaimTests`` (``_claim``), ``DeliveryTests`` (``_delivery``),
+``SettleTests`` (``_settle``), ``BatchTests`` (``_batch``), ``OperationsTests``
+(``_operations``), ``TimeTests`` (``_time``), ``TextTests`` (``_text``), ``ConcurrencyTests``
+(``_concurrency``) and ``LifecycleTests`` (``_lifecycle``). A store still in the making may
+subclass a few of them instead.
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
-from ._base import Recorder, StoreFactory, call_factory
-from ._lifecycle_tests import LifecycleTests
-from ._store_tests import StoreLevelTests
+from outboxkit.testing.recorder import Recorder
+
+from ._base import ConformanceBase, StoreFactory, call_factory
+from ._batch import BatchTests
+from ._claim import ClaimTests
+from ._concurrency import ConcurrencyTests
+from ._delivery import DeliveryTests
+from ._enqueue import EnqueueTests
+from ._lifecycle import LifecycleTests
+from ._operations import OperationsTests
+from ._settle import SettleTests
+from ._text import TextTests
+from ._time import TimeTests
 
 __all__ = [
     "SUITE_VERSION",
+    "BatchTests",
+    "ClaimTests",
+    "ConcurrencyTests",
+    "ConformanceBase",
+    "DeliveryTests",
+    "EnqueueTests",
+    "LifecycleTests",
+    "OperationsTests",
     "Recorder",
+    "SettleTests",
     "StoreConformance",
     "StoreFactory",
+    "TextTests",
+    "TimeTests",
     "call_factory",
     "load_factory",
 ]
 
-SUITE_VERSION = "1.0.0"
+SUITE_VERSION = "1.1.0"
 
 
-class StoreConformance(StoreLevelTests, LifecycleTests):
+class StoreConformance(
+    EnqueueTests,
+    ClaimTests,
+    DeliveryTests,
+    SettleTests,
+    BatchTests,
+    OperationsTests,
+    TimeTests,
+    TextTests,
+    ConcurrencyTests,
+    LifecycleTests,
+):
     """Every conformance test. Subclass it as ``Test...`` and implement ``make_store(tmp_path)``."""
 
 
@@ -51,23 +90,16 @@ def load_factory(spec: str) -> Callable[..., Any]:
     """Import ``module:attribute`` and return the store factory it names.
 
     Raises:
-        ValueError: the spec is malformed, does not import, or does not name a callable.
+        ValueError: the spec is malformed, does not import, or does not name a callable (an
+            ``outboxkit.cli.apps.LoadError``, which is a ``ConfigurationError``).
     """
-    module_name, sep, attribute = spec.partition(":")
-    if not sep or not module_name or not attribute:
-        raise ValueError(f"a store factory is given as 'module:attribute', got {spec!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(
-            f"cannot import {module_name!r} for store factory {spec!r}: {exc}"
-        ) from exc
-    target: Any = module
-    for part in attribute.split("."):
-        try:
-            target = getattr(target, part)
-        except AttributeError:
-            raise ValueError(f"{module_name!r} has no attribute {attribute!r}") from None
-    if not callable(target):
-        raise ValueError(f"store factory {spec!r} is not callable: {target!r}")
-    return target  # type: ignore[no-any-return]
+    # Imported here: the loader lives in the CLI package, which importing the suite does not need.
+    from outboxkit.cli.apps import load_object
+
+    # load_object's ``kind`` is annotated as a type, but it documents ``callable`` as a kind.
+    factory: Callable[..., Any] = load_object(
+        spec,
+        what="store factory",
+        kind=callable,  # type: ignore[arg-type]
+    )
+    return factory

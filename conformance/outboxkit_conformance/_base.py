@@ -1,23 +1,31 @@
-"""The base class every conformance test class derives from: fixtures and small helpers."""
+"""The base class every conformance mixin derives from: fixtures and small helpers."""
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import fields
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 
-from outboxkit import Claim, EventBus, FrozenClock, ObserverEvent, Outbox, Store, hookimpl
+from outboxkit import Claim, EventBus, FrozenClock, Outbox, Store
 from outboxkit.core.payload import build_event
+from outboxkit.store import Capabilities
+from outboxkit.testing import Drain, DrainReport
+from outboxkit.testing.recorder import Recorder
 
-__all__ = ["ConformanceBase", "Recorder", "StoreFactory", "call_factory"]
+__all__ = ["ConformanceBase", "StoreFactory", "call_factory"]
 
 START = "2030-01-01T00:00:00Z"
 LEASE = timedelta(seconds=30)
+S = timedelta(seconds=1)
+
+CAPABILITY_NAMES = tuple(f.name for f in fields(Capabilities))
+"""What ``require`` accepts: the fields of ``Capabilities``, and nothing else."""
 
 StoreFactory = Callable[..., "Store | AbstractContextManager[Store]"]
 """``factory()`` or ``factory(tmp_path)`` -> a fresh, empty, migrated store (or a context
@@ -36,20 +44,6 @@ def call_factory(factory: StoreFactory, tmp_path: Path) -> Store | AbstractConte
         if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
     ]
     return factory(tmp_path) if required else factory()
-
-
-class Recorder:
-    """An observer plugin that keeps every event it is sent."""
-
-    def __init__(self) -> None:
-        self.events: list[ObserverEvent] = []
-
-    @hookimpl
-    def outboxkit_on_event(self, event: ObserverEvent) -> None:
-        self.events.append(event)
-
-    def of(self, kind: type[ObserverEvent]) -> list[Any]:
-        return [e for e in self.events if isinstance(e, kind)]
 
 
 class ConformanceBase:
@@ -99,15 +93,45 @@ class ConformanceBase:
     def recorder(self) -> Recorder:
         return Recorder()
 
-    @pytest.fixture
-    def outbox(self, store: Store, bus: EventBus, clock: FrozenClock, recorder: Recorder) -> Outbox:
-        return Outbox(store, bus, clock=clock, plugins=[recorder], load_entry_points=False)
+    # Here rather than in the lifecycle mixin, so that a test asking for an outbox runs in both
+    # modes whichever mixins a class composes (its ids do not depend on the composition).
+    @pytest.fixture(params=["per_event", "per_batch"])
+    def outbox(
+        self,
+        request: pytest.FixtureRequest,
+        store: Store,
+        bus: EventBus,
+        clock: FrozenClock,
+        recorder: Recorder,
+    ) -> Outbox:
+        """The outbox, its pollers delivering in one mode or the other (``[per_batch]`` is
+        skipped for a store without the ``batches`` capability)."""
+        if request.param == "per_batch":
+            self.require(store, "batches")
+        return Outbox(
+            store,
+            bus,
+            clock=clock,
+            plugins=[recorder],
+            load_entry_points=False,
+            transaction=request.param,
+        )
 
     # -- helpers ----------------------------------------------------------------------------------
 
     @staticmethod
     def require(store: Store, capability: str) -> None:
-        """Skip the test unless ``store`` declares ``capability``."""
+        """Skip the test unless ``store`` declares ``capability``.
+
+        Raises:
+            ValueError: ``capability`` is not a field of ``outboxkit.store.Capabilities``
+                (a misspelt name would otherwise skip the test for every store).
+        """
+        if capability not in CAPABILITY_NAMES:
+            raise ValueError(
+                f"unknown capability {capability!r}: require() takes a field of "
+                f"outboxkit.store.Capabilities ({', '.join(CAPABILITY_NAMES)})"
+            )
         if capability not in store.capabilities:
             pytest.skip(f"store does not declare the {capability!r} capability")
 
@@ -136,13 +160,17 @@ class ConformanceBase:
         return [c.event.id for c in claims]
 
     @staticmethod
-    def drain(outbox: Outbox, clock: FrozenClock, *, rounds: int = 100, step: float = 301) -> None:
-        """Poll until nothing is due and nothing is waiting for a retry (bounded)."""
-        poller = outbox.poller(batch_size=50)
-        for _ in range(rounds):
-            if not poller.run_once().claimed:
-                stats = outbox.stats()
-                if stats.pending == 0 and stats.claimed == 0:
-                    return
-                clock.advance(step)
-        raise AssertionError(f"drain did not finish in {rounds} rounds: {outbox.stats()}")
+    def drain(outbox: Outbox, clock: FrozenClock, *, rounds: int = 100) -> DrainReport:
+        """Deliver until every event is published or dead, through ``outboxkit.testing.Drain``
+        (the production path; the clock moves to each retry). Handler failures are expected:
+        they are retried, not raised.
+
+        Raises:
+            AssertionError: an event is still pending or claimed at the end.
+            DrainError: more than ``rounds`` rounds claimed something.
+        """
+        report = Drain(outbox, clock)(max_rounds=rounds, raise_errors=False)
+        stats = outbox.stats()
+        if stats.pending or stats.claimed:
+            raise AssertionError(f"drain left events undelivered: {stats}\n{report.summary()}")
+        return report

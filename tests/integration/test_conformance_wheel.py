@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -12,6 +13,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+SKIPPED_IN_THE_COPY = shutil.ignore_patterns(
+    ".git",
+    ".venv*",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    ".*_cache",
+    ".hypothesis",
+    "*.db",
+    "*.db-wal",
+    "*.db-shm",
+)
 
 THIRD_PARTY_STORE = '''
 """A third party's store: the memory store wrapped, plus a broken variant."""
@@ -55,8 +69,12 @@ def make_broken_store(tmp_path):
 def venv_with_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     work = tmp_path_factory.mktemp("wheel")
     dist = work / "dist"
+    # Built from a copy: setuptools writes build/ and *.egg-info into the tree it builds, and
+    # two xdist workers building the one tree at once break each other's wheel.
+    source = work / "source"
+    shutil.copytree(ROOT, source, ignore=SKIPPED_IN_THE_COPY)
     subprocess.run(
-        [sys.executable, "-m", "build", "--wheel", "--outdir", str(dist), str(ROOT)],
+        [sys.executable, "-m", "build", "--wheel", "--outdir", str(dist), str(source)],
         check=True,
         capture_output=True,
     )
@@ -93,7 +111,7 @@ def run_conformance(env_dir: Path, factory: str) -> subprocess.CompletedProcess[
 def test_wheel_ships_the_suite_and_a_third_party_store_passes(venv_with_wheel: Path) -> None:
     result = run_conformance(venv_with_wheel, "mystore:make_store")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "outboxkit conformance suite 1.0.0 against mystore:make_store" in result.stdout
+    assert "outboxkit conformance suite 1.1.0 against mystore:make_store" in result.stdout
     assert (
         "declared capabilities: batches, concurrent_batches, concurrent_claimers, "
         "transactional_handlers" in result.stdout

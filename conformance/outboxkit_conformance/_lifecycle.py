@@ -4,7 +4,7 @@ A handler's "write in the store's database" is a follow-up event (``ctx.enqueue`
 write every store can make inside a delivery transaction, so exactly-once is checked with it.
 
 Every check runs in both delivery modes: ``[per_event]`` and ``[per_batch]`` (the latter skipped
-for a store without the ``batches`` capability).
+for a store without the ``batches`` capability), by the ``outbox`` fixture of ``ConformanceBase``.
 """
 
 from __future__ import annotations
@@ -31,35 +31,15 @@ from outboxkit import (
     Store,
     Unrouted,
 )
+from outboxkit.testing.recorder import Recorder
 
-from ._base import ConformanceBase, Recorder
+from ._base import ConformanceBase, S
 
 __all__ = ["LifecycleTests"]
 
-S = timedelta(seconds=1)
-
 
 class LifecycleTests(ConformanceBase):
-    @pytest.fixture(params=["per_event", "per_batch"])
-    def outbox(
-        self,
-        request: pytest.FixtureRequest,
-        store: Store,
-        bus: EventBus,
-        clock: FrozenClock,
-        recorder: Recorder,
-    ) -> Outbox:
-        """The outbox, its pollers delivering in one mode or the other."""
-        if request.param == "per_batch":
-            self.require(store, "batches")
-        return Outbox(
-            store,
-            bus,
-            clock=clock,
-            plugins=[recorder],
-            load_entry_points=False,
-            transaction=request.param,
-        )
+    """The rules end to end: an ``Outbox`` and its ``Poller`` on the store, in both modes."""
 
     def enqueue(self, store: Store, outbox: Outbox, topic: str, payload: Any, **kw: Any) -> int:
         with store.transaction() as conn:

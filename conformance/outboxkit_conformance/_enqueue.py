@@ -1,0 +1,103 @@
+"""Enqueue (R1): an event exists iff the caller's transaction commits, and comes back as it
+was written (topic, payload, headers, key, delay)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from outboxkit import FrozenClock, InvalidEvent, Outbox, Store
+from outboxkit.core.payload import build_event
+
+from ._base import ConformanceBase
+
+__all__ = ["EnqueueTests"]
+
+
+class EnqueueTests(ConformanceBase):
+    """Transactional visibility and round-tripping of what ``enqueue`` writes."""
+
+    def test_committed_enqueue_is_visible(self, store: Store, clock: FrozenClock) -> None:
+        (event_id,) = self.put(store, clock.now(), ("t", {"n": 1}))
+        event = store.get(event_id)
+        assert event is not None
+        assert (event.topic, event.payload, event.attempts) == ("t", {"n": 1}, 0)
+        assert event.available_at == clock.now()
+        assert store.stats(now=clock.now()).pending == 1
+
+    def test_rolled_back_enqueue_never_existed(self, store: Store, clock: FrozenClock) -> None:
+        event = build_event("t", {"n": 1})
+        ids: list[int] = []
+        with pytest.raises(RuntimeError, match="app failed"), store.transaction() as conn:
+            ids = store.enqueue(conn, [event], now=clock.now())
+            raise RuntimeError("app failed")
+        assert len(ids) == 1
+        assert store.get(ids[0]) is None
+        assert self.claim(store, clock.now()) == []
+        assert store.stats(now=clock.now()).total == 0
+
+    def test_enqueue_never_commits_the_callers_transaction(
+        self, store: Store, clock: FrozenClock
+    ) -> None:
+        # Several enqueues, then a failure: if any enqueue had committed, something would remain.
+        with pytest.raises(RuntimeError), store.transaction() as conn:
+            store.enqueue(conn, [build_event("t", 1)], now=clock.now())
+            store.enqueue(conn, [build_event("t", 2), build_event("t", 3)], now=clock.now())
+            raise RuntimeError("roll back")
+        assert store.stats(now=clock.now()).total == 0
+
+    def test_enqueue_many_in_one_call(self, store: Store, clock: FrozenClock) -> None:
+        ids = self.put(store, clock.now(), *[("t", i) for i in range(25)])
+        assert len(set(ids)) == 25
+        assert ids == sorted(ids)
+        assert [store.get(i).payload for i in ids] == list(range(25))  # type: ignore[union-attr]
+
+    def test_payload_headers_and_key_round_trip(self, store: Store, clock: FrozenClock) -> None:
+        payload = {"s": "héllo ✓ 𝄞", "n": [1, 2.5, None, True], "big": 2**53 + 1, "o": {}}
+        event = build_event("t", payload, headers={"trace": "abc"}, key="order-1")
+        with store.transaction() as conn:
+            (event_id,) = store.enqueue(conn, [event], now=clock.now())
+        got = store.get(event_id)
+        assert got is not None
+        assert got.payload == payload
+        assert dict(got.headers) == {"trace": "abc"}
+        assert got.key == "order-1"
+
+    def test_a_batch_keeps_each_events_topic_headers_key_and_delay(
+        self, store: Store, clock: FrozenClock
+    ) -> None:
+        now = clock.now()
+        events = [
+            build_event('t "quoted" \\ é', {"n": 1}, headers={"a": 'b " c', "é": "✓"}, key='k "1"'),
+            build_event("t", [1, "two"], delay=1.5),
+            build_event("t", None, delay=timedelta(microseconds=1)),
+        ]
+        with store.transaction() as conn:
+            ids = store.enqueue(conn, events, now=now)
+        got = [store.get(i) for i in ids]
+        assert all(e is not None for e in got)
+        one, two, three = (e for e in got if e is not None)
+        assert (one.topic, one.payload, dict(one.headers), one.key) == (
+            't "quoted" \\ é',
+            {"n": 1},
+            {"a": 'b " c', "é": "✓"},
+            'k "1"',
+        )
+        assert (two.payload, dict(two.headers), two.key) == ([1, "two"], {}, None)
+        assert three.payload is None
+        assert one.available_at == now
+        assert two.available_at == now + timedelta(seconds=1.5)
+        assert three.available_at == now + timedelta(microseconds=1)
+
+    def test_bad_payload_rejected_before_any_write(
+        self, store: Store, outbox: Outbox, clock: FrozenClock
+    ) -> None:
+        with store.transaction() as conn:
+            for bad in ({"x": float("nan")}, {"x": "a\x00b"}, {"x": "\ud800"}, {1: "key"}, {1, 2}):
+                with pytest.raises(InvalidEvent):
+                    outbox.enqueue(conn, "t", bad)
+            # The transaction is still usable: a good event commits with it.
+            good = outbox.enqueue(conn, "t", {"ok": True})
+        assert store.stats(now=clock.now()).total == 1
+        assert store.get(good) is not None
