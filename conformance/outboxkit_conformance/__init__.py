@@ -96,10 +96,7 @@ def load_factory(spec: str) -> Callable[..., Any]:
     # Imported here: the loader lives in the CLI package, which importing the suite does not need.
     from outboxkit.cli.apps import load_object
 
-    # load_object's ``kind`` is annotated as a type, but it documents ``callable`` as a kind.
     factory: Callable[..., Any] = load_object(
-        spec,
-        what="store factory",
-        kind=callable,  # type: ignore[arg-type]
+        spec, what="store factory", kind=callable, example="mypkg.stores:make_store"
     )
     return factory

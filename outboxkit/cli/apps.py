@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from ..errors import ConfigurationError
@@ -21,7 +22,13 @@ class LoadError(ConfigurationError):
     import, a missing attribute, or an object of the wrong kind (the message says which)."""
 
 
-def load_object(spec: str, *, what: str, kind: type | None = None) -> Any:
+def load_object(
+    spec: str,
+    *,
+    what: str,
+    kind: type | Callable[[object], bool] | None = None,
+    example: str = "myapp.events:outbox",
+) -> Any:
     """The object ``module:attribute.path`` names; the working directory is importable.
 
     Args:
@@ -29,15 +36,14 @@ def load_object(spec: str, *, what: str, kind: type | None = None) -> Any:
         what: what the spec is for, in messages (``APP``, ``store factory`` ...).
         kind: the type the object must be, or None; a callable is required when ``kind`` is
             ``callable``.
+        example: a well-formed spec, for the message about a malformed one.
 
     Raises:
         LoadError: naming the spec and what is wrong with it.
     """
     module_name, sep, attribute = spec.partition(":") if isinstance(spec, str) else ("", "", "")
     if not sep or not module_name or not attribute:
-        raise LoadError(
-            f"{what} must be module:attribute (e.g. myapp.events:outbox), got {spec!r:.200}"
-        )
+        raise LoadError(f"{what} must be module:attribute (e.g. {example}), got {spec!r:.200}")
     cwd = os.getcwd()
     if cwd not in sys.path and "" not in sys.path:
         sys.path.insert(0, cwd)
