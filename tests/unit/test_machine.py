@@ -24,7 +24,7 @@ from outboxkit.core.machine import (
     transition,
 )
 
-# The lifecycle written out independently of the implementation's table (DESIGN.md section 2).
+# The lifecycle written out independently of the implementation's table (docs/lifecycle.md).
 LEGAL: dict[tuple[State, Transition], State] = {
     (State.PENDING, Transition.CLAIM): State.CLAIMED,
     (State.CLAIMED, Transition.LEASE_EXPIRE): State.PENDING,

@@ -1,4 +1,4 @@
-"""One test (or a few) per lifecycle rule R1-R14 of DESIGN.md section 2, on the memory store.
+"""One test (or a few) per lifecycle rule R1-R14 (docs/lifecycle.md), on the memory store.
 
 Each test drives the production path (``Outbox.enqueue`` -> ``Poller.run_once``) under a
 ``FrozenClock`` and asserts the exact state after each step: attempts, ``available_at``, the
