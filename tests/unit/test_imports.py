@@ -1,0 +1,153 @@
+"""The import graph of ``outboxkit``, read from the source: no cycle anywhere, and no module of
+the command's package imports the package itself.
+
+Every import counts, at module level and inside functions alike (a function-level import only
+hides a cycle until the function runs); only those under ``if TYPE_CHECKING:`` are exempt, as
+they never run. ``from package import name`` is an edge to ``package.name`` when that is a
+module, else to ``package``. The implicit import of a module's parent packages is no edge.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pkgutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import outboxkit
+import outboxkit.cli
+
+ROOT = Path(outboxkit.__file__).resolve().parent.parent
+CLI = "outboxkit.cli"
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    """Every module of ``outboxkit`` by dotted name: its file, and whether it is a package."""
+    found = {}
+    for path in sorted((ROOT / "outboxkit").rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        found[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    return found
+
+
+MODULES = _modules()
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+def _imports(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and _is_type_checking(child.test):
+            for other in child.orelse:
+                yield from _imports_in(other)
+            continue
+        yield from _imports_in(child)
+
+
+def _imports_in(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    if isinstance(node, ast.Import | ast.ImportFrom):
+        yield node
+    yield from _imports(node)
+
+
+def _edges(name: str) -> dict[str, int]:
+    """The modules of ``outboxkit`` that module ``name`` imports, each with a line number."""
+    path, is_package = MODULES[name]
+    base = name if is_package else name.rpartition(".")[0]
+    edges: dict[str, int] = {}
+    for node in _imports(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        else:
+            if node.level:
+                parts = base.split(".")
+                parts = parts[: len(parts) - (node.level - 1)]
+                source = ".".join([*parts, *([node.module] if node.module else [])])
+            else:
+                source = node.module or ""
+            targets = [
+                f"{source}.{alias.name}" if f"{source}.{alias.name}" in MODULES else source
+                for alias in node.names
+            ]
+        for target in targets:
+            if target in MODULES:
+                edges.setdefault(target, node.lineno)
+    return edges
+
+
+GRAPH = {name: _edges(name) for name in MODULES}
+
+
+def _cycles() -> list[list[str]]:
+    """The strongly connected components with a cycle (Tarjan), each as a sorted list."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in GRAPH[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1 or v in GRAPH[v]:
+                found.append(sorted(component))
+
+    for name in GRAPH:
+        if name not in index:
+            visit(name)
+    return found
+
+
+def test_the_graph_sees_the_imports() -> None:
+    assert len(MODULES) > 30
+    assert "outboxkit.cli.runner" in GRAPH[CLI]  # module level
+    assert "outboxkit.poller" in GRAPH["outboxkit.cli.runner"]
+
+
+def test_no_import_cycle_in_outboxkit() -> None:
+    listing = [
+        ", ".join(f"{v}:{GRAPH[v][w]} -> {w}" for v in cycle for w in GRAPH[v] if w in cycle)
+        for cycle in _cycles()
+    ]
+    assert not listing, "import cycles:\n" + "\n".join(listing)
+
+
+def test_no_module_of_the_command_imports_its_package() -> None:
+    offenders = [
+        f"{name}:{edges[CLI]}"
+        for name, edges in GRAPH.items()
+        if name.startswith(CLI + ".") and CLI in edges
+    ]
+    assert not offenders, f"import a sibling module instead of {CLI}: {offenders}"
+
+
+@pytest.mark.parametrize(
+    "name", [m.name for m in pkgutil.iter_modules(outboxkit.cli.__path__)], ids=str
+)
+def test_the_command_package_names_its_modules(name: str) -> None:
+    """``outboxkit.cli.<module>`` is the module, not a command of the same name bound over it."""
+    module = importlib.import_module(f"{CLI}.{name}")
+    assert getattr(outboxkit.cli, name) is module
