@@ -1,7 +1,7 @@
 """``outboxkit run``: pollers in this process, or N supervised poller processes.
 
-The command (:func:`run_command`) and the shell around ``Poller.run_forever`` (:func:`run`).
-Theory of operation:
+The command (:func:`run_command`) and the shell around ``Poller.run_forever`` and, with
+``--until-idle``, ``Poller.run_until_idle`` (:func:`run`). Theory of operation:
 
 - One process (``--processes 1``, and every child): the poller runs in a worker thread; the main
   thread only waits, so a signal is handled at once even while a handler blocks. The first
@@ -38,7 +38,7 @@ from typing import Any
 
 import click
 
-from ..core.model import DeadLettered, ObserverEvent, Published
+from ..core.model import DeadLettered, ObserverEvent, PollReport, Published
 from ..core.options import PollerOptions
 from ..core.text import printable
 from ..hookspecs import hookimpl
@@ -424,38 +424,32 @@ class _Summary:
 
 
 def _drain_until_idle(outbox: Outbox, poller: Poller, *, progress: bool) -> None:
-    """``--until-idle``: poll until a poll claims nothing (or the poller is stopped)."""
-    pending = outbox.stats().pending
-    claimed = published = retried = dead = lost = released = 0
+    """``--until-idle``: ``Poller.run_until_idle`` (until a poll claims nothing, or the poller
+    is stopped), a progress bar as it goes, and a summary line."""
     bar = click.progressbar(
-        length=max(pending, 1), label="draining", file=sys.stderr if progress else io.StringIO()
+        length=max(outbox.stats().pending, 1),
+        label="draining",
+        file=sys.stderr if progress else io.StringIO(),
     )
+
+    def advance(report: PollReport) -> None:
+        settled = len(report.claimed) - len(report.released)
+        if bar.pos + settled > (bar.length or 0):  # follow-up events joined the backlog
+            bar.length = bar.pos + settled
+        bar.update(settled)
+
     with bar:
-        while not poller.stopping:
-            report = poller.run_once()
-            if not report.claimed:
-                break
-            claimed += len(report.claimed)
-            published += len(report.published)
-            retried += len(report.retried)
-            dead += len(report.dead_lettered)
-            lost += len(report.lease_lost)
-            released += len(report.released)
-            settled = len(report.claimed) - len(report.released)
-            length = bar.length or 0
-            if bar.pos + settled > length:  # follow-up events joined the backlog
-                bar.length = bar.pos + settled
-            bar.update(settled)
+        reports = poller.run_until_idle(on_round=advance)
     outbox.prune_if_due()
     log.info(
         "drained: %d claimed, %d published, %d retried later, %d dead-lettered, "
         "%d lease(s) lost, %d released",
-        claimed,
-        published,
-        retried,
-        dead,
-        lost,
-        released,
+        sum(len(report.claimed) for report in reports),
+        sum(len(report.published) for report in reports),
+        sum(len(report.retried) for report in reports),
+        sum(len(report.dead_lettered) for report in reports),
+        sum(len(report.lease_lost) for report in reports),
+        sum(len(report.released) for report in reports),
     )
 
 
