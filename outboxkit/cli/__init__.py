@@ -26,7 +26,7 @@ import click
 
 from .. import __version__
 from .conformance import conformance_command
-from .demo import demo_command
+from .demo.command import demo_command
 from .errors import OneLineErrors
 from .ops import dead, migrate, purge, status
 from .params import parse_duration

@@ -1,4 +1,4 @@
-"""``outboxkit demo``: the example shop on a SQLite file, what happened per handler, and the
+"""The ``demo`` command: the example shop on a SQLite file, what happened per handler, and the
 commands to look further."""
 
 from __future__ import annotations
@@ -10,10 +10,13 @@ from pathlib import Path
 
 import click
 
-from .errors import InputError
-from .output import echo, table
+from ..errors import InputError
+from ..output import echo, table
 
-__all__ = ["demo_command"]
+__all__ = ["APP", "demo_command"]
+
+APP = "outboxkit.cli.demo.app:outbox"
+"""The shop's outbox as an app module, for ``outboxkit run`` (see ``app``)."""
 
 
 @click.command("demo", short_help="Run the example shop on a SQLite file and show what happened.")
@@ -27,10 +30,11 @@ __all__ = ["demo_command"]
     "--orders", type=click.IntRange(min=1), default=300, show_default=True, help="Orders to place."
 )
 def demo_command(db: Path | None, orders: int) -> None:
-    """Place orders in the example shop (outboxkit_shop), deliver them to its three handlers
+    """Place orders in the example shop (outboxkit.cli.demo), deliver them to its three handlers
     (fraud-check rejects big orders, reserve-stock writes the stock table, send-receipt calls a
     flaky mail server that is retried), and print what happened, per handler."""
-    from outboxkit_shop.demo import DEFAULT_DB, main
+    # Imported here: the shop (its bus, its handlers) is this command's alone.
+    from .runner import DEFAULT_DB, main
 
     path = db if db is not None else Path(DEFAULT_DB)
     if not path.parent.is_dir():
@@ -67,8 +71,7 @@ def demo_command(db: Path | None, orders: int) -> None:
     echo(f"  outboxkit dead show ID --store {store}")
     echo(f"  outboxkit dead requeue --all --store {store}")
     echo(
-        f"  SHOP_DB={shlex.quote(url.removeprefix('sqlite:///'))} "
-        "outboxkit run outboxkit_shop.app:outbox --until-idle"
+        f"  SHOP_DB={shlex.quote(url.removeprefix('sqlite:///'))} outboxkit run {APP} --until-idle"
     )
 
 
