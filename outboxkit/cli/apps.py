@@ -64,6 +64,19 @@ def load_object(
         raise LoadError(f"{what} {spec!r} is not callable: {target!r:.80}")
     if isinstance(kind, type) and not isinstance(target, kind):
         raise LoadError(
-            f"{what} {spec!r} is a {type(target).__name__}, not a {kind.__module__}.{kind.__name__}"
+            f"{what} {spec!r} is a {type(target).__name__}, not {_a(_public_name(kind))}"
         )
     return target
+
+
+def _public_name(kind: type) -> str:
+    """``outboxkit.Outbox`` rather than ``outboxkit.outbox.Outbox``: the name users import, when
+    the top-level package exports the class."""
+    top = kind.__module__.partition(".")[0]
+    if getattr(sys.modules.get(top), kind.__qualname__, None) is kind:
+        return f"{top}.{kind.__qualname__}"
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _a(noun: str) -> str:
+    return f"an {noun}" if noun[:1].lower() in "aeiou" else f"a {noun}"

@@ -1,6 +1,7 @@
 """``outboxkit run``: pollers in this process, or N supervised poller processes.
 
-The shell around ``Poller.run_forever``. Theory of operation:
+The command (:func:`run_command`) and the shell around ``Poller.run_forever`` and, with
+``--until-idle``, ``Poller.run_until_idle`` (:func:`run`). Theory of operation:
 
 - One process (``--processes 1``, and every child): the poller runs in a worker thread; the main
   thread only waits, so a signal is handled at once even while a handler blocks. The first
@@ -28,7 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -37,19 +38,22 @@ from typing import Any
 
 import click
 
-from ..core.model import DeadLettered, ObserverEvent, Published
+from ..core.model import DeadLettered, ObserverEvent, PollReport, Published
+from ..core.options import PollerOptions
 from ..core.text import printable
 from ..hookspecs import hookimpl
 from ..outbox import Outbox
 from ..poller import Poller, ThreadWaiter
+from .errors import WRONG_INPUT
+from .params import DURATION, StoreOption, format_duration
+from .stores import STORE_ENV, STORE_OPTIONS_ENV, open_outbox
 
-__all__ = ["RunSettings", "run"]
+__all__ = ["RunSettings", "run", "run_command"]
 
 log = logging.getLogger("outboxkit.run")
 
 SUPERVISOR_ENV = "OUTBOXKIT_SUPERVISOR_PID"
 POLLER_ENV = "OUTBOXKIT_POLLER"
-WRONG_INPUT = 2  # the exit code of wrong input (see outboxkit.cli)
 _TICK = 0.1  # seconds between the main thread's checks (signals interrupt the wait)
 _LOG_FORMAT = "%(asctime)s %(levelname)s {who}%(name)s: %(message)s"
 
@@ -72,8 +76,6 @@ class RunSettings:
         """The command line of one child poller process. The store's URL and options are not on
         it (a command line is world-readable in ``/proc``, and a URL may hold a password): they
         go in the child's environment, see :meth:`child_env`."""
-        from . import format_duration
-
         argv = [sys.executable, "-m", "outboxkit", "run", self.app]
         for name, value in self.poller_options.items():
             text = format_duration(value) if isinstance(value, timedelta) else str(value)
@@ -88,14 +90,125 @@ class RunSettings:
     def child_env(self, base: dict[str, str]) -> dict[str, str]:
         """``base`` with the store for a child: ``OUTBOXKIT_STORE`` and
         ``OUTBOXKIT_STORE_OPTIONS`` (a JSON object), readable by this user only."""
-        from . import STORE_ENV, STORE_OPTIONS_ENV
-
         env = {k: v for k, v in base.items() if k not in (STORE_ENV, STORE_OPTIONS_ENV)}
         if self.store_url:
             env[STORE_ENV] = self.store_url
         if self.store_options:
             env[STORE_OPTIONS_ENV] = json.dumps(dict(self.store_options))
         return env
+
+
+@click.command("run", short_help="Run pollers for an app's outbox.")
+@click.argument("app")
+@click.option(
+    "--store",
+    "store_url",
+    envvar=STORE_ENV,
+    show_envvar=True,
+    metavar="URL",
+    default=None,
+    help="Poll this store instead of the app's own.",
+)
+@click.option(
+    "-o",
+    "--store-option",
+    "store_options",
+    type=StoreOption(),
+    multiple=True,
+    help="An option for --store, e.g. -o schema=outbox (repeatable).",
+)
+@click.option("--interval", type=DURATION, default=None, help="Wait between idle polls.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=None, help="Events per claim.")
+@click.option("--lease", type=DURATION, default=None, help="How long a claim is held.")
+@click.option(
+    "--max-retries",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Retries before an event is dead-lettered.",
+)
+@click.option(
+    "--transaction",
+    type=click.Choice(["per_event", "per_batch"]),
+    default=None,
+    help="One transaction per delivery (default), or one per claimed batch with a savepoint "
+    "per delivery (fewer commits; stores with the batched_delivery capability).",
+)
+@click.option("--until-idle", is_flag=True, help="Drain what is due now, then exit 0.")
+@click.option(
+    "--processes",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Poller processes; one that dies is restarted.",
+)
+@click.option(
+    "--grace",
+    type=DURATION,
+    default="30s",
+    show_default=True,
+    help="On SIGTERM/SIGINT, how long to finish the event in hand before exiting anyway.",
+)
+@click.option(
+    "--log-every",
+    type=DURATION,
+    default="60s",
+    show_default=True,
+    help="How often to log the one-line summary.",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+    default="INFO",
+    show_default=True,
+)
+def run_command(
+    app: str,
+    store_url: str | None,
+    store_options: Sequence[tuple[str, Any]],
+    interval: timedelta | None,
+    batch_size: int | None,
+    lease: timedelta | None,
+    max_retries: int | None,
+    transaction: str | None,
+    until_idle: bool,
+    processes: int,
+    grace: timedelta,
+    log_every: timedelta,
+    log_level: str,
+) -> None:
+    """Run pollers for APP (module:attribute naming an Outbox) until SIGTERM or SIGINT.
+
+    The store is --store (or OUTBOXKIT_STORE), else the app's own. On SIGTERM/SIGINT each
+    poller finishes the event in hand, releases the rest of its batch at once and exits 0; past
+    --grace, or on a second signal, it exits 1 at once (the event in hand recovers by its
+    lease). A summary line is logged every --log-every: published/s, pending, oldest due
+    age, dead letters.
+    """
+    if log_every <= timedelta(0):
+        raise click.BadParameter("must be > 0", param_hint="'--log-every'")
+    poller_options: dict[str, Any] = {
+        name: value
+        for name, value in (
+            ("interval", interval),
+            ("batch_size", batch_size),
+            ("lease", lease),
+            ("max_retries", max_retries),
+            ("transaction", transaction),
+        )
+        if value is not None
+    }
+    settings = RunSettings(
+        app=app,
+        store_url=store_url or None,
+        store_options=tuple(store_options),
+        poller_options=poller_options,
+        until_idle=until_idle,
+        processes=processes,
+        grace=grace,
+        log_every=log_every,
+        log_level=log_level.upper(),
+    )
+    sys.exit(run(settings))
 
 
 def run(settings: RunSettings) -> int:
@@ -105,9 +218,6 @@ def run(settings: RunSettings) -> int:
         InputError, ConfigurationError: wrong input (the CLI reports it in one line, exit 2).
         StoreError: the store failed for good (a missing schema, say).
     """
-    from ..core.options import PollerOptions
-    from . import open_outbox
-
     who = os.environ.get(POLLER_ENV)
     supervisor = os.environ.get(SUPERVISOR_ENV)
     prefix = f"[poller {who} pid {os.getpid()}] " if who else ""
@@ -314,38 +424,32 @@ class _Summary:
 
 
 def _drain_until_idle(outbox: Outbox, poller: Poller, *, progress: bool) -> None:
-    """``--until-idle``: poll until a poll claims nothing (or the poller is stopped)."""
-    pending = outbox.stats().pending
-    claimed = published = retried = dead = lost = released = 0
+    """``--until-idle``: ``Poller.run_until_idle`` (until a poll claims nothing, or the poller
+    is stopped), a progress bar as it goes, and a summary line."""
     bar = click.progressbar(
-        length=max(pending, 1), label="draining", file=sys.stderr if progress else io.StringIO()
+        length=max(outbox.stats().pending, 1),
+        label="draining",
+        file=sys.stderr if progress else io.StringIO(),
     )
+
+    def advance(report: PollReport) -> None:
+        settled = len(report.claimed) - len(report.released)
+        if bar.pos + settled > (bar.length or 0):  # follow-up events joined the backlog
+            bar.length = bar.pos + settled
+        bar.update(settled)
+
     with bar:
-        while not poller.stopping:
-            report = poller.run_once()
-            if not report.claimed:
-                break
-            claimed += len(report.claimed)
-            published += len(report.published)
-            retried += len(report.retried)
-            dead += len(report.dead_lettered)
-            lost += len(report.lease_lost)
-            released += len(report.released)
-            settled = len(report.claimed) - len(report.released)
-            length = bar.length or 0
-            if bar.pos + settled > length:  # follow-up events joined the backlog
-                bar.length = bar.pos + settled
-            bar.update(settled)
+        reports = poller.run_until_idle(on_round=advance)
     outbox.prune_if_due()
     log.info(
         "drained: %d claimed, %d published, %d retried later, %d dead-lettered, "
         "%d lease(s) lost, %d released",
-        claimed,
-        published,
-        retried,
-        dead,
-        lost,
-        released,
+        sum(len(report.claimed) for report in reports),
+        sum(len(report.published) for report in reports),
+        sum(len(report.retried) for report in reports),
+        sum(len(report.dead_lettered) for report in reports),
+        sum(len(report.lease_lost) for report in reports),
+        sum(len(report.released) for report in reports),
     )
 
 

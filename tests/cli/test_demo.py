@@ -13,6 +13,8 @@ from outboxkit import Outcome, open_store
 
 from .conftest import Cli, Result
 
+EXAMPLE_README = Path(__file__).resolve().parents[2] / "examples" / "shop" / "README.md"
+
 
 def ok(result: Result) -> None:
     assert result.code == 0, result
@@ -85,8 +87,15 @@ def test_demo_runs_the_shop_and_says_where_to_look(demo_cli: Cli, tmp_path: Path
 
 def test_demo_writes_to_the_working_directory_by_default(tmp_path: Path) -> None:
     cli = Cli("runner", tmp_path)
-    ok(cli("demo", "--orders", "20"))
+    first = cli("demo", "--orders", "20")
+    ok(first)
     assert (tmp_path / "outboxkit-demo.db").is_file()
+    # The example's README shows the hints as the demo prints them for this default file.
+    hints = first.stdout.split("where to look next:\n", 1)[1].splitlines()
+    readme = EXAMPLE_README.read_text(encoding="utf-8").splitlines()
+    assert len(hints) == 5
+    for hint in hints:
+        assert hint.strip() in readme, hint
     # A second run reuses the file and counts only its own orders.
     again = cli("demo", "--orders", "20")
     ok(again)

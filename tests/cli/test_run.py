@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from outboxkit import Outbox, Outcome, State, Store
+from outboxkit import Outbox, Outcome, Poller, PollReport, State, Store
 from tests.backends import Target
 
 from .apps import App
@@ -72,6 +72,32 @@ def test_until_idle_drains_with_the_given_options(
     )
     stats = store.stats(now=None)
     assert (stats.published, stats.dead, stats.pending) == (5, 1, 0)
+
+
+def test_until_idle_drains_through_the_pollers_one_drain_loop(
+    tmp_path: Path, target: Target, store: Store, app: App, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    jobs(store, *[{}] * 3, {"fail": True})
+    calls: list[list[str]] = []
+    reports: list[PollReport] = []
+    drain = Poller.run_until_idle
+
+    def spy(self: Poller, **kwargs: Any) -> list[PollReport]:
+        calls.append(sorted(kwargs))
+        reports.extend(drain(self, **kwargs))
+        return reports
+
+    monkeypatch.setattr(Poller, "run_until_idle", spy)
+    work = tmp_path / "cwd"
+    work.mkdir()
+    result = Cli("runner", work, [tmp_path / "app"])("run", app.spec(), "--until-idle")
+    ok(result)
+    assert calls == [["on_round"]]
+    assert sum(len(r.claimed) for r in reports) == 4
+    assert (
+        "drained: 4 claimed, 3 published, 1 retried later, 0 dead-lettered, 0 lease(s) lost, "
+        "0 released" in result.stderr
+    )
 
 
 def test_until_idle_keeps_the_apps_defaults(

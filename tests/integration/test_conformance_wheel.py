@@ -1,13 +1,17 @@
-"""Acceptance for the conformance suite as a third party meets it: built wheel, fresh venv."""
+"""Acceptance for the conformance suite as a third party meets it: built wheel, fresh venv; and
+what the wheel installs: exactly outboxkit's four top-level packages, the demo among them."""
 
 from __future__ import annotations
 
+import csv
+import io
 import os
 import shutil
 import subprocess
 import sys
 import textwrap
 import venv
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -26,6 +30,12 @@ SKIPPED_IN_THE_COPY = shutil.ignore_patterns(
     "*.db-wal",
     "*.db-shm",
 )
+PACKAGES = {  # the top-level packages the wheel installs, and their folders in the source tree
+    "outboxkit": ROOT / "outboxkit",
+    "outboxkit_pg": ROOT / "outboxkit_pg",
+    "outboxkit_sqlite": ROOT / "outboxkit_sqlite",
+    "outboxkit_conformance": ROOT / "conformance" / "outboxkit_conformance",
+}
 
 THIRD_PARTY_STORE = '''
 """A third party's store: the memory store wrapped, plus a broken variant."""
@@ -66,19 +76,27 @@ def make_broken_store(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def venv_with_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    work = tmp_path_factory.mktemp("wheel")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    work = tmp_path_factory.mktemp("build")
     dist = work / "dist"
-    # Built from a copy: setuptools writes build/ and *.egg-info into the tree it builds, and
-    # two xdist workers building the one tree at once break each other's wheel.
+    # From a copy of the tree (setuptools writes build/ and *.egg-info into the tree it builds,
+    # and two xdist workers building one tree at once break each other's build), the sdist
+    # first and the wheel from it: the wheel holds only what the project lists, never what an
+    # earlier build left in a build/ folder.
     source = work / "source"
     shutil.copytree(ROOT, source, ignore=SKIPPED_IN_THE_COPY)
     subprocess.run(
-        [sys.executable, "-m", "build", "--wheel", "--outdir", str(dist), str(source)],
+        [sys.executable, "-m", "build", "--outdir", str(dist), str(source)],
         check=True,
         capture_output=True,
     )
-    (wheel,) = dist.glob("outboxkit-*.whl")
+    (built,) = dist.glob("outboxkit-*.whl")
+    return built
+
+
+@pytest.fixture(scope="module")
+def venv_with_wheel(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    work = tmp_path_factory.mktemp("wheel")
     env_dir = work / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
     python = env_dir / "bin" / "python"
@@ -105,6 +123,34 @@ def run_conformance(env_dir: Path, factory: str) -> subprocess.CompletedProcess[
         text=True,
         timeout=600,
     )
+
+
+def wheel_record(wheel: Path) -> list[str]:
+    """The paths the wheel's RECORD lists: every file it installs."""
+    with zipfile.ZipFile(wheel) as archive:
+        (name,) = [n for n in archive.namelist() if n.endswith(".dist-info/RECORD")]
+        with archive.open(name) as raw:
+            rows = list(csv.reader(io.TextIOWrapper(raw, encoding="utf-8")))
+        assert sorted(row[0] for row in rows) == sorted(archive.namelist())
+    return [row[0] for row in rows]
+
+
+@pytest.mark.slow
+def test_wheel_installs_exactly_the_four_top_level_packages(wheel: Path) -> None:
+    record = wheel_record(wheel)
+    top_level = {path.split("/", 1)[0] for path in record}
+    metadata = {name for name in top_level if name.endswith((".dist-info", ".data"))}
+    assert metadata == {"outboxkit-0.1.0.dist-info"}, sorted(top_level)
+    assert top_level - metadata == set(PACKAGES), sorted(top_level)
+    # Every module of the source tree made it (the explicit packages list misses no subpackage).
+    shipped = set(record)
+    for package, folder in PACKAGES.items():
+        for path in folder.rglob("*.py"):
+            if "__pycache__" not in path.parts:
+                relative = path.relative_to(folder).as_posix()
+                assert f"{package}/{relative}" in shipped, f"{package}/{relative}"
+        assert f"{package}/py.typed" in shipped, package
+    assert "outboxkit/cli/demo/app.py" in shipped
 
 
 @pytest.mark.slow

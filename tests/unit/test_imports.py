@@ -1,139 +1,166 @@
-"""No import circle inside ``outboxkit``: module-level and function-level imports alike.
+"""The import graph of ``outboxkit``, read from the source: no cycle anywhere, and no module of
+the command's package imports the package itself.
 
-The graph is read from the source (every ``import`` and ``from ... import`` at any depth, the
-ones under ``if TYPE_CHECKING:`` aside, which never run). A module importing a name from a
-package points at the package's ``__init__``, or at the submodule when the name is one.
+Every import counts, at module level and inside functions alike (a function-level import only
+hides a cycle until the function runs); only those under ``if TYPE_CHECKING:`` are exempt, as
+they never run. ``from package import name`` is an edge to ``package.name`` when that is a
+module, else to ``package``. The implicit import of a module's parent packages is no edge.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib
+import pkgutil
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
 
 import outboxkit
+import outboxkit.cli
 
-ROOT = Path(outboxkit.__file__).parent
-
-
-def _module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
+ROOT = Path(outboxkit.__file__).resolve().parent.parent
+CLI = "outboxkit.cli"
 
 
-MODULES = {_module_name(p): p for p in sorted(ROOT.rglob("*.py"))}
+def _modules() -> dict[str, tuple[Path, bool]]:
+    """Every module of ``outboxkit`` by dotted name: its file, and whether it is a package."""
+    found = {}
+    for path in sorted((ROOT / "outboxkit").rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        found[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    return found
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    test = node.test
+MODULES = _modules()
+
+
+def _is_type_checking(test: ast.expr) -> bool:
     return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
     )
 
 
-def _imports(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    found: list[ast.Import | ast.ImportFrom] = []
-
-    def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            for child in node.orelse:
-                visit(child)
-            return
-        if isinstance(node, ast.Import | ast.ImportFrom):
-            found.append(node)
-        for child in ast.iter_child_nodes(node):
-            visit(child)
-
-    visit(tree)
-    return found
+def _imports(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and _is_type_checking(child.test):
+            for other in child.orelse:
+                yield from _imports_in(other)
+            continue
+        yield from _imports_in(child)
 
 
-def _resolve(name: str) -> str | None:
-    """The module of ``outboxkit`` that importing ``name`` runs, or None (outside)."""
-    while name:
-        if name in MODULES:
-            return name
-        name = name.rpartition(".")[0]
-    return None
+def _imports_in(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+    if isinstance(node, ast.Import | ast.ImportFrom):
+        yield node
+    yield from _imports(node)
 
 
-def edges(module: str, source: str) -> set[str]:
-    package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
-    targets: set[str] = set()
+def _edges(name: str) -> dict[str, int]:
+    """The modules of ``outboxkit`` that module ``name`` imports, each with a line number."""
+    path, is_package = MODULES[name]
+    return _edges_in(path.read_text(encoding="utf-8"), name, is_package, MODULES)
+
+
+def _edges_in(
+    source: str, name: str, is_package: bool, modules: Mapping[str, object]
+) -> dict[str, int]:
+    base = name if is_package else name.rpartition(".")[0]
+    edges: dict[str, int] = {}
     for node in _imports(ast.parse(source)):
         if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
+            targets = [alias.name for alias in node.names]
         else:
             if node.level:
-                base = package.split(".")
-                if node.level > 1:
-                    base = base[: -(node.level - 1)]
-                prefix = ".".join([*base, node.module] if node.module else base)
+                parts = base.split(".")
+                parts = parts[: len(parts) - (node.level - 1)]
+                origin = ".".join([*parts, *([node.module] if node.module else [])])
             else:
-                prefix = node.module or ""
-            # "from pkg import sub" imports the submodule; "from mod import name" the module.
-            names = [
-                f"{prefix}.{alias.name}" if f"{prefix}.{alias.name}" in MODULES else prefix
+                origin = node.module or ""
+            targets = [
+                f"{origin}.{alias.name}" if f"{origin}.{alias.name}" in modules else origin
                 for alias in node.names
             ]
-        for name in names:
-            target = _resolve(name)
-            if target is not None and target != module:
-                targets.add(target)
-    return targets
+        for target in targets:
+            if target in modules:
+                edges.setdefault(target, node.lineno)
+    return edges
 
 
-def import_graph() -> dict[str, set[str]]:
-    return {m: edges(m, p.read_text(encoding="utf-8")) for m, p in MODULES.items()}
+GRAPH = {name: _edges(name) for name in MODULES}
 
 
-def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """The strongly connected components with more than one module (Tarjan's algorithm)."""
+def _cycles(graph: Mapping[str, Mapping[str, int]] = GRAPH) -> list[list[str]]:
+    """The strongly connected components with a cycle (Tarjan), each as a sorted list."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
     on_stack: set[str] = set()
     found: list[list[str]] = []
 
-    def connect(node: str) -> None:
-        index[node] = low[node] = len(index)
-        stack.append(node)
-        on_stack.add(node)
-        for other in sorted(graph.get(node, ())):
-            if other not in index:
-                connect(other)
-                low[node] = min(low[node], low[other])
-            elif other in on_stack:
-                low[node] = min(low[node], index[other])
-        if low[node] == index[node]:
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
             component = []
             while True:
-                member = stack.pop()
-                on_stack.discard(member)
-                component.append(member)
-                if member == node:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
                     break
-            if len(component) > 1:
+            if len(component) > 1 or v in graph[v]:
                 found.append(sorted(component))
 
-    for node in sorted(graph):
-        if node not in index:
-            connect(node)
+    for name in graph:
+        if name not in index:
+            visit(name)
     return found
 
 
-def test_there_is_no_import_circle_in_outboxkit() -> None:
-    graph = import_graph()
-    assert len(graph) > 30  # the whole package was read
-    assert "outboxkit.core.machine" in graph["outboxkit.poller"]
-    assert cycles(graph) == []
+def test_the_graph_sees_the_imports() -> None:
+    assert len(MODULES) > 30
+    assert "outboxkit.cli.runner" in GRAPH[CLI]  # module level
+    assert "outboxkit.poller" in GRAPH["outboxkit.cli.runner"]
+
+
+def test_no_import_cycle_in_outboxkit() -> None:
+    listing = [
+        ", ".join(f"{v}:{GRAPH[v][w]} -> {w}" for v in cycle for w in GRAPH[v] if w in cycle)
+        for cycle in _cycles()
+    ]
+    assert not listing, "import cycles:\n" + "\n".join(listing)
+
+
+def test_no_module_of_the_command_imports_its_package() -> None:
+    offenders = [
+        f"{name}:{edges[CLI]}"
+        for name, edges in GRAPH.items()
+        if name.startswith(CLI + ".") and CLI in edges
+    ]
+    assert not offenders, f"import a sibling module instead of {CLI}: {offenders}"
 
 
 @pytest.mark.parametrize(
-    ("sources", "circle"),
+    "name", [m.name for m in pkgutil.iter_modules(outboxkit.cli.__path__)], ids=str
+)
+def test_the_command_package_names_its_modules(name: str) -> None:
+    """``outboxkit.cli.<module>`` is the module, not a command of the same name bound over it."""
+    module = importlib.import_module(f"{CLI}.{name}")
+    assert getattr(outboxkit.cli, name) is module
+
+
+@pytest.mark.parametrize(
+    ("sources", "cycle"),
     [
         ({"outboxkit.a": "from . import b", "outboxkit.b": "import outboxkit.a"}, True),
         (
@@ -142,7 +169,7 @@ def test_there_is_no_import_circle_in_outboxkit() -> None:
         ),
         (
             {
-                "outboxkit.a": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .b import x",
+                "outboxkit.a": "import typing\nif typing.TYPE_CHECKING:\n    from .b import x",
                 "outboxkit.b": "from .a import y",
             },
             False,
@@ -151,11 +178,6 @@ def test_there_is_no_import_circle_in_outboxkit() -> None:
     ],
     ids=["module-level", "function-level", "type-only", "none"],
 )
-def test_the_check_finds_circles(
-    monkeypatch: pytest.MonkeyPatch, sources: dict[str, str], circle: bool
-) -> None:
-    monkeypatch.setattr(
-        "tests.unit.test_imports.MODULES", {m: ROOT / f"{m.split('.')[-1]}.py" for m in sources}
-    )
-    graph = {m: edges(m, s) for m, s in sources.items()}
-    assert bool(cycles(graph)) is circle
+def test_the_check_finds_a_cycle(sources: dict[str, str], cycle: bool) -> None:
+    graph = {name: _edges_in(text, name, False, sources) for name, text in sources.items()}
+    assert bool(_cycles(graph)) is cycle

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-import outboxkit_shop as shop
 from outboxkit import FrozenClock, Outbox, Store, open_store
+from outboxkit.cli.demo import shop
+from outboxkit.cli.demo.runner import main as demo_main
 from outboxkit.testing import Drain
-from outboxkit_shop.demo import main as demo_main
 
 
 @pytest.fixture

@@ -429,6 +429,18 @@ def listener(pg_url: str, pg_store: PostgresStore) -> Iterator[psycopg.Connectio
         yield conn
 
 
+@pytest.fixture
+def pg_store(pg_url: str, pg_schema: str) -> Iterator[PostgresStore]:
+    """The suite's store, on a channel of its own: every store on the server defaults to the
+    events table's name as its channel, and these tests count notifications."""
+    store = PostgresStore(pg_url, schema=pg_schema, channel=pg_schema)
+    try:
+        store.migrate()
+        yield store
+    finally:
+        store.close()
+
+
 def test_the_notification_fires_at_commit_and_carries_no_event_data(
     pg_url: str, pg_store: PostgresStore, listener: psycopg.Connection[Any]
 ) -> None:
@@ -445,8 +457,13 @@ def test_the_notification_fires_at_commit_and_carries_no_event_data(
 def test_no_notification_when_notify_is_off(
     pg_url: str, pg_store: PostgresStore, listener: psycopg.Connection[Any]
 ) -> None:
+    # The listened channel (the fixture's own): other tests on the server share the default.
     quiet = PostgresStore(
-        pg_url, schema=pg_store.names.schema, notify=False, prepare_threshold=None
+        pg_url,
+        schema=pg_store.names.schema,
+        channel=pg_store.names.channel,
+        notify=False,
+        prepare_threshold=None,
     )
     try:
         assert quiet.make_waiter() is None

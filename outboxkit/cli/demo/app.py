@@ -1,4 +1,4 @@
-"""The shop's outbox as an app module: ``outboxkit run outboxkit_shop.app:outbox``.
+"""The shop's outbox as an app module: ``outboxkit run outboxkit.cli.demo.app:outbox``.
 
 Importing it opens the shop's SQLite file named by ``SHOP_DB`` (default ``outboxkit-demo.db`` in
 the working directory, the file ``outboxkit demo`` writes), creating the shop's tables and the
@@ -14,8 +14,8 @@ import sqlite3
 
 from outboxkit import open_store
 
-from . import create_tables, mailer, make_outbox
-from .demo import BACKOFF, DEFAULT_DB, MAX_RETRIES
+from .runner import BACKOFF, DEFAULT_DB, MAX_RETRIES
+from .shop import create_tables, mailer, make_outbox
 
 __all__ = ["DB", "outbox"]
 

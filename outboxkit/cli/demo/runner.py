@@ -23,13 +23,14 @@ from outboxkit import (
     ObserverEvent,
     Outbox,
     Outcome,
+    PollReport,
     RetryScheduled,
     State,
     hookimpl,
     open_store,
 )
 
-from . import PRICES, bus, create_tables, make_outbox, place_order
+from .shop import PRICES, bus, create_tables, make_outbox, place_order
 
 __all__ = ["DEFAULT_DB", "DemoRun", "HandlerTally", "main"]
 
@@ -152,20 +153,26 @@ def main(
 def _drain(
     outbox: Outbox, pending: set[int], progress: Callable[[int], None] | None, *, deadline: float
 ) -> None:
+    """Deliver until every event of ``pending`` is published or dead-lettered."""
     poller = outbox.poller(batch_size=50)
-    while pending:
-        report = poller.run_once()
+
+    def settle(report: PollReport) -> None:
         settled = [i for i in (*report.published, *report.dead_lettered) if i in pending]
         pending.difference_update(settled)
         if settled and progress is not None:
             progress(len(settled))
-        if report.claimed:
-            continue
+
+    def wait_for_retries() -> bool:
+        if not pending:
+            return False
         if time.monotonic() > deadline:
             raise TimeoutError(
                 f"the demo's {len(pending)} last event(s) were not delivered in time"
             )
         poller.waiter.wait(0.01)  # only retries are left; they are due within a second
+        return True
+
+    poller.run_until_idle(on_idle=wait_for_retries, on_round=settle)
 
 
 def _tally(

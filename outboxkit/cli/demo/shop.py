@@ -1,4 +1,4 @@
-"""A small order service built on outboxkit: the README's example and ``outboxkit demo``.
+"""The example shop: a small order service built on outboxkit, what ``outboxkit demo`` runs.
 
 An order is written together with its ``order.placed`` event, in one SQLite transaction. Three
 handlers react to it:
@@ -10,10 +10,11 @@ handlers react to it:
 - ``send-receipt`` (non-transactional): calls a flaky mail server that fails now and then; the
   retry with backoff gets the receipt out.
 
-    from outboxkit_shop import create_tables, make_outbox, place_order
+    from outboxkit.cli.demo.shop import create_tables, make_outbox, place_order
 
-``outboxkit_shop.demo.main`` runs it end to end (``outboxkit demo``); ``outboxkit_shop.app`` is
-the same outbox as an app module for ``outboxkit run outboxkit_shop.app:outbox``.
+``outboxkit.cli.demo.runner.main`` runs it end to end (``outboxkit demo``);
+``outboxkit.cli.demo.app`` is the same outbox as an app module, for
+``outboxkit run outboxkit.cli.demo.app:outbox``.
 """
 
 from __future__ import annotations

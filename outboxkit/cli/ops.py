@@ -1,0 +1,332 @@
+"""The ops commands: ``migrate``, ``status``, ``dead list|show|requeue|purge``, ``purge``.
+
+Each opens the outbox it works on (``stores.open_outbox``) and calls the same ``Outbox`` method
+an app calls in Python; what it prints goes through ``output.echo``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+import click
+
+from ..core.model import DeadLetter, DeliveryRecord, Event, Stats, UndecodablePayload
+from ..outbox import Outbox
+from .errors import InputError
+from .output import age, clip, echo, print_json, table
+from .params import DURATION, Since, format_duration
+from .stores import open_outbox, with_store_options
+
+__all__ = ["dead", "migrate", "purge", "status"]
+
+
+# -- JSON shapes --------------------------------------------------------------------------------
+
+
+def _iso(at: datetime | None) -> str | None:
+    return None if at is None else at.isoformat()
+
+
+def _record_json(record: DeliveryRecord) -> dict[str, Any]:
+    return {
+        "handler": record.handler,
+        "outcome": record.outcome.value,
+        "attempt": record.attempt,
+        "recorded_at": _iso(record.recorded_at),
+        "reason": record.reason,
+    }
+
+
+def _event_json(event: Event) -> dict[str, Any]:
+    return {
+        "id": event.id,
+        "topic": event.topic,
+        "payload": (
+            event.payload.raw if isinstance(event.payload, UndecodablePayload) else event.payload
+        ),
+        "headers": dict(event.headers),
+        "key": event.key,
+        "attempts": event.attempts,
+        "created_at": _iso(event.created_at),
+        "failed_at": _iso(event.failed_at),
+        "last_error": event.last_error,
+    }
+
+
+def _dead_json(dead: DeadLetter) -> dict[str, Any]:
+    return {**_event_json(dead.event), "records": [_record_json(r) for r in dead.records]}
+
+
+def _status_json(outbox: Outbox, stats: Stats, now: datetime) -> dict[str, Any]:
+    oldest_age = (
+        None if stats.oldest_due_at is None else (now - stats.oldest_due_at).total_seconds()
+    )
+    return {
+        "store": repr(outbox.store),
+        "now": _iso(now),
+        "pending": stats.pending,
+        "in_flight": stats.claimed,
+        "published": stats.published,
+        "dead": stats.dead,
+        "total": stats.total,
+        "oldest_due_at": _iso(stats.oldest_due_at),
+        "oldest_due_age_seconds": oldest_age,
+        "by_topic": {
+            topic: {
+                "pending": counts.get("pending", 0),
+                "in_flight": counts.get("claimed", 0),
+                "published": counts.get("published", 0),
+                "dead": counts.get("dead", 0),
+            }
+            for topic, counts in sorted(stats.by_topic.items())
+        },
+    }
+
+
+# -- migrate, status ----------------------------------------------------------------------------
+
+
+@click.command(short_help="Create or upgrade the store's schema.")
+@with_store_options
+def migrate(app: str | None, store_url: str | None, store_options: Sequence[Any]) -> None:
+    """Create or upgrade the store's schema (idempotent)."""
+    with open_outbox(app=app, store_url=store_url, store_options=store_options) as outbox:
+        outbox.migrate()
+        echo(f"schema up to date: {outbox.store!r}")
+
+
+@click.command(short_help="Counts by state and topic, oldest due age, dead letters, leases.")
+@with_store_options
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def status(
+    app: str | None, store_url: str | None, store_options: Sequence[Any], as_json: bool
+) -> None:
+    """Events by state and topic; the age of the oldest due event (events parked for a retry
+    backoff do not count: they are not due); dead letters; leases in flight."""
+    with open_outbox(app=app, store_url=store_url, store_options=store_options) as outbox:
+        stats = outbox.stats()
+        data = _status_json(outbox, stats, outbox.now())
+    if as_json:
+        print_json(data)
+        return
+    echo(f"store: {data['store']}")
+    echo(
+        f"events: {stats.pending} pending, {stats.claimed} in flight (leased), "
+        f"{stats.published} published, {stats.dead} dead"
+    )
+    if stats.oldest_due_at is None:
+        echo("oldest due: none (nothing is waiting)")
+    else:
+        oldest = age(data["oldest_due_age_seconds"])
+        echo(f"oldest due: {oldest} ago ({stats.oldest_due_at.isoformat()})")
+    echo(f"dead letters: {stats.dead}" + ("  (outboxkit dead list)" if stats.dead else ""))
+    echo(f"in-flight leases: {stats.claimed}")
+    if data["by_topic"]:
+        rows = [
+            [topic, c["pending"], c["in_flight"], c["published"], c["dead"]]
+            for topic, c in data["by_topic"].items()
+        ]
+        echo("")
+        echo(table(["TOPIC", "PENDING", "IN FLIGHT", "PUBLISHED", "DEAD"], rows))
+
+
+# -- dead letters -------------------------------------------------------------------------------
+
+
+@click.group(short_help="List, show, requeue and purge dead letters.")
+def dead() -> None:
+    """Dead letters: events whose retries were used up."""
+
+
+@dead.command("list")
+@with_store_options
+@click.option("--topic", default=None, help="Only this topic.")
+@click.option(
+    "--since", type=Since(), default=None, help="Failed within this long (1h) or since an instant."
+)
+@click.option(
+    "--limit", type=click.IntRange(min=1), default=100, show_default=True, help="At most this many."
+)
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output, with payloads.")
+def dead_list(
+    app: str | None,
+    store_url: str | None,
+    store_options: Sequence[Any],
+    topic: str | None,
+    since: timedelta | datetime | None,
+    limit: int,
+    as_json: bool,
+) -> None:
+    """Dead letters, oldest failure first."""
+    with open_outbox(app=app, store_url=store_url, store_options=store_options) as outbox:
+        letters = outbox.dead_letters(topic=topic, since=since, limit=limit)
+    if as_json:
+        print_json([_dead_json(d) for d in letters])
+        return
+    if not letters:
+        echo("no dead letters")
+        return
+    rows = [
+        [
+            d.event.id,
+            d.event.topic,
+            d.event.attempts,
+            d.failed_at.isoformat(timespec="seconds"),
+            clip(d.last_error or "", 60),
+        ]
+        for d in letters
+    ]
+    echo(table(["ID", "TOPIC", "ATTEMPTS", "FAILED AT", "LAST ERROR"], rows))
+    echo(f"{len(letters)} dead letter(s)" + (f" (--limit {limit})" if len(rows) == limit else ""))
+
+
+@dead.command("show")
+@click.argument("event_id", metavar="ID", type=int)
+@with_store_options
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def dead_show(
+    event_id: int,
+    app: str | None,
+    store_url: str | None,
+    store_options: Sequence[Any],
+    as_json: bool,
+) -> None:
+    """One dead letter: payload, attempts, last error, which handlers succeeded or rejected it."""
+    with open_outbox(app=app, store_url=store_url, store_options=store_options) as outbox:
+        letter = _dead_or_fail(outbox, event_id)
+        subscribed = [s.name for s in outbox.bus.handlers_for(letter.event.topic)]
+    recorded = {r.handler for r in letter.records}
+    missing = [name for name in subscribed if name not in recorded]
+    if as_json:
+        print_json({**_dead_json(letter), "handlers_without_record": missing if app else None})
+        return
+    event = letter.event
+    echo(f"dead letter {event.id} ({event.topic})")
+    echo(f"  created:    {_iso(event.created_at)}")
+    echo(f"  failed:     {letter.failed_at.isoformat()}")
+    echo(f"  attempts:   {event.attempts}")
+    echo(f"  last error: {letter.last_error or '-'}")
+    if event.key is not None:
+        echo(f"  key:        {event.key}")
+    if event.headers:
+        echo(f"  headers:    {json.dumps(dict(event.headers), ensure_ascii=False)}")
+    echo("  handlers:")
+    if not letter.records and not missing:
+        echo("    no handler recorded an outcome")
+    for record in letter.records:
+        reason = f": {record.reason}" if record.reason else ""
+        echo(f"    {record.handler}: {record.outcome.value} on attempt {record.attempt}{reason}")
+    for name in missing:
+        echo(f"    {name}: no record (runs again if requeued)")
+    if app is None:
+        echo("    (with --app, the subscribed handlers without a record are listed too)")
+    echo("  payload:")
+    text = json.dumps(_event_json(event)["payload"], indent=2, ensure_ascii=False)
+    for line in text.splitlines():
+        echo(f"    {line}")
+
+
+def _dead_or_fail(outbox: Outbox, event_id: int) -> DeadLetter:
+    letter: DeadLetter | None = outbox.dead_letter(event_id)
+    if letter is not None:
+        return letter
+    event = outbox.store.get(event_id)
+    if event is None:
+        raise InputError(f"no dead letter with id {event_id}: there is no event with that id")
+    raise InputError(f"event {event_id} is not a dead letter (it is {event.state.value})")
+
+
+def _check_dead(outbox: Outbox, ids: Sequence[int]) -> None:
+    """All of ``ids`` are dead letters, or nothing is done: one bad id refuses the lot."""
+    problems = []
+    for event_id in dict.fromkeys(ids):
+        if outbox.dead_letter(event_id) is not None:
+            continue
+        event = outbox.store.get(event_id)
+        problems.append(
+            f"{event_id} (no such event)" if event is None else f"{event_id} ({event.state.value})"
+        )
+    if problems:
+        raise InputError(f"not dead letters, nothing done: {', '.join(problems)}")
+
+
+@dead.command("requeue")
+@click.argument("ids", metavar="[ID]...", nargs=-1, type=int)
+@click.option("--all", "every", is_flag=True, help="Every dead letter (of --topic).")
+@click.option("--topic", default=None, help="With --all: only this topic.")
+@with_store_options
+def dead_requeue(
+    ids: Sequence[int],
+    every: bool,
+    topic: str | None,
+    app: str | None,
+    store_url: str | None,
+    store_options: Sequence[Any],
+) -> None:
+    """Make dead letters due again with their attempts reset; handlers that already succeeded
+    or rejected them are not run again. Give IDs, or --all (with --topic)."""
+    if bool(ids) == every:
+        raise click.UsageError("give dead-letter IDs or --all, not both")
+    if topic is not None and not every:
+        raise click.UsageError("--topic goes with --all")
+    with open_outbox(app=app, store_url=store_url, store_options=store_options) as outbox:
+        if every:
+            count = outbox.requeue_dead(topic=topic)
+        else:
+            _check_dead(outbox, ids)
+            count = outbox.requeue(ids)
+    echo(f"requeued {count} dead letter(s)")
+
+
+@dead.command("purge")
+@click.argument("ids", metavar="[ID]...", nargs=-1, type=int)
+@click.option(
+    "--older-than", type=DURATION, default=None, help="Dead letters failed this long ago."
+)
+@with_store_options
+def dead_purge(
+    ids: Sequence[int],
+    older_than: timedelta | None,
+    app: str | None,
+    store_url: str | None,
+    store_options: Sequence[Any],
+) -> None:
+    """Delete dead letters (and their delivery records): IDs, or --older-than 30d."""
+    if bool(ids) == (older_than is not None):
+        raise click.UsageError("give dead-letter IDs or --older-than, not both")
+    with open_outbox(app=app, store_url=store_url, store_options=store_options) as outbox:
+        if ids:
+            _check_dead(outbox, ids)
+            count = outbox.purge(dead_ids=ids)
+        else:
+            count = outbox.purge(dead_older_than=older_than)
+    echo(f"purged {count} dead letter(s)")
+
+
+# -- retention ----------------------------------------------------------------------------------
+
+
+@click.command(short_help="Delete old published events now.")
+@click.option(
+    "--published-older-than",
+    "older_than",
+    type=DURATION,
+    required=True,
+    help="Published this long ago or more, e.g. 7d.",
+)
+@with_store_options
+def purge(
+    older_than: timedelta,
+    app: str | None,
+    store_url: str | None,
+    store_options: Sequence[Any],
+) -> None:
+    """Delete published events (and their delivery records) older than --published-older-than,
+    in pages of 1,000 rows. Pending events and dead letters are never touched. Pollers do the
+    same once a minute for the outbox's retain_published (7 days by default)."""
+    with open_outbox(app=app, store_url=store_url, store_options=store_options) as outbox:
+        count = outbox.purge(published_older_than=older_than)
+    echo(f"purged {count} published event(s) older than {format_duration(older_than)}")
