@@ -1,1 +1,1 @@
-"""Tests of the ``outboxkit`` command (issue 7)."""
+"""Tests of the ``outboxkit`` command."""

@@ -1,4 +1,4 @@
-"""Stored text never reaches a terminal raw (issue 14, item 6).
+"""Stored text never reaches a terminal raw.
 
 Topics, keys, headers, payloads, rejection reasons and error texts can carry whatever an app
 (or a payload it copied into an error message) put there: clear-screen, window-title,

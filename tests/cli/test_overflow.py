@@ -1,5 +1,5 @@
 """Numbers too large for a float, a timedelta, a database integer or datetime arithmetic
-(issue 14, item 10): every command either does the sensible thing (a cutoff of a million days
+: every command either does the sensible thing (a cutoff of a million days
 selects nothing) or refuses in one line with exit code 2; never a traceback.
 """
 

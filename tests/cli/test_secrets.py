@@ -1,5 +1,4 @@
-"""No password in any command output, log line, exception message or process argument (issue 14,
-item 5).
+"""No password in any command output, log line, exception message or process argument.
 
 Every error path that names a PostgreSQL store is tried with a URL that carries a password (as
 written, and percent-encoded): bad options, a reserved schema, a bad pool size, a bad table

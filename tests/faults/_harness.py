@@ -1,4 +1,4 @@
-"""The shared fault harness (issue 9), PostgreSQL side.
+"""The shared fault harness, PostgreSQL side.
 
 N events over three topics; on each topic a transactional handler (``ledger``: one row in its
 delivery transaction) and a non-transactional one (``mailer``: one row in ``side_effects`` over an

@@ -1,4 +1,4 @@
-"""The shared fault harness (issue 9), SQLite side: the same shape as ``_harness`` (PostgreSQL).
+"""The shared fault harness, SQLite side: the same shape as ``_harness`` (PostgreSQL).
 
 N events over ``TOPICS``; on each topic a transactional handler (``ledger``: one row written
 through ``ctx.connection`` in its delivery transaction) and a non-transactional one (``mailer``:

@@ -1,4 +1,4 @@
-"""The fault suite's size tier (issue 9): how many events, kills... a fault test runs with.
+"""The fault suite's size tier: how many events, kills... a fault test runs with.
 
 ``OUTBOXKIT_FAULTS_SCALE`` picks the tier:
 

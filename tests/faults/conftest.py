@@ -1,4 +1,4 @@
-"""The fault suite (issue 9). Tests marked ``faults`` need ``--faults`` (see tests/conftest.py);
+"""The fault suite. Tests marked ``faults`` need ``--faults`` (see tests/conftest.py);
 the fast tables here (bad input, misbehaving handlers) run in the default tier.
 
 The PostgreSQL fixtures (``pg_url``, ``pg_schema``, ``pg_store``, ``admin``) are the Postgres

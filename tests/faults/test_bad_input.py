@@ -1,4 +1,4 @@
-"""The bad-input table on every store (issue 9): memory, SQLite (a real file), PostgreSQL.
+"""The bad-input table on every store: memory, SQLite (a real file), PostgreSQL.
 
 Each row raises the named error before any write and leaves the caller's transaction usable: still
 open, not aborted, holding its own write, and a good event committed afterwards is the only one.

@@ -1,4 +1,4 @@
-"""The host clock stepped back mid-batch makes no duplicate (issue 14, item 8), two processes.
+"""The host clock stepped back mid-batch makes no duplicate, two processes.
 
 Poller A claims a batch whose handlers take longer, together, than one lease; on its first
 handler its host's wall clock is stepped back an hour (``SystemClock.now``, the one place

@@ -1,4 +1,4 @@
-"""One clock rule (issue 14, items 7, 8 and 11).
+"""One clock rule.
 
 - Every cutoff (purge, prune, ``dead list --since``) is computed by the clock the store uses for
   claims: the database's on PostgreSQL in production, never the host's wall clock. With the host

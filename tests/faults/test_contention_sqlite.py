@@ -1,4 +1,4 @@
-"""Multi-process contention on one SQLite file, through the shared SQLite fault harness (issue 9).
+"""Multi-process contention on one SQLite file, through the shared SQLite fault harness.
 
 Two publisher processes enqueue 600 events (through the app's own ``sqlite3`` connections, a few
 per transaction) while three poller processes drain them: SQLite's single write lock is fought

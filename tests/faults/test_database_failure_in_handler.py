@@ -1,5 +1,4 @@
-"""A database failure under a running handler is the database's, never the handler's (issue 14,
-item 4).
+"""A database failure under a running handler is the database's, never the handler's.
 
 A transactional handler whose connection the server terminates (``pg_terminate_backend``: what a
 restart or a failover does) and which then runs a statement sees the driver's error; once, that

@@ -1,4 +1,4 @@
-"""The gap (issue 9): an enqueue transaction held open while later events commit and are delivered.
+"""The gap: an enqueue transaction held open while later events commit and are delivered.
 
 Event A is enqueued first, so it has the smallest id and the earliest ``available_at`` (the
 enqueue transaction's start), but its transaction stays open while 100 later events commit in

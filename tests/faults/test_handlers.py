@@ -1,4 +1,4 @@
-"""Handlers misbehaving (issue 9), on SQLite (a real file) and PostgreSQL.
+"""Handlers misbehaving, on SQLite (a real file) and PostgreSQL.
 
 The memory store's versions of these are the R6 rules in ``tests/unit/test_rules.py``; here the
 same faults go through each SQL store's real delivery transaction. Fast, in one process, under a

@@ -1,4 +1,4 @@
-"""A handler hanging past its lease (issue 9), on the memory store, SQLite and PostgreSQL.
+"""A handler hanging past its lease, on the memory store, SQLite and PostgreSQL.
 
 One process, a ``FrozenClock`` that the handlers themselves move (the hang), and a second poller
 on a second store object opened on the same database (another "process": its own connections),

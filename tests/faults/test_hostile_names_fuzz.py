@@ -1,4 +1,4 @@
-"""Hostile identifiers, fuzzed (issue 9): every name option of both SQL stores, 1,000 examples each.
+"""Hostile identifiers, fuzzed: every name option of both SQL stores, 1,000 examples each.
 
 The options: ``PostgresStore``'s ``schema``, ``table_prefix``, ``events_table``,
 ``deliveries_table``, ``schema_table`` and ``channel``; ``SQLiteStore``'s ``table_prefix``,

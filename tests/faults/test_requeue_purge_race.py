@@ -1,4 +1,4 @@
-"""A requeue and a purge of the same dead letter never both act on it (issue 14, item 3).
+"""A requeue and a purge of the same dead letter never both act on it.
 
 On PostgreSQL the purge's ``DELETE ... WHERE id IN (SELECT ...)`` picked its rows from the
 subquery's snapshot and did not check them again on the version a concurrent requeue had just

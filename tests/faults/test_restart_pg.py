@@ -1,4 +1,4 @@
-"""A PostgreSQL server restart mid-drain, twice, through the shared fault harness (issue 9).
+"""A PostgreSQL server restart mid-drain, twice, through the shared fault harness.
 
 Three pollers drain 600 events over three topics; while they work the server is restarted with
 ``pg_ctlcluster <version> main restart -m immediate`` (the cluster serving the test server:

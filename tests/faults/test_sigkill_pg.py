@@ -1,4 +1,4 @@
-"""SIGKILL chaos with respawn on PostgreSQL, through the shared fault harness (issue 9).
+"""SIGKILL chaos with respawn on PostgreSQL, through the shared fault harness.
 
 Three pollers over three topics; one chosen at random is SIGKILLed every second for six seconds
 and a new one spawned in its place, while events arrive in chunks. Then a fault-free drain and

@@ -1,4 +1,4 @@
-"""SIGKILL chaos with respawn on one SQLite file, through the shared SQLite harness (issue 9).
+"""SIGKILL chaos with respawn on one SQLite file, through the shared SQLite harness.
 
 Three pollers over three topics; one chosen at random is SIGKILLed every second for six seconds
 (each kill aimed at a moment when some lease is held, so it lands anywhere: inside a delivery

@@ -1,4 +1,4 @@
-"""A reader holding a read snapshot while 20,000 events go through one SQLite file (issue 9).
+"""A reader holding a read snapshot while 20,000 events go through one SQLite file.
 
 Another connection to the file runs ``BEGIN; SELECT ...`` and keeps that transaction open while
 the app enqueues 20,000 events (``enqueue_many``, 1,000 per transaction) and a poller in this

@@ -1,4 +1,4 @@
-"""``pg_terminate_backend`` storms on PostgreSQL, through the shared fault harness (issue 9).
+"""``pg_terminate_backend`` storms on PostgreSQL, through the shared fault harness.
 
 Three pollers drain 900 events over three topics, arriving in chunks; once a second, five times,
 an admin connection terminates every backend of the pollers: their pooled connections (a

@@ -1,4 +1,4 @@
-"""Server-side timeouts in a transactional handler on PostgreSQL (issue 9).
+"""Server-side timeouts in a transactional handler on PostgreSQL.
 
 Three slow transactional handlers, each with a timeout set by ``SET LOCAL`` in its own delivery
 transaction (so it dies with that transaction and never leaks to the pooled connection):

@@ -1,4 +1,4 @@
-"""Error text the database cannot store (issue 14, items 1 and 2), on every store.
+"""Error text the database cannot store, on every store.
 
 A handler's exception text and a ``Reject`` reason come from the handler, not through
 ``enqueue``'s validation: a lone surrogate (``os.fsdecode`` of an odd file name) or a NUL in them

@@ -1,4 +1,4 @@
-"""A zombie poller (issue 9): frozen by SIGSTOP inside a handler until its lease has passed and
+"""A zombie poller: frozen by SIGSTOP inside a handler until its lease has passed and
 another poller has published its event, then resumed with SIGCONT. Its record and its settle are
 fenced by the claim token, so nothing it does after waking changes the outbox: the events, their
 delivery records and the ledger are exactly as before; only its one outside effect (the mail it

@@ -187,7 +187,7 @@ def test_a_bad_factory_is_a_usage_error(venv_with_wheel: Path) -> None:
 
 @pytest.mark.slow
 def test_wheel_ships_the_demo(venv_with_wheel: Path, tmp_path: Path) -> None:
-    """Issue 7: the example shop is in the wheel, and ``outboxkit demo`` runs from it."""
+    """the example shop is in the wheel, and ``outboxkit demo`` runs from it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "PYTEST"))}
     result = subprocess.run(
         [str(venv_with_wheel / "bin" / "outboxkit"), "demo", "--orders", "50"],

@@ -1,6 +1,6 @@
 """Retention and dead-letter operations on ``Outbox``, on the memory, SQLite and Postgres stores.
 
-Acceptance 5 of issue 7: the pruner deletes only published events past the cut-off, in pages,
+The pruner deletes only published events past the cut-off, in pages,
 and leaves dead letters and pending events alone.
 """
 

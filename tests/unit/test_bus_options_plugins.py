@@ -191,7 +191,7 @@ BAD_OPTIONS = [
     ("backoff", timedelta(seconds=-1)),
     ("backoff", float("nan")),
     ("backoff", 1e300),
-    # Too large for a float, a timedelta, a database integer or datetime arithmetic (issue 14):
+    # Too large for a float, a timedelta, a database integer or datetime arithmetic:
     # a named error, never an OverflowError.
     ("lease", 10**400),
     ("lease", timedelta.max),

@@ -1,4 +1,4 @@
-"""A hypothesis state machine of the event lifecycle on the memory store (issue 2, acceptance 3).
+"""A hypothesis state machine of the event lifecycle on the memory store.
 
 The machine keeps its own model of every event (attempts, lease, token, records, state) and
 drives the real code two ways:

@@ -121,10 +121,10 @@ BAD = [
     Bad("delay-timedelta-max", r"longer than the limit of 3660 days", delay=timedelta.max),
     Bad("delay-str", r"delay must be seconds or a timedelta, got str", delay="5"),
     Bad("delay-bool", r"delay must be seconds or a timedelta, got bool", delay=True),
-    # issue 14: an int too large for a float is a named error, not an OverflowError
+    # an int too large for a float is a named error, not an OverflowError
     Bad("delay-10**400", r"delay 1000000.* is longer than the limit", delay=10**400),
     Bad("delay--10**400", r"delay must be a finite, non-negative duration", delay=-(10**400)),
-    # issue 14: headers count against max_payload_bytes, with the payload
+    # headers count against max_payload_bytes, with the payload
     Bad(
         "headers-alone-too-large",
         r"headers are 2008 bytes encoded; max_payload_bytes \(payload and headers together\) is 1000",

@@ -2,8 +2,8 @@
 
 Each test drives the production path (``Outbox.enqueue`` -> ``Poller.run_once``) under a
 ``FrozenClock`` and asserts the exact state after each step: attempts, ``available_at``, the
-published/failed timestamps, the delivery records and the observer events. The seed scenarios of
-issue 2 (acceptance line 4) close the file.
+published/failed timestamps, the delivery records and the observer events. The seed scenarios
+close the file.
 
 ``Event`` does not carry ``published_at``, ``failed_at``, ``locked_until`` or ``last_error``; for
 those exact values the tests read the memory store's row through ``row()``.
@@ -1161,7 +1161,7 @@ def test_r14_poller_option_beats_outbox_default(store, bus, clock, recorder):
     assert outbox.poller().run_once().claimed == [2, 3]
 
 
-# -- seed scenarios (issue 2, acceptance line 4) ------------------------------------------------
+# -- seed scenarios ------------------------------------------------------------------------------
 
 
 def test_seed_succeeded_handler_not_rerun_when_a_later_handler_fails(store, bus, outbox, clock):

@@ -1,4 +1,4 @@
-"""The conformance suite against PostgreSQL (issue 5, acceptance 1).
+"""The conformance suite against PostgreSQL.
 
 One connection pool for the class (the store borrows it), a fresh schema per test, dropped after.
 """

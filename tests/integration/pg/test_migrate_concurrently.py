@@ -1,4 +1,4 @@
-"""Concurrent migrations into one new PostgreSQL schema (issue 14, item 9).
+"""Concurrent migrations into one new PostgreSQL schema.
 
 Outboxes with different table prefixes migrating one schema that does not exist yet, all at
 once: the migration lock was per table set, so they raced on the shared ``CREATE SCHEMA`` and

@@ -1,4 +1,4 @@
-"""Issue 4, acceptance 5 and the store's other refusals: clear errors, raised before any write."""
+"""The SQLite store's refusals: clear errors, raised before any write."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 4, acceptance 4: enqueue joins the app's own transaction, whatever its style.
+"""enqueue joins the app's own transaction, whatever its style.
 
 Each caller style x {raise after enqueue -> 0 rows in the app table and the outbox; commit -> 1
 row in both}. ``enqueue`` never begins, commits or rolls back: the app's transaction decides.

@@ -1,4 +1,4 @@
-"""The conformance suite against SQLite files (issue 4, acceptance 1), and ``:memory:``."""
+"""The conformance suite against SQLite files, and ``:memory:``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 4, acceptance 3: a poller process SIGKILLed mid-batch, again and again.
+"""A poller process SIGKILLed mid-batch, again and again.
 
 Afterwards the file passes ``PRAGMA integrity_check``, a drain completes every event, and no
 handler that had committed runs again: the ledger the transactional handler writes in its

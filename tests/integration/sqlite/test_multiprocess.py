@@ -1,4 +1,4 @@
-"""Issue 4, acceptance 2: 2 publisher + 4 poller processes on one SQLite file, 5,000 events.
+"""2 publisher + 4 poller processes on one SQLite file, 5,000 events.
 
 Every (event, handler) is recorded exactly once, the transactional handler's ledger has exactly
 one row per event, no error ("database is locked" or any other) reaches a caller in any process,
