@@ -79,9 +79,9 @@ def _capabilities(make: Any) -> frozenset[str]:
             ) from None
         if isinstance(made, AbstractContextManager):
             with made as store:
-                return frozenset(getattr(store, "capabilities", ()))
+                return frozenset(store.capabilities)
         try:
-            return frozenset(getattr(made, "capabilities", ()))
+            return frozenset(made.capabilities)
         finally:
             made.close()
 
