@@ -1,0 +1,130 @@
+"""``outboxkit.testing.drain``: rounds, cascades, backoff on the virtual clock, ``until``,
+``deliver_one``; through the ``outbox_drain`` fixture, as users meet it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.plugin.sample import run
+
+
+def test_drain_delivers_cascades_and_rejections(app: pytest.Pytester) -> None:
+    result = run(
+        app,
+        """
+        from apphelpers import enqueue
+
+        def test_order(outbox, outbox_drain):
+            enqueue(outbox, "order.placed", {"order_id": 1})
+            enqueue(outbox, "order.placed", {"order_id": 2, "fraud": True})
+            report = outbox_drain()
+            assert report.rounds == 2          # the orders, then the stock.reserved follow-ups
+            report.assert_delivered("order.placed", handler="reserve-stock", count=2)
+            report.assert_rejected("order.placed", handler="fraud-check", count=1)
+            report.assert_delivered("stock.reserved", handler="notify-warehouse", count=2)
+            assert len(report.published) == 4
+            assert report.topics_per_round == [
+                ["order.placed", "order.placed"], ["stock.reserved", "stock.reserved"]
+            ]
+            assert report.advanced.total_seconds() == 0
+        """,
+    )
+    result.assert_outcomes(passed=1)
+
+
+def test_backoff_to_dead_letter_takes_no_real_time(app: pytest.Pytester) -> None:
+    result = run(
+        app,
+        """
+        import time
+        from datetime import timedelta
+        from apphelpers import enqueue
+
+        def test_dead(outbox, outbox_drain, outbox_clock, monkeypatch):
+            def no_sleep(seconds):
+                raise AssertionError(f"slept {seconds}s")
+            monkeypatch.setattr(time, "sleep", no_sleep)
+            start = outbox_clock.now()
+            enqueue(outbox, "email.requested", {"to": "a@example.com"})
+            report = outbox_drain(raise_errors=False)
+            report.assert_dead_lettered("email.requested", count=1)
+            runs = report.deliveries_to(handler="broken-mailer")
+            assert [d.attempt for d in runs] == list(range(1, 12))
+            gaps = [(b.at - a.at).total_seconds() for a, b in zip(runs, runs[1:])]
+            assert gaps == [1, 2, 4, 8, 16, 32, 64, 128, 256, 300]
+            assert runs[0].at == start
+            assert report.advanced == timedelta(seconds=sum(gaps))
+            (dead,) = outbox.dead_letters()
+            assert dead.event.attempts == 11
+            assert dead.failed_at == start + report.advanced
+        """,
+    )
+    result.assert_outcomes(passed=1)
+
+
+def test_infinite_cascade_names_the_topic_chain(app: pytest.Pytester) -> None:
+    result = run(
+        app,
+        """
+        import pytest
+        from outboxkit import DrainError
+        from apphelpers import enqueue
+
+        def test_loop(outbox, outbox_drain):
+            enqueue(outbox, "ping", {})
+            with pytest.raises(DrainError) as info:
+                outbox_drain(max_rounds=6)
+            assert "max_rounds=6" in str(info.value)
+            assert "ping -> pong -> ping -> pong -> ping -> pong" in str(info.value)
+        """,
+    )
+    result.assert_outcomes(passed=1)
+
+
+def test_scheduled_events_wait_for_until(app: pytest.Pytester) -> None:
+    result = run(
+        app,
+        """
+        from datetime import timedelta
+        from apphelpers import enqueue
+
+        def test_later(outbox, outbox_drain, outbox_clock):
+            start = outbox_clock.now()
+            enqueue(outbox, "stock.reserved", {"order_id": 9}, delay=3600)
+            report = outbox_drain()
+            assert report.deliveries == []
+            assert [e.topic for e in report.pending] == ["stock.reserved"]
+            assert outbox_clock.now() == start
+            report = outbox_drain(until=timedelta(minutes=59))
+            assert report.deliveries == []
+            report = outbox_drain(until=timedelta(hours=2))
+            report.assert_delivered("stock.reserved")
+            assert report.deliveries[0].at == start + timedelta(hours=1)
+            assert report.pending == []
+        """,
+    )
+    result.assert_outcomes(passed=1)
+
+
+def test_deliver_one_runs_a_single_handler(app: pytest.Pytester) -> None:
+    result = run(
+        app,
+        """
+        from apphelpers import enqueue
+
+        def test_one(outbox, outbox_drain):
+            waiting = enqueue(outbox, "order.placed", {"order_id": 7})
+            report = outbox_drain.deliver_one("reserve-stock", {"order_id": 8})
+            assert [(d.handler, d.outcome.value) for d in report.deliveries] == [
+                ("reserve-stock", "succeeded")
+            ]
+            outbox_drain.assert_enqueued("stock.reserved", {"order_id": 8}, count=1)
+            # the event already waiting was not touched: no attempt used, still due
+            event = outbox.store.get(waiting)
+            assert event.attempts == 0 and event.published_at is None
+            everything = outbox_drain()
+            everything.assert_delivered("order.placed", handler="fraud-check", count=1)
+        """,
+    )
+    result.assert_outcomes(passed=1)
