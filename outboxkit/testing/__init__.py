@@ -10,9 +10,10 @@ without pytest too::
     report = drain()                     # claim -> deliver -> settle until nothing is due
     report.assert_delivered("order.placed", handler="send-receipt")
 
-``Drain`` runs the production path (``Poller.run_once``) in rounds. When nothing is due but
-retries are waiting, it moves the clock to the earliest one, so a backoff schedule of hours
-finishes at once while every recorded time keeps the real schedule.
+``Drain`` runs the production path in rounds, through the poller's own drain loop
+(``Poller.run_until_idle``). When nothing is due but retries are waiting, it moves the clock to
+the earliest one, so a backoff schedule of hours finishes at once while every recorded time
+keeps the real schedule.
 
 One module per role: ``drain`` (``Drain``), ``report`` (``DrainReport``, ``HandlerErrors``),
 ``capture`` (``Capture`` and the enqueue assertions), ``clocks`` (``FreezegunClock``),

@@ -82,23 +82,18 @@ class Drain:
         start = self.clock.now()
         horizon = self._horizon(start, until)
         report = DrainReport()
-        poller = self.outbox.poller()
-        while True:
-            round_report = poller.run_once()
-            if round_report.claimed:
-                topics = self._topics_of(round_report)
-                report.rounds += 1
-                report.topics_per_round.append([topics[i] for i in round_report.claimed])
-                report._add(round_report, topics)
-                self._drained.update(round_report.claimed)
-                if report.rounds >= max_rounds and self._next_due(horizon) is not None:
-                    raise DrainError(self._cascade_message(report, max_rounds))
-                continue
-            next_at = self._next_due(horizon)
-            if next_at is None:
-                break
-            if next_at > self.clock.now():
-                self.clock.set(next_at)
+
+        def on_round(round_report: PollReport) -> None:
+            self._record(report, round_report)
+            # The cascade guard: a drain whose rounds keep making work ends, naming the chain.
+            if report.rounds >= max_rounds and self._next_due(horizon) is not None:
+                raise DrainError(self._cascade_message(report, max_rounds))
+
+        # The poller's own drain loop, as ``outboxkit run --until-idle`` runs it; the drain only
+        # adds the virtual clock (on_idle) and the report (on_round).
+        self.outbox.poller().run_until_idle(
+            on_idle=lambda: self._advance_to_next(horizon), on_round=on_round
+        )
         report.advanced = self.clock.now() - start
         report.pending = [e for e in self._events_after(0) if e.state is State.PENDING]
         if raise_errors:
@@ -116,6 +111,26 @@ class Drain:
             return start + as_timedelta(until, what="until")
         except ValueError as exc:
             raise ConfigurationError(str(exc)) from None
+
+    def _record(self, report: DrainReport, round_report: PollReport) -> None:
+        """Fold one round that claimed something into ``report``."""
+        topics = self._topics_of(round_report)
+        report.rounds += 1
+        report.topics_per_round.append([topics[i] for i in round_report.claimed])
+        report._add(round_report, topics)
+        self._drained.update(round_report.claimed)
+
+    def _advance_to_next(self, horizon: datetime | None) -> bool:
+        """Move the clock to the next instant something falls due; False when the drain is done.
+
+        Also done when nothing can be brought closer by the clock: a poll at the same instant
+        would claim nothing again, and the drain would never end.
+        """
+        next_at = self._next_due(horizon)
+        if next_at is None or next_at <= self.clock.now():
+            return False
+        self.clock.set(next_at)
+        return True
 
     def _next_due(self, horizon: datetime | None) -> datetime | None:
         """The earliest instant something becomes claimable: a retry, an expired lease, or an

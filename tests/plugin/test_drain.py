@@ -4,8 +4,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
 import pytest
 
+from outboxkit import EventBus, FrozenClock, Outbox, Poller, PollReport, Store
+from outboxkit.testing import Drain, open_test_store
+from tests.integration.pg.conftest import pg_url_from_env, require_server
+from tests.integration.pg.conftest import test_url as pg_test_url
 from tests.plugin.sample import run
 
 
@@ -128,3 +136,69 @@ def test_deliver_one_runs_a_single_handler(app: pytest.Pytester) -> None:
         """,
     )
     result.assert_outcomes(passed=1)
+
+
+# -- the drain on its own, without pytester --------------------------------------------------
+
+
+@pytest.fixture(
+    params=[
+        pytest.param(None, id="sqlite"),
+        pytest.param("memory://", id="memory"),
+        pytest.param("pg", id="pg", marks=pytest.mark.pg),
+    ]
+)
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    """The default SQLite test store, the memory store, or a PostgreSQL schema of its own."""
+    url = request.param
+    if url == "pg":
+        require_server(pg_url_from_env())
+        url = pg_test_url(pg_url_from_env())
+    with open_test_store(url, tmp_path, request.node.nodeid) as opened:
+        yield opened
+
+
+@pytest.fixture
+def clock() -> FrozenClock:
+    return FrozenClock("2030-01-01T00:00:00Z")
+
+
+def enqueue(outbox: Outbox, topic: str, payload: Any = None, **options: Any) -> int:
+    with outbox.store.transaction() as conn:
+        event_id: int = outbox.enqueue(conn, topic, payload or {}, **options)
+    return event_id
+
+
+def test_the_drain_is_the_pollers_drain_loop(
+    store: Store, clock: FrozenClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every poll happens inside Poller.run_until_idle, with the drain's two callbacks.
+    calls: list[tuple[bool, bool]] = []
+    polls_outside: list[int] = []
+    inside = False
+    run_until_idle, run_once = Poller.run_until_idle, Poller.run_once
+
+    def spy_until_idle(self: Poller, **callbacks: Any) -> list[PollReport]:
+        nonlocal inside
+        calls.append((callbacks["on_idle"] is not None, callbacks["on_round"] is not None))
+        inside = True
+        try:
+            return run_until_idle(self, **callbacks)
+        finally:
+            inside = False
+
+    def spy_once(self: Poller) -> PollReport:
+        if not inside:
+            polls_outside.append(1)
+        return run_once(self)
+
+    monkeypatch.setattr(Poller, "run_until_idle", spy_until_idle)
+    monkeypatch.setattr(Poller, "run_once", spy_once)
+    bus = EventBus()
+    bus.subscribe("t", lambda event, ctx: ctx.enqueue("u", {}), name="h")
+    outbox = Outbox(store, bus, clock=clock, load_entry_points=False)
+    enqueue(outbox, "t")
+    report = Drain(outbox, clock)()
+    assert calls == [(True, True)]
+    assert polls_outside == []
+    assert report.topics_per_round == [["t"], ["u"]]
