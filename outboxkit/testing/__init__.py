@@ -11,9 +11,9 @@ without pytest too::
     report.assert_delivered("order.placed", handler="send-receipt")
 
 ``Drain`` runs the production path in rounds, through the poller's own drain loop
-(``Poller.run_until_idle``). When nothing is due but retries are waiting, it moves the clock to
-the earliest one, so a backoff schedule of hours finishes at once while every recorded time
-keeps the real schedule.
+(``Poller.run_until_idle``). When nothing is due but a retry or a lease is waiting, it moves
+the clock to the next due time of any event, so a backoff schedule of hours finishes at once
+while every recorded time, and the order of deliveries, keeps the real schedule.
 
 One module per role: ``drain`` (``Drain``), ``report`` (``DrainReport``, ``HandlerErrors``),
 ``capture`` (``Capture`` and the enqueue assertions), ``clocks`` (``FreezegunClock``),

@@ -11,7 +11,7 @@ from typing import Any
 
 from ..bus import EventBus
 from ..clock import FrozenClock, as_timedelta
-from ..core.model import Delivery, Event, PollReport, State
+from ..core.model import Delivery, Event, PollReport, State, state_of
 from ..errors import ConfigurationError, DrainError
 from ..outbox import Outbox
 from .capture import Capture, assert_enqueued, refute_enqueued
@@ -41,7 +41,8 @@ class Drain:
 
     Args:
         outbox: the outbox to drain (its store, bus and options).
-        clock: the virtual clock; the drain advances it to pending retries.
+        clock: the virtual clock; the drain moves it to the next due time while it waits out
+            retries and leases.
     """
 
     def __init__(self, outbox: Outbox, clock: FrozenClock) -> None:
@@ -63,9 +64,13 @@ class Drain:
     ) -> DrainReport:
         """Run rounds until nothing is due; deliver follow-ups in later rounds.
 
+        Time keeps production's order: waiting out a backoff or a lease, the drain moves the
+        clock to the next due time of any event, so an event the app scheduled to fall due
+        before a retry is delivered at its own time, before the retry, as a poller would.
+
         Args:
             until: also deliver events scheduled up to this instant (or this far ahead);
-                without it, events the app scheduled for later stay pending.
+                without it, events due after the last retry (or lease) stay pending.
             max_rounds: the most rounds that may claim something (a cascade guard).
             raise_errors: raise unexpected handler exceptions together at the end.
 
@@ -133,20 +138,34 @@ class Drain:
         return True
 
     def _next_due(self, horizon: datetime | None) -> datetime | None:
-        """The earliest instant something becomes claimable: a retry, an expired lease, or an
-        app-scheduled event within ``horizon``. None when nothing is left to do."""
+        """The next instant an event falls due, in production's order of time; None when
+        nothing is left to do.
+
+        What a poller waits out: a retry's backoff, or a lease in force. While it waits, every
+        event that falls due is delivered at its own time, so an event the app scheduled is
+        within reach up to the last of those waits, or up to ``horizon`` if that is later.
+        Events scheduled after both stay pending.
+        """
         now = self.clock.now()
-        best: datetime | None = None
+        waits: list[datetime] = []  # retries and leases: a poller waits them out
+        first: list[datetime] = []  # first attempts: due now, or scheduled by the app
         for event in self._events_after(0):
-            if event.state is not State.PENDING or event.available_at is None:
+            if event.available_at is None:
                 continue
-            at = max(event.available_at, event.locked_until or event.available_at)
-            scheduled_later = event.attempts == 0 and event.available_at > now
-            if scheduled_later and (horizon is None or event.available_at > horizon):
-                continue
-            if best is None or at < best:
-                best = at
-        return best
+            state = state_of(
+                published_at=event.published_at,
+                failed_at=event.failed_at,
+                locked_until=event.locked_until,
+                now=now,
+            )
+            if state is State.CLAIMED and event.locked_until is not None:
+                # Claimable again once the lease has run out (and the event is available).
+                waits.append(max(event.available_at, event.locked_until))
+            elif state is State.PENDING:
+                (waits if event.attempts else first).append(event.available_at)
+        reach = max([*waits, *([horizon] if horizon is not None else [])], default=now)
+        due = [*waits, *(at for at in first if at <= max(reach, now))]
+        return min(due, default=None)
 
     def _topics_of(self, report: PollReport) -> dict[int, str]:
         topics = {d.event_id: d.topic for d in report.deliveries}

@@ -23,7 +23,8 @@ class DrainReport:
         published / retried / dead_lettered: event ids, in the order it happened (an event
             retried twice appears twice in ``retried``).
         rounds: how many rounds claimed something.
-        pending: events still pending at the end (scheduled past ``until``).
+        pending: events still pending at the end (due after the last retry or lease the
+            drain waited out, and past ``until``).
         advanced: how far the drain moved the clock.
         topics_per_round: the topics claimed in each round (the cascade, round by round).
     """

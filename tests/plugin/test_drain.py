@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -202,3 +203,106 @@ def test_the_drain_is_the_pollers_drain_loop(
     assert calls == [(True, True)]
     assert polls_outside == []
     assert report.topics_per_round == [["t"], ["u"]]
+
+
+def test_waiting_out_a_backoff_delivers_what_falls_due_meanwhile_at_its_own_time(
+    store: Store, clock: FrozenClock
+) -> None:
+    start = clock.now()
+    failures = {"a": 1}
+    bus = EventBus()
+
+    def flaky(event: Any, ctx: Any) -> None:
+        if failures["a"]:
+            failures["a"] -= 1
+            raise ConnectionError("down once")
+
+    bus.subscribe("a", flaky, name="a")
+    bus.subscribe("b", lambda event, ctx: None, name="b")
+    bus.subscribe("c", lambda event, ctx: None, name="c")
+    outbox = Outbox(store, bus, clock=clock, backoff=300, load_entry_points=False)
+    drain = Drain(outbox, clock)
+    a = enqueue(outbox, "a")
+    b = enqueue(outbox, "b", delay=100)
+    c = enqueue(outbox, "c", delay=10_000)
+
+    with drain.expect_failures("a"):
+        report = drain()
+    # B falls due while A's backoff is waited out: delivered at T+100, before A's retry at
+    # T+300, as a poller would. C falls due after the last retry: it stays pending.
+    assert [
+        (d.event_id, d.outcome.value, (d.at - start).total_seconds()) for d in report.deliveries
+    ] == [
+        (a, "failed", 0),
+        (b, "succeeded", 100),
+        (a, "succeeded", 300),
+    ]
+    assert report.topics_per_round == [["a"], ["b"], ["a"]]
+    assert report.retried == [a]
+    assert report.published == [b, a]
+    assert [e.id for e in report.pending] == [c]
+    assert report.advanced == timedelta(seconds=300)
+    assert clock.now() == start + timedelta(seconds=300)
+
+    # Nothing left to wait out: a drain without until= leaves C (and the clock) alone.
+    idle = drain()
+    assert idle.deliveries == [] and [e.id for e in idle.pending] == [c]
+    assert clock.now() == start + timedelta(seconds=300)
+
+    later = drain(until=start + timedelta(hours=3))
+    assert [(d.event_id, (d.at - start).total_seconds()) for d in later.deliveries] == [(c, 10_000)]
+    assert later.published == [c]
+    assert later.pending == []
+    assert clock.now() == start + timedelta(seconds=10_000)  # C's own time, not until's
+
+
+def test_waiting_out_a_lease_delivers_what_falls_due_meanwhile_at_its_own_time(
+    store: Store, clock: FrozenClock
+) -> None:
+    start = clock.now()
+    bus = EventBus()
+    for topic in ("a", "b", "c"):
+        bus.subscribe(topic, lambda event, ctx: None, name=topic)
+    outbox = Outbox(store, bus, clock=clock, load_entry_points=False)
+    drain = Drain(outbox, clock)
+    a = enqueue(outbox, "a")
+    # A poller took A and went away: its lease runs until T+30.
+    (claim,) = store.claim(batch_size=10, lease=timedelta(seconds=30), now=clock.now())
+    assert claim.event.id == a
+    b = enqueue(outbox, "b", delay=10)
+    c = enqueue(outbox, "c", delay=60)
+
+    report = drain()
+    assert [(d.event_id, d.attempt, (d.at - start).total_seconds()) for d in report.deliveries] == [
+        (b, 1, 10),
+        (a, 2, 30),
+    ]
+    assert [e.id for e in report.pending] == [c]
+    assert clock.now() == start + timedelta(seconds=30)
+
+
+def test_scheduled_events_due_with_the_last_retry_are_delivered_with_it(
+    store: Store, clock: FrozenClock
+) -> None:
+    start = clock.now()
+    failures = {"a": 1}
+    bus = EventBus()
+
+    def flaky(event: Any, ctx: Any) -> None:
+        if failures["a"]:
+            failures["a"] -= 1
+            raise ConnectionError("down once")
+
+    bus.subscribe("a", flaky, name="a")
+    bus.subscribe("b", lambda event, ctx: None, name="b")
+    outbox = Outbox(store, bus, clock=clock, backoff=60, load_entry_points=False)
+    drain = Drain(outbox, clock)
+    a = enqueue(outbox, "a")
+    b = enqueue(outbox, "b", delay=60)
+    report = drain(raise_errors=False)
+    assert [(d.event_id, (d.at - start).total_seconds()) for d in report.deliveries] == [
+        (a, 0),
+        (a, 60),
+        (b, 60),
+    ]
+    assert report.pending == []
