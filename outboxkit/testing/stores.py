@@ -16,12 +16,16 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
+from ..core.text import redact_url
+from ..errors import ConfigurationError
 from ..plugins import open_store
 from ..store import Store
 
-__all__ = ["open_test_store"]
+__all__ = ["POSTGRES_SCHEMES", "open_test_store"]
+
+POSTGRES_SCHEMES = frozenset({"postgresql", "postgres"})
+"""The URL schemes that get a schema of their own per test."""
 
 
 @contextlib.contextmanager
@@ -44,24 +48,45 @@ def open_test_store(url: str | None, tmp_path: Path, name: str = "test") -> Iter
     Raises:
         UnknownStore: no store handles the URL's scheme.
         MissingDependency: the store's driver is not installed.
+        ConfigurationError: a PostgreSQL URL opened something other than a ``PostgresStore``
+            (its schema could not be dropped).
     """
     if url is None:
         path = tmp_path / "outbox.db"
         shutil.copyfile(_sqlite_template(), path)  # a migrated empty file: no DDL per test
         url = f"sqlite:///{path}"
-    scheme = url.split("://", 1)[0].lower()
-    options: dict[str, Any] = {}
-    if scheme in ("postgresql", "postgres"):
-        options["schema"] = _schema_name(name)
-    store: Store = open_store(url, **options)
+    if url.split("://", 1)[0].lower() in POSTGRES_SCHEMES:
+        with _postgres_test_store(url, name) as store:
+            yield store
+        return
+    opened: Store = open_store(url)
+    try:
+        opened.migrate()
+        yield opened
+    finally:
+        opened.close()
+
+
+@contextlib.contextmanager
+def _postgres_test_store(url: str, name: str) -> Iterator[Store]:
+    """A PostgreSQL store on a schema of its own, dropped at the end."""
+    store: Store = open_store(url, schema=_schema_name(name))
+    # Imported here, not at the top: only a PostgreSQL URL needs the driver, and a missing one
+    # was just reported by open_store as MissingDependency.
+    from outboxkit_pg import PostgresStore
+
+    if not isinstance(store, PostgresStore):
+        store.close()
+        raise ConfigurationError(
+            f"{redact_url(url)!r} opened a {type(store).__name__}, not a PostgresStore: "
+            "its test schema could not be dropped"
+        )
     try:
         store.migrate()
         yield store
     finally:
-        drop = getattr(store, "drop_schema", None)
         try:
-            if options.get("schema") and callable(drop):
-                drop()
+            store.drop_schema()
         finally:
             store.close()
 
