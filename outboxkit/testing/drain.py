@@ -163,9 +163,8 @@ class Drain:
                 waits.append(max(event.available_at, event.locked_until))
             elif state is State.PENDING:
                 (waits if event.attempts else first).append(event.available_at)
-        reach = max([*waits, *([horizon] if horizon is not None else [])], default=now)
-        due = [*waits, *(at for at in first if at <= max(reach, now))]
-        return min(due, default=None)
+        reach = max([now, *waits, *([horizon] if horizon is not None else [])])
+        return min([*waits, *(at for at in first if at <= reach)], default=None)
 
     def _topics_of(self, report: PollReport) -> dict[int, str]:
         topics = {d.event_id: d.topic for d in report.deliveries}
@@ -201,7 +200,14 @@ class Drain:
     @contextlib.contextmanager
     def expect_failures(self, *what: str | type[BaseException]) -> Iterator[None]:
         """Within the block, handler failures by these handler names or exception types (all
-        failures when none are given) are expected: recorded and retried, not raised."""
+        failures when none are given) are expected: recorded and retried, not raised.
+
+        Args:
+            *what: handler names (``str``) and exception types, in any mix.
+
+        Raises:
+            ConfigurationError: something that is neither a name nor an exception type.
+        """
         handlers = frozenset(w for w in what if isinstance(w, str))
         types = tuple(w for w in what if isinstance(w, type) and issubclass(w, BaseException))
         if len(handlers) + len(types) != len(what):
@@ -218,13 +224,27 @@ class Drain:
     # -- enqueue assertions ---------------------------------------------------------------------
 
     def enqueued(self, topic: str | None = None) -> list[Event]:
-        """Events enqueued since the drain was made (any state), optionally of one topic."""
+        """Events enqueued since the drain was made (any state), optionally of one topic.
+
+        Args:
+            topic: only events of this topic (all when None).
+
+        Returns:
+            The events, in enqueue order.
+        """
         return [e for e in self._events_after(self._baseline) if topic is None or e.topic == topic]
 
     def assert_enqueued(
         self, topic: str, payload: Mapping[str, Any] | None = None, count: int | None = None
     ) -> list[Event]:
         """Some (or exactly ``count``) ``topic`` events whose payload contains ``payload``'s items.
+
+        What matches counts as asserted: ``outboxkit_strict`` does not report it.
+
+        Args:
+            topic: the event topic.
+            payload: a partial payload every match contains (any payload when None).
+            count: exactly this many matches (at least one when None).
 
         Returns:
             The matching events.
@@ -235,12 +255,24 @@ class Drain:
         return assert_enqueued(self.enqueued(topic), topic, payload, count, asserted=self._asserted)
 
     def refute_enqueued(self, topic: str, payload: Mapping[str, Any] | None = None) -> None:
-        """No ``topic`` event (whose payload contains ``payload``'s items) was enqueued."""
+        """No ``topic`` event (whose payload contains ``payload``'s items) was enqueued.
+
+        Args:
+            topic: the event topic.
+            payload: a partial payload (any payload when None).
+
+        Raises:
+            AssertionError: listing the events that match.
+        """
         refute_enqueued(self.enqueued(topic), topic, payload)
 
     @contextlib.contextmanager
     def capture(self) -> Iterator[Capture]:
-        """``with drain.capture() as cap:`` - ``cap`` sees only what the block enqueued."""
+        """``with drain.capture() as cap:`` - ``cap`` sees only what the block enqueued.
+
+        Yields:
+            The ``Capture``; it keeps what the block enqueued after the block ends.
+        """
         cap = Capture(self)
         try:
             yield cap
@@ -262,6 +294,15 @@ class Drain:
         The event is enqueued on the handler's topic and drained by an outbox whose bus holds
         only that handler; events already waiting are left untouched (their leases are not
         taken: the event is delivered before them by being claimed alone).
+
+        Args:
+            handler: the handler's name on the outbox's bus.
+            payload: the new event's payload.
+            headers: the new event's headers.
+            raise_errors: raise the handler's exception (as ``HandlerErrors``) unless expected.
+
+        Returns:
+            A one-round ``DrainReport``.
 
         Raises:
             ConfigurationError: no handler (or several) of that name.
@@ -294,6 +335,7 @@ class Drain:
     # -- bookkeeping --------------------------------------------------------------------------
 
     def _events_after(self, after_id: int) -> list[Event]:
+        """Every event with an id above ``after_id``, read page by page."""
         events: list[Event] = []
         while page := self.outbox.store.events(after_id=after_id, limit=PAGE):
             events.extend(page)
@@ -307,7 +349,11 @@ class Drain:
         return events[-1].id if events else 0
 
     def unaccounted(self) -> list[Event]:
-        """Events enqueued since the drain was made that were neither drained nor asserted."""
+        """Events enqueued since the drain was made that were neither drained nor asserted.
+
+        Returns:
+            The events, in enqueue order (what ``outboxkit_strict`` fails a test for).
+        """
         return [
             e
             for e in self._events_after(self._baseline)
