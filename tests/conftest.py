@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any
 
 import pytest
 
-from outboxkit import EventBus, FrozenClock, MemoryStore, ObserverEvent, Outbox, hookimpl
+from outboxkit import EventBus, FrozenClock, MemoryStore, Outbox
+from outboxkit.testing import Recorder
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -27,20 +26,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("faults") is not None:
             item.add_marker(skip)
-
-
-@dataclass(eq=False)
-class Recorder:
-    """An observer plugin that keeps every event it sees."""
-
-    events: list[ObserverEvent] = field(default_factory=list)
-
-    @hookimpl
-    def outboxkit_on_event(self, event: ObserverEvent) -> None:
-        self.events.append(event)
-
-    def of(self, kind: type[Any]) -> list[Any]:
-        return [e for e in self.events if isinstance(e, kind)]
 
 
 @pytest.fixture

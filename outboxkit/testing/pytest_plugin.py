@@ -6,7 +6,6 @@ nothing from outboxkit is imported until a fixture or hook needs it.
 
 from __future__ import annotations
 
-import importlib
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 
 if TYPE_CHECKING:
     from outboxkit import FrozenClock, Outbox, Store
-    from outboxkit.testing import Drain
+    from outboxkit.testing.drain import Drain
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -57,11 +56,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_assertrepr_compare(config: pytest.Config, op: str, left: Any, right: Any) -> Any:
-    testing = sys.modules.get("outboxkit.testing")
-    if testing is None:
+    # Only once the test kit is loaded: a report cannot exist before, and this hook runs for
+    # every failing comparison of every test.
+    report = sys.modules.get("outboxkit.testing.report")
+    if report is None:
         return None
     for side in (left, right):
-        if isinstance(side, testing.DrainReport):
+        if isinstance(side, report.DrainReport):
             return [f"comparing a DrainReport ({op})", *side.summary().splitlines()]
     return None
 
@@ -82,7 +83,7 @@ def outbox_clock(request: pytest.FixtureRequest) -> Iterator[FrozenClock]:
         return
     import freezegun
 
-    from outboxkit.testing import FreezegunClock
+    from outboxkit.testing.clocks import FreezegunClock
 
     with freezegun.freeze_time(clock.now()) as frozen:
         yield FreezegunClock(frozen)
@@ -92,7 +93,7 @@ def outbox_clock(request: pytest.FixtureRequest) -> Iterator[FrozenClock]:
 def outbox_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
     """A fresh, migrated store per test: a SQLite file under ``tmp_path`` unless
     ``--outbox-store=URL`` or the ``outboxkit_store`` ini option says otherwise."""
-    from outboxkit.testing import open_test_store
+    from outboxkit.testing.stores import open_test_store
 
     url = request.config.getoption("outbox_store_url") or request.config.getini("outboxkit_store")
     with open_test_store(url or None, tmp_path, request.node.nodeid) as store:
@@ -119,7 +120,7 @@ def outbox_drain(
     request: pytest.FixtureRequest, outbox: Outbox, outbox_clock: FrozenClock
 ) -> Iterator[Drain]:
     """Deliver everything due, synchronously, on the production path: ``outbox_drain()``."""
-    from outboxkit.testing import Drain
+    from outboxkit.testing.drain import Drain
 
     drain = Drain(outbox, outbox_clock)
     yield drain
@@ -135,19 +136,16 @@ def outbox_drain(
 
 
 def _load_app(spec: str) -> Outbox:
-    from outboxkit import Outbox
+    """The ``Outbox`` the ini option ``outboxkit_app`` names.
 
-    module_name, _, attribute = spec.partition(":")
-    if not module_name or not attribute:
-        raise pytest.UsageError(f"outboxkit_app must be 'module:attribute', got {spec!r}")
+    Raises:
+        pytest.UsageError: the spec is malformed, does not import, or names no ``Outbox``.
+    """
+    from outboxkit import Outbox
+    from outboxkit.cli.apps import LoadError, load_object
+
     try:
-        target: Any = importlib.import_module(module_name)
-        for part in attribute.split("."):
-            target = getattr(target, part)
-    except (ImportError, AttributeError) as exc:
-        raise pytest.UsageError(f"outboxkit_app {spec!r} cannot be loaded: {exc}") from exc
-    if not isinstance(target, Outbox):
-        raise pytest.UsageError(
-            f"outboxkit_app {spec!r} is a {type(target).__name__}, not an Outbox"
-        )
-    return target
+        app: Outbox = load_object(spec, what="outboxkit_app", kind=Outbox)
+    except LoadError as exc:
+        raise pytest.UsageError(str(exc)) from exc
+    return app

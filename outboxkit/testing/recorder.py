@@ -28,13 +28,22 @@ class Recorder:
 
     @hookimpl
     def outboxkit_on_event(self, event: ObserverEvent) -> None:
+        """Keep ``event`` (the observer hook)."""
         self.events.append(event)
 
     def of(self, kind: type[E]) -> list[E]:
-        """The events of one type (and its subclasses), in order."""
+        """The events of one type (and its subclasses), in order.
+
+        Args:
+            kind: an ``ObserverEvent`` class (``Published``, ``DeadLettered`` ...).
+
+        Returns:
+            The kept events of that class.
+        """
         return [e for e in self.events if isinstance(e, kind)]
 
     def clear(self) -> None:
+        """Forget every event kept so far."""
         self.events.clear()
 
     def __repr__(self) -> str:

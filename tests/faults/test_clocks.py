@@ -26,7 +26,7 @@ import pytest
 import outboxkit.clock
 from outboxkit import ConfigurationError, Event, EventBus, FrozenClock, LeaseLost, Outbox
 from outboxkit.clock import SystemClock
-from tests.conftest import Recorder
+from outboxkit.testing import Recorder
 from tests.faults._sites import Site, open_site
 
 REAL_NOW = SystemClock.now

@@ -28,7 +28,7 @@ from outboxkit import (
     StoreError,
     StoreUnavailable,
 )
-from tests.conftest import Recorder
+from outboxkit.testing import Recorder
 from tests.faults._sites import Site, open_site
 
 LEASE = timedelta(seconds=30)

@@ -41,7 +41,7 @@ from outboxkit import (
 )
 from outboxkit.core.machine import Publish
 from outboxkit.store import settle_one
-from tests.conftest import Recorder
+from outboxkit.testing import Recorder
 from tests.faults._sites import BACKENDS, Site
 
 LEASE = timedelta(seconds=30)

@@ -44,8 +44,8 @@ from outboxkit import (
 )
 from outboxkit.errors import StoreError, StoreUnavailable
 from outboxkit.poller import Poller, PollReport
+from outboxkit.testing import Recorder
 from outboxkit_pg import PostgresStore
-from tests.conftest import Recorder
 from tests.faults._harness import TOPICS, enqueue, figures
 from tests.integration.pg._workers import _OutsideWorld, create_app_tables, make_bus, wait_until
 

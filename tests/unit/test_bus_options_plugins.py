@@ -26,7 +26,7 @@ from outboxkit import (
     open_store,
 )
 from outboxkit.clock import Clock
-from tests.conftest import Recorder
+from outboxkit.testing import Recorder
 
 
 def module_handler(event: Event, ctx: Any) -> None:

@@ -31,7 +31,7 @@ from outboxkit import (
     ThreadWaiter,
 )
 from outboxkit.store import SettleItem
-from tests.conftest import Recorder
+from outboxkit.testing import Recorder
 
 JOIN_TIMEOUT = 60.0
 

@@ -1,0 +1,71 @@
+"""Clocks for tests: ``FreezegunClock``, a ``FrozenClock`` that is freezegun's frozen time.
+
+freezegun itself is not imported here: the pytest plugin hands in the factory it froze.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from ..clock import FrozenClock, as_timedelta, parse_instant
+
+__all__ = ["FreezegunClock"]
+
+
+class FreezegunClock(FrozenClock):
+    """A ``FrozenClock`` that is freezegun's frozen time: app code calling ``datetime.now()`` or
+    ``time.time()`` sees the same instant, and moving either (``advance``/``set`` here, or
+    ``tick``/``move_to`` on freezegun's factory) moves both.
+
+    Args:
+        frozen: the factory ``freezegun.freeze_time(...)`` yields when entered.
+    """
+
+    def __init__(self, frozen: Any) -> None:
+        super().__init__(
+            frozen.time_to_freeze.replace(tzinfo=UTC)
+            if frozen.time_to_freeze.tzinfo is None
+            else frozen.time_to_freeze
+        )
+        self._frozen = frozen
+
+    @property
+    def freezer(self) -> Any:
+        """freezegun's time factory (``tick``, ``move_to``) behind this clock."""
+        return self._frozen
+
+    def now(self) -> datetime:
+        fake = self._frozen()  # freezegun's current (naive UTC) instant
+        return datetime(
+            fake.year,
+            fake.month,
+            fake.day,
+            fake.hour,
+            fake.minute,
+            fake.second,
+            fake.microsecond,
+            tzinfo=UTC,
+        )
+
+    def advance(self, by: float | timedelta) -> datetime:
+        """Move freezegun's time (and so this clock) forward; returns the new instant.
+
+        Raises:
+            ConfigurationError: ``by`` is negative or not a duration.
+        """
+        self._frozen.tick(as_timedelta(by, what="advance"))
+        now = self.now()
+        self._notify(now)
+        return now
+
+    def set(self, instant: datetime | str) -> datetime:
+        """Move freezegun's time (and so this clock) to ``instant``; returns it.
+
+        Raises:
+            ConfigurationError: ``instant`` is naive or not a valid instant.
+        """
+        value = parse_instant(instant)
+        self._frozen.move_to(value)
+        self._notify(value)
+        return value
