@@ -15,8 +15,7 @@ import pytest
 from outboxkit import Claim, EventBus, FrozenClock, Outbox, Store
 from outboxkit.core.payload import build_event
 from outboxkit.store import Capabilities
-from outboxkit.testing import Drain, DrainReport
-from outboxkit.testing.recorder import Recorder
+from outboxkit.testing import Drain, DrainReport, Recorder
 
 __all__ = ["ConformanceBase", "StoreFactory", "call_factory"]
 

@@ -1,6 +1,6 @@
 """The ``outboxkit`` command: run pollers, operate a store, try the demo, check a store.
 
-The group is built here from the commands of its modules, each with one role:
+The group (``group``) is built from the commands of its modules, each with one role:
 
 - ``runner``: ``run``, pollers in this process or N supervised poller processes;
 - ``ops``: ``migrate``, ``status``, ``dead list|show|requeue|purge``, ``purge`` (the same
@@ -16,38 +16,23 @@ The group is built here from the commands of its modules, each with one role:
 Errors are one line on stderr, never a traceback: wrong input (an APP that does not import, an
 attribute that is not an ``Outbox``, an unknown store scheme, a bad duration, an id that is not a
 dead letter) exits with 2; a store failure (the database is down, the schema is missing) with 1.
+
+Importing the package loads none of them: ``main``, ``cli`` and the names below are looked up
+when first used, so that ``outboxkit.cli.apps`` (the loader the pytest plugin and the
+conformance suite use) costs no more than itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
-import click
-
-from .. import __version__
-from .conformance import conformance_command
-from .demo.command import demo_command
-from .errors import OneLineErrors
-from .ops import dead, migrate, purge, status
-from .params import parse_duration
-from .runner import run_command
-from .stores import STORE_ENV, STORE_OPTIONS_ENV, load_app
+if TYPE_CHECKING:
+    from .group import cli
+    from .params import parse_duration
+    from .stores import STORE_ENV, STORE_OPTIONS_ENV, load_app
 
 __all__ = ["STORE_ENV", "STORE_OPTIONS_ENV", "cli", "load_app", "main", "parse_duration"]
-
-
-@click.group(cls=OneLineErrors, context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, "-V", "--version", prog_name="outboxkit")
-def cli() -> None:
-    """outboxkit: a transactional outbox for Python.
-
-    Ops commands find the store with --store URL (or OUTBOXKIT_STORE), or --app
-    module:attribute naming your Outbox. Durations: 30d, 12h, 15m, 10s, 500ms.
-    """
-
-
-for _command in (run_command, migrate, status, dead, purge, demo_command, conformance_command):
-    cli.add_command(_command)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -56,4 +41,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     Args:
         argv: the arguments after the command's name; None reads ``sys.argv``.
     """
+    from .group import cli
+
     cli.main(args=list(argv) if argv is not None else None, prog_name="outboxkit")
+
+
+def __getattr__(name: str) -> Any:
+    if name == "cli":
+        from .group import cli
+
+        return cli
+    if name == "parse_duration":
+        from .params import parse_duration
+
+        return parse_duration
+    if name in ("STORE_ENV", "STORE_OPTIONS_ENV", "load_app"):
+        from . import stores
+
+        return getattr(stores, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -64,7 +64,7 @@ def load_object(
         raise LoadError(f"{what} {spec!r} is not callable: {target!r:.80}")
     if isinstance(kind, type) and not isinstance(target, kind):
         raise LoadError(
-            f"{what} {spec!r} is a {type(target).__name__}, not {_a(_public_name(kind))}"
+            f"{what} {spec!r} is {_a(type(target).__name__)}, not {_a(_public_name(kind))}"
         )
     return target
 

@@ -50,7 +50,7 @@ def test_load_app_returns_the_apps_own_outbox(module: str) -> None:
 @pytest.mark.parametrize(
     ("attribute", "fragment"),
     [
-        ("bus", "is a EventBus, not an outboxkit.Outbox"),
+        ("bus", "is an EventBus, not an outboxkit.Outbox"),
         ("nope", "has no attribute 'nope'"),
         ("", "APP must be module:attribute"),
     ],

@@ -94,7 +94,7 @@ def test_ini_options_freezegun_store_and_a_fresh_outbox(pytester: pytest.Pyteste
         ("myapp", "*outboxkit_app must be module:attribute*got 'myapp'*"),
         ("nowhere:outbox", "*cannot import 'nowhere' for outboxkit_app 'nowhere:outbox'*"),
         ("myapp:missing", "*outboxkit_app 'myapp:missing': 'myapp' has no attribute 'missing'*"),
-        ("myapp:bus", "*outboxkit_app 'myapp:bus' is a EventBus, not a outboxkit.outbox.Outbox*"),
+        ("myapp:bus", "*outboxkit_app 'myapp:bus' is an EventBus, not an outboxkit.Outbox*"),
     ],
 )
 def test_an_app_that_cannot_be_loaded_is_a_usage_error(

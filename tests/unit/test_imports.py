@@ -129,7 +129,8 @@ def _cycles(graph: Mapping[str, Mapping[str, int]] = GRAPH) -> list[list[str]]:
 
 def test_the_graph_sees_the_imports() -> None:
     assert len(MODULES) > 30
-    assert "outboxkit.cli.runner" in GRAPH[CLI]  # module level
+    assert "outboxkit.cli.runner" in GRAPH["outboxkit.cli.group"]  # module level
+    assert "outboxkit.cli.group" in GRAPH[CLI]  # function level
     assert "outboxkit.poller" in GRAPH["outboxkit.cli.runner"]
 
 
@@ -181,3 +182,19 @@ def test_the_command_package_names_its_modules(name: str) -> None:
 def test_the_check_finds_a_cycle(sources: dict[str, str], cycle: bool) -> None:
     graph = {name: _edges_in(text, name, False, sources) for name, text in sources.items()}
     assert bool(_cycles(graph)) is cycle
+
+
+def test_the_loader_is_light() -> None:
+    """``outboxkit.cli.apps`` (the pytest plugin's and the conformance suite's loader) loads
+    neither click nor the commands."""
+    import json
+    import subprocess
+    import sys
+
+    script = "import json, sys, outboxkit.cli.apps; print(json.dumps(sorted(sys.modules)))"
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
+    )
+    modules = set(json.loads(done.stdout))
+    assert "outboxkit.cli.apps" in modules
+    assert not {"click", "outboxkit.cli.group", "outboxkit.cli.ops"} & modules

@@ -19,7 +19,7 @@ from outboxkit import (
     MemoryStore,
     Outbox,
 )
-from outboxkit.testing.recorder import Recorder
+from outboxkit.testing import Recorder
 
 
 class _StopAfter:
