@@ -19,8 +19,8 @@ from __future__ import annotations
 import heapq
 import threading
 import uuid
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from types import MappingProxyType
@@ -42,7 +42,7 @@ from .core.payload import decode_payload
 from .errors import ConfigurationError, HandlerCrashed, LeaseLostError, StoreError
 from .hookspecs import RegisterStore, hookimpl
 from .store import Capabilities, SettleItem
-from .waiter import ClosingWaiter
+from .waiter import AsyncClosingWaiter, ClosingWaiter
 
 __all__ = ["MemoryStore", "MemoryTransaction"]
 
@@ -270,6 +270,7 @@ class MemoryStore:
         transactional_handlers=True,
         concurrent_claimers=True,
         concurrent_batches=True,
+        asyncio=True,
     )
     url: str | None = None  # another process's memory:// is another store
     options: Mapping[str, Any] = MappingProxyType({})
@@ -521,6 +522,11 @@ class MemoryStore:
         """None: an enqueue wakes this process's pollers directly (``Outbox.wake``)."""
         return None
 
+    def async_store(self) -> _AsyncMemory:
+        """The asyncio side: the same store, its calls awaitable (nothing here waits on I/O).
+        A delivery's connection is the ``MemoryTransaction``, as for blocking handlers."""
+        return _AsyncMemory(self)
+
     def release(self, claims: Sequence[Claim], *, now: datetime | None) -> int:
         count = 0
         with self._lock:
@@ -693,6 +699,77 @@ def _settle_row(row: _Row, settlement: Settlement, error: str | None, at: dateti
         row.last_error = error
     row.locked_until = None
     row.token = None
+
+
+class _AsyncDelivery:
+    """A delivery transaction for async code: the blocking one's writes, awaitable."""
+
+    def __init__(self, tx: _MemoryDelivery) -> None:
+        self._tx = tx
+
+    @property
+    def connection(self) -> MemoryTransaction:
+        return self._tx.connection
+
+    async def enqueue(self, events: Sequence[NewEvent]) -> list[int]:
+        return self._tx.enqueue(events)
+
+    async def record(self, handler: str, outcome: Outcome, *, reason: str | None = None) -> None:
+        self._tx.record(handler, outcome, reason=reason)
+
+
+class _AsyncDeliveries:
+    """The async twin of the store or of one of its batches (``Deliveries``)."""
+
+    def __init__(self, deliveries: MemoryStore | _MemoryBatch) -> None:
+        self._deliveries = deliveries
+
+    @asynccontextmanager
+    async def delivery(
+        self, claim: Claim, *, now: datetime | None
+    ) -> AsyncIterator[_AsyncDelivery]:
+        with self._deliveries.delivery(claim, now=now) as tx:
+            yield _AsyncDelivery(tx)
+
+    async def extend(
+        self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None
+    ) -> list[Claim]:
+        return self._deliveries.extend(claims, lease=lease, now=now)
+
+    async def settle_many(self, items: Sequence[SettleItem], *, now: datetime | None) -> list[bool]:
+        return self._deliveries.settle_many(items, now=now)
+
+
+class _AsyncMemory(_AsyncDeliveries):
+    """``MemoryStore.async_store()``."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        super().__init__(store)
+        self._store = store
+
+    async def enqueue(
+        self, conn: Any, events: Sequence[NewEvent], *, now: datetime | None
+    ) -> list[int]:
+        return self._store.enqueue(conn, events, now=now)
+
+    async def claim(
+        self, *, batch_size: int, lease: timedelta, now: datetime | None
+    ) -> list[Claim]:
+        return self._store.claim(batch_size=batch_size, lease=lease, now=now)
+
+    @asynccontextmanager
+    async def batch(self, *, now: datetime | None) -> AsyncIterator[_AsyncDeliveries]:
+        with self._store.batch(now=now) as batch:
+            yield _AsyncDeliveries(batch)
+
+    async def release(self, claims: Sequence[Claim], *, now: datetime | None) -> int:
+        return self._store.release(claims, now=now)
+
+    def make_waiter(self) -> AsyncClosingWaiter | None:
+        return None
+
+    async def close(self) -> None:
+        """Nothing of its own to release."""
 
 
 class _MemoryPlugin:

@@ -20,10 +20,12 @@ from .core.options import PollerOptions, TransactionMode
 from .core.payload import DEFAULT_MAX_PAYLOAD_BYTES, build_event
 from .errors import ConfigurationError, InvalidEvent, StoreError
 from .plugins import make_plugin_manager, notify
-from .store import Store
+from .store import AsyncStore, Store
 
 if TYPE_CHECKING:
-    from .poller import Poller, Waiter
+    from .aio import AsyncPoller
+    from .poller import Poller
+    from .waiter import AsyncWaiter, Waiter, Wakeable
 
 __all__ = ["Message", "Outbox"]
 
@@ -131,7 +133,7 @@ class Outbox:
         self.plugins: pluggy.PluginManager = make_plugin_manager(
             self._plugin_list, load_entry_points=load_entry_points
         )
-        self._waiters: list[Waiter] = []
+        self._waiters: list[Wakeable] = []
         self._waiters_lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -251,6 +253,76 @@ class Outbox:
             InvalidEvent: an event is invalid (the message gives its index); nothing was written.
             StoreError: the store failed to write.
         """
+        built = self._build_many(events)
+        if not built:
+            return []
+        ids = self.store.enqueue(conn, built, now=self.store_now())
+        self.wake()
+        return ids
+
+    async def enqueue_async(
+        self,
+        conn: Any,
+        topic: str,
+        payload: Any,
+        *,
+        headers: Mapping[str, str] | None = None,
+        key: str | None = None,
+        delay: float | timedelta | None = None,
+    ) -> int:
+        """:meth:`enqueue` from async code, through the app's async connection inside its open
+        transaction (R1): psycopg's ``AsyncConnection`` on PostgreSQL, an aiosqlite connection
+        on SQLite, a ``MemoryTransaction`` on the memory store. Never begins, commits or rolls
+        back; the event is checked before any SQL.
+
+        Returns:
+            The new event's id.
+
+        Raises:
+            InvalidEvent: the event is invalid; nothing was written, the transaction is usable.
+            ConfigurationError: the store has no asyncio side, or ``conn`` is not a connection
+                it takes in an open transaction.
+            StoreError: the store failed to write.
+        """
+        event = build_event(
+            topic,
+            payload,
+            headers=headers,
+            key=key,
+            delay=delay,
+            max_payload_bytes=self.max_payload_bytes,
+        )
+        (event_id,) = await self._async_store().enqueue(conn, [event], now=self.store_now())
+        self.wake()
+        return event_id
+
+    async def enqueue_many_async(
+        self, conn: Any, events: Iterable[Message | tuple[str, Any]]
+    ) -> list[int]:
+        """:meth:`enqueue_many` from async code (see :meth:`enqueue_async`).
+
+        Raises:
+            InvalidEvent: an event is invalid (the message gives its index); nothing was written.
+            ConfigurationError: as for :meth:`enqueue_async`.
+            StoreError: the store failed to write.
+        """
+        built = self._build_many(events)
+        if not built:
+            return []
+        ids = await self._async_store().enqueue(conn, built, now=self.store_now())
+        self.wake()
+        return ids
+
+    def _async_store(self) -> AsyncStore:
+        if not self.store.capabilities.asyncio:
+            raise ConfigurationError(
+                f"{self.store!r} has no asyncio side (capabilities.asyncio is false): enqueue "
+                "through a blocking connection with enqueue()"
+            )
+        return self.store.async_store()
+
+    def _build_many(self, events: Iterable[Message | tuple[str, Any]]) -> list[NewEvent]:
+        """Every event checked before anything is written: one bad event writes none."""
         built: list[NewEvent] = []
         limit = self.max_payload_bytes
         for index, item in enumerate(events):
@@ -274,11 +346,7 @@ class Outbox:
                     )
             except InvalidEvent as exc:
                 raise InvalidEvent(f"event #{index}: {exc}") from None
-        if not built:
-            return []
-        ids = self.store.enqueue(conn, built, now=self.store_now())
-        self.wake()
-        return ids
+        return built
 
     # -- pollers --------------------------------------------------------------------------------
 
@@ -299,11 +367,36 @@ class Outbox:
 
         return Poller(self, PollerOptions.build(self.options, **options), waiter=waiter)
 
-    def add_waiter(self, waiter: Waiter) -> None:
+    def async_poller(
+        self, *, concurrency: int = 1, waiter: AsyncWaiter | None = None, **options: Any
+    ) -> AsyncPoller:
+        """An asyncio poller with the outbox's defaults overridden by ``options`` (R14).
+
+        Args:
+            concurrency: how many events of a claimed batch are delivered at once, each on its
+                own connection (default 1).
+            waiter: how the poller waits between polls (default: an ``asyncio.Event`` woken
+                by in-process enqueues, or the store's, which also wakes on commits elsewhere).
+            **options: as for :meth:`poller`.
+
+        Raises:
+            ConfigurationError: an unknown option or an invalid value, naming the option; a
+                store without an asyncio side; a blocking transactional handler on the bus.
+        """
+        from .aio import AsyncPoller
+
+        return AsyncPoller(
+            self,
+            PollerOptions.build(self.options, **options),
+            concurrency=concurrency,
+            waiter=waiter,
+        )
+
+    def add_waiter(self, waiter: Wakeable) -> None:
         with self._waiters_lock:
             self._waiters.append(waiter)
 
-    def remove_waiter(self, waiter: Waiter) -> None:
+    def remove_waiter(self, waiter: Wakeable) -> None:
         with self._waiters_lock:
             if waiter in self._waiters:
                 self._waiters.remove(waiter)

@@ -1,8 +1,8 @@
 """The blocking poller: claim -> deliver -> settle, once (``run_once``) or in a loop.
 
 A thin shell over the pure core: ``outboxkit.core.batch.ClaimedBatch`` says what comes next and
-``outboxkit.core.machine`` decides every outcome; this module reads the clocks, talks to the
-store, runs the handlers and emits what happened. ``outboxkit.aio`` is the same shell for
+``outboxkit.core.machine`` decides every outcome; ``outboxkit.handling`` reports them. This
+module only waits: for the store and for the handlers. ``outboxkit.aio`` is the same shell for
 asyncio, name for name. The same code path runs in production and inside ``outbox_drain``.
 """
 
@@ -11,43 +11,17 @@ from __future__ import annotations
 import inspect
 import logging
 import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from datetime import datetime
+from typing import TYPE_CHECKING
 
+from . import handling
 from .bus import HandlerSpec
-from .core.batch import ClaimedBatch, EventRun, Settled
-from .core.machine import (
-    MAX_OUTAGE_WAIT,
-    LeaseCheck,
-    Publish,
-    Retry,
-    SettleNow,
-    outage_delay,
-    outcome_of,
-)
-from .core.machine import DeadLetter as DeadLetterDecision
-from .core.model import (
-    Claim,
-    Claimed,
-    DeadLettered,
-    Delivery,
-    Event,
-    HandlerFailed,
-    HandlerRejected,
-    HandlerSucceeded,
-    LeaseLost,
-    NewEvent,
-    Outcome,
-    PollReport,
-    Published,
-    RetryScheduled,
-    Unrouted,
-)
+from .core.batch import ClaimedBatch, EventRun
+from .core.machine import MAX_OUTAGE_WAIT, LeaseCheck, outage_delay
+from .core.model import Claim, Claimed, Delivery, Event, Outcome, PollReport
 from .core.options import PollerOptions
-from .core.payload import build_event
-from .core.text import describe_exception, storable
 from .errors import (
     ConfigurationError,
     HandlerCrashed,
@@ -56,7 +30,7 @@ from .errors import (
     SchemaError,
     StoreError,
 )
-from .store import Deliveries, DeliveryTransaction
+from .store import Deliveries
 from .waiter import ClosingWaiter, ThreadWaiter, Waiter
 
 if TYPE_CHECKING:
@@ -74,83 +48,7 @@ __all__ = [
 
 log = logging.getLogger("outboxkit")
 
-
-class _Context:
-    """The ``ctx`` a handler receives (see ``outboxkit.bus.DeliveryContext``)."""
-
-    __slots__ = ("_buffer", "_max_payload_bytes", "_tx", "attempt", "handler")
-
-    def __init__(self, handler: str, attempt: int, max_payload_bytes: int) -> None:
-        self.handler = handler
-        self.attempt = attempt
-        self._max_payload_bytes = max_payload_bytes
-        self._tx: DeliveryTransaction | None = None
-        self._buffer: list[NewEvent] = []
-
-    @property
-    def connection(self) -> Any:
-        return self._tx.connection if self._tx is not None else None
-
-    def enqueue(
-        self,
-        topic: str,
-        payload: Any,
-        *,
-        headers: Mapping[str, str] | None = None,
-        key: str | None = None,
-        delay: float | timedelta | None = None,
-    ) -> None:
-        event = build_event(
-            topic,
-            payload,
-            headers=headers,
-            key=key,
-            delay=delay,
-            max_payload_bytes=self._max_payload_bytes,
-        )
-        if self._tx is not None:
-            self._tx.enqueue([event])
-        else:
-            # Non-transactional handler: the follow-up commits with its delivery record.
-            self._buffer.append(event)
-
-
-class _HandlerError(Exception):
-    """Wraps an exception a handler raised, to keep it apart from the store's own errors."""
-
-    def __init__(self, exc: Exception) -> None:
-        super().__init__(exc)
-        self.exc = exc
-
-
-def check_handlers(specs: Sequence[HandlerSpec], *, asyncio: bool) -> None:
-    """Refuse handlers a poller cannot run, naming them: an ``async def`` handler under the
-    blocking poller (its coroutine would never be awaited), or (``asyncio``) a blocking
-    transactional handler under the asyncio poller (it would block the event loop while it
-    holds its delivery transaction).
-
-    Raises:
-        ConfigurationError: naming the handler and its topic.
-    """
-    for spec in specs:
-        coroutine = _is_coroutine_function(spec.fn)
-        if coroutine and not asyncio:
-            raise ConfigurationError(
-                f"handler {spec.name!r} (topic {spec.topic!r}) is an async def: the blocking "
-                "poller cannot await it; run it with outbox.async_poller()"
-            )
-        if asyncio and not coroutine and spec.transactional:
-            raise ConfigurationError(
-                f"handler {spec.name!r} (topic {spec.topic!r}) is a blocking transactional "
-                "handler: the asyncio poller runs only async def transactional handlers (a "
-                "blocking one would hold the event loop in its delivery transaction); make it "
-                "async def, subscribe it with transactional=False, or use outbox.poller()"
-            )
-
-
-def _is_coroutine_function(fn: object) -> bool:
-    """An ``async def`` function, or an object whose ``__call__`` is one."""
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+check_handlers = handling.check_handlers
 
 
 class Poller:
@@ -172,7 +70,7 @@ class Poller:
                 f"transaction='per_batch' needs a store with batches; {outbox.store!r} has "
                 f"{sorted(outbox.store.capabilities.names())}"
             )
-        check_handlers(outbox.bus.specs(), asyncio=False)
+        handling.check_handlers(outbox.bus.specs(), asyncio=False)
         # Without a waiter given, the store may offer one that also wakes on commits in other
         # processes; this poller then closes it when run_forever ends.
         self._owned: ClosingWaiter | None = None
@@ -250,7 +148,7 @@ class Poller:
                         self._write(deliveries, batch)
                 if self._batched:
                     self._write(deliveries, batch)
-            self._announce(batch.committed())
+            handling.announce(outbox, batch.committed())
         finally:
             # Stopping, or a handler raised BaseException: hand back the unstarted claims
             # (after a batch has ended: its transaction may hold their rows).
@@ -278,11 +176,8 @@ class Poller:
 
     def _deliver_event(self, deliveries: Deliveries, batch: ClaimedBatch, run: EventRun) -> None:
         outbox = self.outbox
-        event = run.claim.event
-        if isinstance(run.plan, SettleNow) and run.plan.unrouted:
-            log.info("event %d: no handler subscribed to %r; publishing it", event.id, event.topic)
-            outbox.emit(Unrouted(event.id, event.topic))
-        specs = {s.name: s for s in outbox.bus.handlers_for(event.topic)}
+        handling.unrouted(outbox, run)
+        specs = {s.name: s for s in outbox.bus.handlers_for(run.claim.event.topic)}
         for name in run.handlers:
             # R13: keep the batch's leases alive; never start a handler once ours is gone.
             if not self._keep_lease(deliveries, batch, run):
@@ -290,7 +185,7 @@ class Poller:
             delivery = self._deliver(deliveries, run.claim, specs[name])
             batch.delivered(run, delivery)
             if delivery.outcome is Outcome.CRASHED:  # the lease was lost under the handler
-                self._lease_lost(run.claim, name)
+                handling.lease_lost(outbox, run.claim, name)
                 break
         batch.finish(run)
 
@@ -301,11 +196,11 @@ class Poller:
             asked = batch.to_extend()
             kept = deliveries.extend(asked, lease=self.options.lease, now=outbox.store_now())
             for claim in batch.extended(asked, kept, outbox.local_clock.now()):
-                self._lease_lost(claim, None)
+                handling.lease_lost(outbox, claim, None)
             check = batch.check_lease(run, outbox.local_clock.now())
         elif check is LeaseCheck.LOST:
             batch.lose(run)
-            self._lease_lost(run.claim, None)
+            handling.lease_lost(outbox, run.claim, None)
         return check is not LeaseCheck.LOST
 
     def _write(self, deliveries: Deliveries, batch: ClaimedBatch) -> None:
@@ -315,95 +210,42 @@ class Poller:
             return
         results = deliveries.settle_many(items, now=self.outbox.store_now())
         for claim in batch.wrote(items, results):
-            self._lease_lost(claim, None)
+            handling.lease_lost(self.outbox, claim, None)
         if not self._batched:
-            self._announce(batch.committed())
+            handling.announce(self.outbox, batch.committed())
 
     def _deliver(self, deliveries: Deliveries, claim: Claim, spec: HandlerSpec) -> Delivery:
         """Run one handler for one claimed event, with its record (R6, R7)."""
         outbox = self.outbox
-        event = claim.event
-        ctx = _Context(spec.name, claim.attempt, outbox.max_payload_bytes)
+        ctx = handling.Context(spec.name, claim.attempt, outbox.max_payload_bytes)
         at = outbox.clock.now()
         try:
             if spec.transactional:
                 with deliveries.delivery(claim, now=outbox.store_now()) as tx:
-                    ctx._tx = tx
-                    _call(spec, event, ctx)
+                    ctx.connection, ctx.write = tx.connection, tx.enqueue
+                    _call(spec, claim.event, ctx)
                     tx.record(spec.name, Outcome.SUCCEEDED)
             else:
-                _call(spec, event, ctx)
+                _call(spec, claim.event, ctx)
                 # The record's transaction opens after the handler ran: stamp it (and the
                 # follow-ups' delays) with that instant, as a database clock would.
                 with deliveries.delivery(claim, now=outbox.store_now()) as tx:
-                    if ctx._buffer:
-                        tx.enqueue(ctx._buffer)
+                    if ctx.buffer:
+                        tx.enqueue(ctx.buffer)
                     tx.record(spec.name, Outcome.SUCCEEDED)
         except Reject as rejection:
-            reason = storable(rejection.reason)
+            reason = handling.reason_of(rejection)
             try:
                 with deliveries.delivery(claim, now=outbox.store_now()) as tx:
                     tx.record(spec.name, Outcome.REJECTED, reason=reason)
             except LeaseLostError:
-                return _delivery(claim, spec, Outcome.CRASHED, at, "lease lost")
-            log.info("event %d: %s rejected it: %s", event.id, spec.name, reason)
-            outbox.emit(HandlerRejected(event.id, event.topic, spec.name, claim.attempt, reason))
-            return _delivery(claim, spec, Outcome.REJECTED, at, reason)
+                return handling.lost(claim, spec, at)
+            return handling.rejected(outbox, claim, spec, at, reason)
         except LeaseLostError:
-            return _delivery(claim, spec, Outcome.CRASHED, at, "lease lost")
-        except (_HandlerError, HandlerCrashed) as failure:
-            exc: Exception = failure.exc if isinstance(failure, _HandlerError) else failure
-            error = describe_exception(exc)
-            log.warning(
-                "event %d (%s): handler %s failed on attempt %d: %s",
-                event.id,
-                event.topic,
-                spec.name,
-                claim.attempt,
-                error,
-                exc_info=exc,
-            )
-            outbox.emit(HandlerFailed(event.id, event.topic, spec.name, claim.attempt, error))
-            return _delivery(claim, spec, outcome_of(exc), at, error, exc)
-        outbox.emit(HandlerSucceeded(event.id, event.topic, spec.name, claim.attempt))
-        return _delivery(claim, spec, Outcome.SUCCEEDED, at)
-
-    def _announce(self, settled: Sequence[Settled]) -> None:
-        """Log and emit settlements that have been committed."""
-        outbox = self.outbox
-        for claim, settlement, error in settled:
-            event = claim.event
-            if isinstance(settlement, Publish):
-                outbox.emit(Published(event.id, event.topic, claim.attempt))
-            elif isinstance(settlement, Retry):
-                log.info(
-                    "event %d (%s): retry %d in %ss",
-                    event.id,
-                    event.topic,
-                    settlement.retry,
-                    settlement.delay.total_seconds(),
-                )
-                outbox.emit(
-                    RetryScheduled(event.id, event.topic, claim.attempt, settlement.delay, error)
-                )
-            elif isinstance(settlement, DeadLetterDecision):
-                log.warning(
-                    "event %d (%s): dead-lettered after %d attempt(s): %s",
-                    event.id,
-                    event.topic,
-                    claim.attempt,
-                    error,
-                )
-                outbox.emit(DeadLettered(event.id, event.topic, claim.attempt, error))
-
-    def _lease_lost(self, claim: Claim, handler: str | None) -> None:
-        log.warning(
-            "event %d (%s): lease lost on attempt %d; another poller may own it",
-            claim.event.id,
-            claim.event.topic,
-            claim.attempt,
-        )
-        self.outbox.emit(LeaseLost(claim.event.id, claim.event.topic, claim.attempt, handler))
+            return handling.lost(claim, spec, at)
+        except (handling.HandlerError, HandlerCrashed) as failure:
+            return handling.failed(outbox, claim, spec, at, failure)
+        return handling.succeeded(outbox, claim, spec, at)
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -476,41 +318,12 @@ class Poller:
         return reports
 
 
-def _delivery(
-    claim: Claim,
-    spec: HandlerSpec,
-    outcome: Outcome,
-    at: datetime,
-    error: str | None = None,
-    exc: BaseException | None = None,
-) -> Delivery:
-    return Delivery(
-        event_id=claim.event.id,
-        topic=claim.event.topic,
-        handler=spec.name,
-        attempt=claim.attempt,
-        outcome=outcome,
-        at=at,
-        error=error,
-        exception=exc,
-    )
-
-
-def _call(spec: HandlerSpec, event: Event, ctx: _Context) -> None:
+def _call(spec: HandlerSpec, event: Event, ctx: handling.Context) -> None:
     try:
         result = spec.fn(event, ctx)
     except Reject:
         raise
     except Exception as exc:
-        raise _HandlerError(exc) from exc
-    if inspect.isawaitable(result):
-        # Never recorded as run without running: an awaitable returned to the blocking poller
-        # (a handler that is not an async def but returns a coroutine) is a failure.
-        if inspect.iscoroutine(result):
-            result.close()  # no "never awaited" warning: it is reported here instead
-        raise _HandlerError(
-            TypeError(
-                f"handler {spec.name!r} returned {type(result).__name__}, an awaitable: the "
-                "blocking poller cannot await it; run async handlers with outbox.async_poller()"
-            )
-        )
+        raise handling.HandlerError(exc) from exc
+    if result is not None and inspect.isawaitable(result):
+        raise handling.awaitable_returned(spec, result)

@@ -28,17 +28,21 @@ must be mapped at the boundary into ``outboxkit.errors`` (``StoreError``/``Store
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 from typing import Any, Protocol, runtime_checkable
 
 from .core.machine import Settlement
 from .core.model import Claim, DeadLetter, DeliveryRecord, Event, NewEvent, Outcome, Stats
-from .waiter import ClosingWaiter
+from .waiter import AsyncClosingWaiter, ClosingWaiter
 
 __all__ = [
     "CAPABILITIES",
+    "AsyncBatchTransaction",
+    "AsyncDeliveries",
+    "AsyncDeliveryTransaction",
+    "AsyncStore",
     "BatchTransaction",
     "Capabilities",
     "Deliveries",
@@ -71,10 +75,14 @@ class Capabilities:
         database_clock: ``now=None`` means a clock shared by every host (the database's).
         concurrent_batches: others may claim while a batch is open (row locks, not a database
             lock).
+        asyncio: ``async_store()`` returns the store's asyncio side (``AsyncStore``): enqueue
+            from async code, the asyncio poller, ``async def`` transactional handlers on an
+            async connection. Without it ``async_store()`` raises ``ConfigurationError``.
     """
 
     batches: bool = False
     waiter: bool = False
+    asyncio: bool = False
     transactional_handlers: bool = True
     concurrent_claimers: bool = False
     multiprocess: bool = False
@@ -109,6 +117,7 @@ CAPABILITIES: dict[str, str] = {
     "multiprocess": "several processes may share the store (url and options reopen it)",
     "database_clock": "now=None means a clock every host shares (the database's)",
     "concurrent_batches": "others may claim while a batch is open (row locks, not a db lock)",
+    "asyncio": "async_store() gives the asyncio side: async enqueue, the asyncio poller",
 }
 """Each capability's name and what it promises (the fields of ``Capabilities``)."""
 
@@ -251,6 +260,15 @@ class Store(Deliveries, Protocol):
         (``capabilities.waiter``), or None. The poller that asked closes it when done."""
         ...
 
+    def async_store(self) -> AsyncStore:
+        """The store's asyncio side (``capabilities.asyncio``), made on first use and closed
+        with the store: the same tables, SQL and error mapping, on async connections.
+
+        Raises:
+            ConfigurationError: the store has no asyncio side.
+        """
+        ...
+
     def requeue(self, ids: Iterable[int], *, now: datetime | None) -> int:
         """R12: make dead events due again with attempts reset; records stay. Returns the count."""
         ...
@@ -288,6 +306,72 @@ class Store(Deliveries, Protocol):
 
     def stats(self, *, now: datetime | None) -> Stats:
         """Counts by state and topic, and the oldest due instant (backoff-parked ones excluded)."""
+        ...
+
+
+# -- the asyncio side: the hot path, name for name ---------------------------------------------
+
+
+class AsyncDeliveryTransaction(Protocol):
+    """``DeliveryTransaction`` for async code: ``connection`` is the async connection of the
+    delivery transaction (psycopg's ``AsyncConnection``, aiosqlite's ``Connection``)."""
+
+    @property
+    def connection(self) -> Any: ...
+
+    async def enqueue(self, events: Sequence[NewEvent]) -> list[int]: ...
+
+    async def record(
+        self, handler: str, outcome: Outcome, *, reason: str | None = None
+    ) -> None: ...
+
+
+class AsyncDeliveries(Protocol):
+    """``Deliveries`` for async code: the store's asyncio side, or its async batch."""
+
+    def delivery(
+        self, claim: Claim, *, now: datetime | None
+    ) -> AbstractAsyncContextManager[AsyncDeliveryTransaction]: ...
+
+    async def extend(
+        self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None
+    ) -> list[Claim]: ...
+
+    async def settle_many(
+        self, items: Sequence[SettleItem], *, now: datetime | None
+    ) -> list[bool]: ...
+
+
+class AsyncBatchTransaction(AsyncDeliveries, Protocol):
+    """``BatchTransaction`` for async code."""
+
+
+class AsyncStore(AsyncDeliveries, Protocol):
+    """A store's asyncio side (``Store.async_store()``): what the asyncio poller and
+    ``Outbox.enqueue_async`` need, each method the async twin of the store's own."""
+
+    async def enqueue(
+        self, conn: Any, events: Sequence[NewEvent], *, now: datetime | None
+    ) -> list[int]:
+        """``Store.enqueue`` through the app's async connection, inside its transaction."""
+        ...
+
+    async def claim(
+        self, *, batch_size: int, lease: timedelta, now: datetime | None
+    ) -> list[Claim]: ...
+
+    def batch(
+        self, *, now: datetime | None
+    ) -> AbstractAsyncContextManager[AsyncBatchTransaction]: ...
+
+    async def release(self, claims: Sequence[Claim], *, now: datetime | None) -> int: ...
+
+    def make_waiter(self) -> AsyncClosingWaiter | None:
+        """An async waiter that also wakes on commits elsewhere, or None."""
+        ...
+
+    async def close(self) -> None:
+        """Release the async connections (the store's ``close`` does it too)."""
         ...
 
 

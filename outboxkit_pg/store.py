@@ -522,6 +522,14 @@ class PostgresStore(SQLStore):
 
     # -- wake-ups -------------------------------------------------------------------------------
 
+    def async_store(self) -> Any:
+        """The store's asyncio side.
+
+        Raises:
+            ConfigurationError: not there yet (``capabilities.asyncio`` is false).
+        """
+        raise ConfigurationError("the PostgreSQL store has no asyncio side yet")
+
     def make_waiter(self) -> NotifyWaiter | None:
         """A poller waiter that also returns when an enqueue commits (``LISTEN``), or None
         when notifications are off. It connects on its first ``wait`` and is closed by the

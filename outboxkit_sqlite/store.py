@@ -430,6 +430,14 @@ class SQLiteStore(SQLStore):
         """The store's clock: this host's (every process sharing the file is on it)."""
         return datetime.now(UTC)
 
+    def async_store(self) -> Any:
+        """The store's asyncio side.
+
+        Raises:
+            ConfigurationError: not there yet (``capabilities.asyncio`` is false).
+        """
+        raise ConfigurationError("the SQLite store has no asyncio side yet")
+
     def make_waiter(self) -> ClosingWaiter | None:
         """None: SQLite has no notifications; pollers poll (and an enqueue in the same process
         wakes them directly)."""

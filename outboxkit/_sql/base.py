@@ -103,25 +103,13 @@ class SQLStore(ABC):
         """``settle_many``'s parameters (besides ``now``) for rows of ``SETTLE_COLUMNS``."""
 
     # -- claims and leases --------------------------------------------------------------------------
+    # Each hot-path statement as a query to run and a mapping of its rows, so that the store's
+    # asyncio side (``outboxkit._sql.aio``) runs the very same statements and mappings.
 
     def claim(self, *, batch_size: int, lease: timedelta, now: datetime | None) -> list[Claim]:
         """R3 (see ``Store.claim``)."""
-        params = {
-            "now": self._instant(now),
-            "lease": self._duration(lease),
-            "batch_size": batch_size,
-        }
         with self._write("claim events") as conn:
-            rows = self._rows(conn, "claim", params)
-        return sort_claims(
-            Claim(
-                event=self._event(row),
-                token=str(row[12]),
-                locked_until=self._stored_instant(row[10]),
-                done=done_from_pairs(self._done(row[13])),
-            )
-            for row in rows
-        )
+            return self._claims(self._rows(conn, *self._claim_query(batch_size, lease, now)))
 
     def extend(
         self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None
@@ -143,38 +131,72 @@ class SQLStore(ABC):
         """Unstarted claims handed back: lease cleared, the attempt refunded, fenced by token."""
         if not claims:
             return 0
-        ordered = sorted(claims, key=lambda c: c.event.id)
-        params = {
-            "ids": self._array([c.event.id for c in ordered]),
-            "tokens": self._array([c.token for c in ordered]),
-        }
         with self._write(f"release {len(claims)} claim(s)") as conn:
-            return len(self._rows(conn, "release", params))
+            return len(self._rows(conn, *self._release_query(claims)))
 
     def _extend_on(
         self, conn: Any, claims: Sequence[Claim], lease: timedelta, now: datetime | None
     ) -> list[Claim]:
-        ordered = sorted(claims, key=lambda c: c.event.id)  # one lock order for every poller
-        rows = self._rows(
-            conn,
-            "extend",
-            {
-                "now": self._instant(now),
-                "lease": self._duration(lease),
-                "ids": self._array([c.event.id for c in ordered]),
-                "tokens": self._array([c.token for c in ordered]),
-            },
-        )
-        ends = {str(token): self._stored_instant(end) for token, end in rows}
-        return still_owned(claims, ends)
+        return self._extended(claims, self._rows(conn, *self._extend_query(claims, lease, now)))
 
     def _settle_many_on(
         self, conn: Any, items: Sequence[SettleItem], now: datetime | None
     ) -> list[bool]:
+        return self._settled(items, self._rows(conn, *self._settle_many_query(items, now)))
+
+    def _claim_query(
+        self, batch_size: int, lease: timedelta, now: datetime | None
+    ) -> tuple[str, dict[str, Any]]:
+        params = {
+            "now": self._instant(now),
+            "lease": self._duration(lease),
+            "batch_size": batch_size,
+        }
+        return "claim", params
+
+    def _claims(self, rows: Sequence[Row]) -> list[Claim]:
+        return sort_claims(
+            Claim(
+                event=self._event(row),
+                token=str(row[12]),
+                locked_until=self._stored_instant(row[10]),
+                done=done_from_pairs(self._done(row[13])),
+            )
+            for row in rows
+        )
+
+    def _extend_query(
+        self, claims: Sequence[Claim], lease: timedelta, now: datetime | None
+    ) -> tuple[str, dict[str, Any]]:
+        ordered = sorted(claims, key=lambda c: c.event.id)  # one lock order for every poller
+        return "extend", {
+            "now": self._instant(now),
+            "lease": self._duration(lease),
+            "ids": self._array([c.event.id for c in ordered]),
+            "tokens": self._array([c.token for c in ordered]),
+        }
+
+    def _extended(self, claims: Sequence[Claim], rows: Sequence[Row]) -> list[Claim]:
+        ends = {str(token): self._stored_instant(end) for token, end in rows}
+        return still_owned(claims, ends)
+
+    def _settle_many_query(
+        self, items: Sequence[SettleItem], now: datetime | None
+    ) -> tuple[str, dict[str, Any]]:
         rows = [settle_row(c, s, e, self._duration) for c, s, e in items]
-        params = {"now": self._instant(now), **self._settle_params(rows)}
-        settled = {row[0] for row in self._rows(conn, "settle_many", params)}
+        return "settle_many", {"now": self._instant(now), **self._settle_params(rows)}
+
+    @staticmethod
+    def _settled(items: Sequence[SettleItem], rows: Sequence[Row]) -> list[bool]:
+        settled = {row[0] for row in rows}
         return [claim.event.id in settled for claim, _, _ in items]
+
+    def _release_query(self, claims: Sequence[Claim]) -> tuple[str, dict[str, Any]]:
+        ordered = sorted(claims, key=lambda c: c.event.id)
+        return "release", {
+            "ids": self._array([c.event.id for c in ordered]),
+            "tokens": self._array([c.token for c in ordered]),
+        }
 
     # -- operations ---------------------------------------------------------------------------------
 

@@ -159,7 +159,7 @@ def test_wheel_ships_the_suite_and_a_third_party_store_passes(venv_with_wheel: P
     assert result.returncode == 0, result.stdout + result.stderr
     assert "outboxkit conformance suite 1.1.0 against mystore:make_store" in result.stdout
     assert (
-        "declared capabilities: batches, concurrent_batches, concurrent_claimers, "
+        "declared capabilities: asyncio, batches, concurrent_batches, concurrent_claimers, "
         "transactional_handlers" in result.stdout
     )
     summary = [line for line in result.stdout.splitlines() if line.startswith("conformance: ")]

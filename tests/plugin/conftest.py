@@ -19,6 +19,7 @@ def app(request: pytest.FixtureRequest, pytester: pytest.Pytester) -> pytest.Pyt
         [pytest]
         outboxkit_app = myapp:outbox
         filterwarnings = error
+        asyncio_default_fixture_loop_scope = function
         """
     )
     pytester.syspathinsert()

@@ -30,6 +30,7 @@ def test_strict_mode_fails_on_unaccounted_events(app: pytest.Pytester) -> None:
     app.makeini(
         """
         [pytest]
+        asyncio_default_fixture_loop_scope = function
         outboxkit_app = myapp:outbox
         outboxkit_strict = true
         """
@@ -64,6 +65,7 @@ def test_ini_options_freezegun_store_and_a_fresh_outbox(pytester: pytest.Pyteste
     pytester.makeini(
         """
         [pytest]
+        asyncio_default_fixture_loop_scope = function
         outboxkit_store = memory://
         outboxkit_freezegun = true
         """
@@ -102,7 +104,9 @@ def test_an_app_that_cannot_be_loaded_is_a_usage_error(
 ) -> None:
     pytester.makepyfile(myapp=SAMPLE_APP)
     pytester.syspathinsert()
-    pytester.makeini(f"[pytest]\noutboxkit_app = {spec}\n")
+    pytester.makeini(
+        f"[pytest]\nasyncio_default_fixture_loop_scope = function\noutboxkit_app = {spec}\n"
+    )
     pytester.makepyfile(test_app="def test_app(outbox):\n    pass\n")
     result = pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider")
     result.assert_outcomes(errors=1)

@@ -45,5 +45,8 @@ def test_readme_testing_example_passes(pytester) -> None:
     section = README.split("## Testing with outboxkit", 1)[1]
     example = python_blocks(section)[0]
     pytester.makepyfile(test_checkout=example)
+    # A user's project, as the README shows it; pytest-asyncio (installed for our own async
+    # tests) would ask such a project to choose its fixture loop scope.
+    pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
     result = pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider")  # default: SQLite
     result.assert_outcomes(passed=2)

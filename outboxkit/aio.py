@@ -1,0 +1,376 @@
+"""The asyncio poller: claim -> deliver -> settle, once (``run_once``) or in a loop.
+
+The same thin shell as ``outboxkit.poller``, name for name, over the same core
+(``ClaimedBatch`` says what comes next, ``core.machine`` decides, ``handling`` reports); only the
+waiting differs: the store's asyncio side (``Store.async_store()``) is awaited, ``async def``
+handlers are awaited, and blocking non-transactional handlers run in a worker thread.
+
+``concurrency`` events of a claimed batch are delivered at once, each on its own connection:
+every rule holds as with one (each event's handlers in subscription order, a recorded handler
+never run again, the leases of waiting events kept alive, the unstarted released on stop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+from . import handling
+from .bus import HandlerSpec
+from .core.batch import ClaimedBatch, EventRun
+from .core.machine import LeaseCheck, outage_delay
+from .core.model import Claim, Claimed, Delivery, Event, Outcome, PollReport
+from .core.options import PollerOptions
+from .errors import (
+    ConfigurationError,
+    HandlerCrashed,
+    LeaseLostError,
+    Reject,
+    SchemaError,
+    StoreError,
+)
+from .store import AsyncDeliveries, AsyncStore
+from .waiter import AsyncClosingWaiter, AsyncWaiter, LoopWaiter
+
+if TYPE_CHECKING:
+    from .outbox import Outbox
+
+__all__ = ["MAX_CONCURRENCY", "AsyncPoller"]
+
+log = logging.getLogger("outboxkit")
+
+MAX_CONCURRENCY = 1_000
+"""The most events one asyncio poller delivers at once (each holds a connection)."""
+
+
+class AsyncPoller:
+    """Claims due events and delivers them on asyncio. Make one with
+    ``Outbox.async_poller(concurrency=1, **options)``.
+
+    ``stop()`` may be called from any thread or a signal handler.
+
+    Raises:
+        ConfigurationError: the store has no asyncio side; a blocking transactional handler on
+            the bus; ``concurrency`` not from 1 to ``MAX_CONCURRENCY``, or above 1 with
+            ``transaction="per_batch"`` (a batch is one transaction on one connection); or
+            ``per_batch`` on a store without batches.
+    """
+
+    def __init__(
+        self,
+        outbox: Outbox,
+        options: PollerOptions,
+        *,
+        concurrency: int = 1,
+        waiter: AsyncWaiter | None,
+    ) -> None:
+        self.outbox = outbox
+        self.options = options
+        if (
+            not isinstance(concurrency, int)
+            or isinstance(concurrency, bool)
+            or not 1 <= concurrency <= MAX_CONCURRENCY
+        ):
+            raise ConfigurationError(
+                f"concurrency must be an integer from 1 to {MAX_CONCURRENCY:,}, got "
+                f"{concurrency!r:.40}"
+            )
+        self.concurrency = concurrency
+        self._batched = options.transaction == "per_batch"
+        capabilities = outbox.store.capabilities
+        if self._batched and not capabilities.batches:
+            raise ConfigurationError(
+                f"transaction='per_batch' needs a store with batches; {outbox.store!r} has "
+                f"{sorted(capabilities.names())}"
+            )
+        if self._batched and concurrency > 1:
+            raise ConfigurationError(
+                "transaction='per_batch' delivers a batch in one transaction, on one connection: "
+                f"it cannot deliver events at once (concurrency={concurrency}); use "
+                "transaction='per_event' with concurrency"
+            )
+        if not capabilities.asyncio:
+            raise ConfigurationError(
+                f"the asyncio poller needs a store with an asyncio side; {outbox.store!r} has "
+                "none (capabilities.asyncio is false): use outbox.poller()"
+            )
+        handling.check_handlers(outbox.bus.specs(), asyncio=True)
+        self.store: AsyncStore = outbox.store.async_store()
+        self._owned: AsyncClosingWaiter | None = None
+        if waiter is None:
+            self._owned = self.store.make_waiter()
+        self.waiter: AsyncWaiter = waiter or self._owned or LoopWaiter()
+        self._stop = threading.Event()
+
+    def __repr__(self) -> str:
+        o = self.options
+        return (
+            f"AsyncPoller(batch_size={o.batch_size}, lease={o.lease.total_seconds()}s, "
+            f"interval={o.interval.total_seconds()}s, max_retries={o.max_retries}, "
+            f"transaction={o.transaction!r}, concurrency={self.concurrency})"
+        )
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def stop(self) -> None:
+        """Stop gracefully: finish the events in hand, release the leases of the rest."""
+        self._stop.set()
+        self.waiter.wake()
+
+    # -- one round ------------------------------------------------------------------------------
+
+    async def run_once(self) -> PollReport:
+        """Claim one batch, deliver its events (``concurrency`` at once), settle each (R3-R13).
+
+        Returns:
+            What happened, event by event and handler by handler.
+
+        Raises:
+            StoreError: the store failed (a database failure is never blamed on a handler).
+            BaseException: re-raised from a handler (KeyboardInterrupt, SystemExit) after
+                releasing the events not yet started; the events in hand recover by their lease.
+        """
+        outbox = self.outbox
+        claimed_at = outbox.local_clock.now()
+        claims = await self.store.claim(
+            batch_size=self.options.batch_size, lease=self.options.lease, now=outbox.store_now()
+        )
+        return await self.process(claims, claimed_at=claimed_at)
+
+    async def process(self, claims: Sequence[Claim], *, claimed_at: datetime) -> PollReport:
+        """Deliver and settle claims this poller just made (``run_once`` without the claim)."""
+        options = self.options
+        batch = ClaimedBatch(
+            claims,
+            claimed_at=claimed_at,
+            lease=options.lease,
+            max_retries=options.max_retries,
+            backoff=options.backoff,
+        )
+        if not claims:
+            return batch.report
+        outbox = self.outbox
+        for claim in claims:
+            outbox.emit(Claimed(claim.event.id, claim.event.topic, claim.attempt))
+        try:
+            async with self._deliveries() as deliveries:
+                try:
+                    await self._deliver_all(deliveries, batch)
+                finally:
+                    if not self._batched:
+                        await self._write(deliveries, batch)
+                if self._batched:
+                    await self._write(deliveries, batch)
+            handling.announce(outbox, batch.committed())
+        finally:
+            unstarted = batch.unstarted()
+            if unstarted:
+                released = await self.store.release(unstarted, now=outbox.store_now())
+                log.info("poller stopping: released %d unstarted claim(s)", released)
+        return batch.report
+
+    @asynccontextmanager
+    async def _deliveries(self) -> AsyncIterator[AsyncDeliveries]:
+        if self._batched:
+            async with self.store.batch(now=self.outbox.store_now()) as batch:
+                yield batch
+        else:
+            yield self.store
+
+    async def _deliver_all(self, deliveries: AsyncDeliveries, batch: ClaimedBatch) -> None:
+        """Deliver the batch's events, ``concurrency`` at once, each taken in claim order; stop
+        taking new ones when asked (the rest is released by the caller)."""
+        bus = self.outbox.bus
+        extending = asyncio.Lock()
+
+        async def worker() -> None:
+            while not self._stop.is_set() and (run := batch.take(bus.names_for)) is not None:
+                await self._deliver_event(deliveries, batch, run, extending)
+
+        workers = min(self.concurrency, len(batch))
+        if workers <= 1:
+            await worker()
+            return
+        try:
+            async with asyncio.TaskGroup() as group:
+                for _ in range(workers):
+                    group.create_task(worker())
+        except BaseExceptionGroup as failures:
+            # The first failure is the one to report (a store error, a KeyboardInterrupt): the
+            # other workers were cancelled in the middle of their events, which recover by
+            # their leases, as after a crash.
+            raise failures.exceptions[0] from None
+
+    async def _deliver_event(
+        self,
+        deliveries: AsyncDeliveries,
+        batch: ClaimedBatch,
+        run: EventRun,
+        extending: asyncio.Lock,
+    ) -> None:
+        outbox = self.outbox
+        handling.unrouted(outbox, run)
+        specs = {s.name: s for s in outbox.bus.handlers_for(run.claim.event.topic)}
+        for name in run.handlers:
+            if not await self._keep_lease(deliveries, batch, run, extending):
+                break
+            delivery = await self._deliver(deliveries, run.claim, specs[name])
+            batch.delivered(run, delivery)
+            if delivery.outcome is Outcome.CRASHED:
+                handling.lease_lost(outbox, run.claim, name)
+                break
+        batch.finish(run)
+
+    async def _keep_lease(
+        self,
+        deliveries: AsyncDeliveries,
+        batch: ClaimedBatch,
+        run: EventRun,
+        extending: asyncio.Lock,
+    ) -> bool:
+        outbox = self.outbox
+        check = batch.check_lease(run, outbox.local_clock.now())
+        if check is LeaseCheck.EXTEND:
+            async with extending:  # one extension for every worker that found the lease low
+                check = batch.check_lease(run, outbox.local_clock.now())
+                if check is LeaseCheck.EXTEND:
+                    asked = batch.to_extend()
+                    kept = await deliveries.extend(
+                        asked, lease=self.options.lease, now=outbox.store_now()
+                    )
+                    for claim in batch.extended(asked, kept, outbox.local_clock.now()):
+                        handling.lease_lost(outbox, claim, None)
+                    check = batch.check_lease(run, outbox.local_clock.now())
+        if check is LeaseCheck.LOST and not run.lost:
+            batch.lose(run)
+            handling.lease_lost(outbox, run.claim, None)
+        return check is not LeaseCheck.LOST
+
+    async def _write(self, deliveries: AsyncDeliveries, batch: ClaimedBatch) -> None:
+        items = batch.to_write()
+        if not items:
+            return
+        results = await deliveries.settle_many(items, now=self.outbox.store_now())
+        for claim in batch.wrote(items, results):
+            handling.lease_lost(self.outbox, claim, None)
+        if not self._batched:
+            handling.announce(self.outbox, batch.committed())
+
+    async def _deliver(
+        self, deliveries: AsyncDeliveries, claim: Claim, spec: HandlerSpec
+    ) -> Delivery:
+        """Run one handler for one claimed event, with its record (R6, R7)."""
+        outbox = self.outbox
+        ctx = handling.Context(spec.name, claim.attempt, outbox.max_payload_bytes)
+        at = outbox.clock.now()
+        try:
+            if spec.transactional:
+                async with deliveries.delivery(claim, now=outbox.store_now()) as tx:
+                    ctx.connection = tx.connection
+                    await _call(spec, claim.event, ctx)
+                    if ctx.buffer:
+                        await tx.enqueue(ctx.buffer)
+                    await tx.record(spec.name, Outcome.SUCCEEDED)
+            else:
+                await _call(spec, claim.event, ctx)
+                async with deliveries.delivery(claim, now=outbox.store_now()) as tx:
+                    if ctx.buffer:
+                        await tx.enqueue(ctx.buffer)
+                    await tx.record(spec.name, Outcome.SUCCEEDED)
+        except Reject as rejection:
+            reason = handling.reason_of(rejection)
+            try:
+                async with deliveries.delivery(claim, now=outbox.store_now()) as tx:
+                    await tx.record(spec.name, Outcome.REJECTED, reason=reason)
+            except LeaseLostError:
+                return handling.lost(claim, spec, at)
+            return handling.rejected(outbox, claim, spec, at, reason)
+        except LeaseLostError:
+            return handling.lost(claim, spec, at)
+        except (handling.HandlerError, HandlerCrashed) as failure:
+            return handling.failed(outbox, claim, spec, at, failure)
+        return handling.succeeded(outbox, claim, spec, at)
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    async def run_forever(self) -> None:
+        """Poll until :meth:`stop` is called: at ``interval`` when idle, at once when busy.
+
+        As ``Poller.run_forever``: an outage is logged once and waited out with backoff; a
+        ``SchemaError`` is raised at once; old published events are pruned once a minute (in a
+        worker thread: pruning is a blocking store call).
+
+        Raises:
+            SchemaError: the store's schema is missing or incompatible.
+        """
+        interval = self.options.interval.total_seconds()
+        failures = 0
+        self.outbox.add_waiter(self.waiter)
+        try:
+            while not self._stop.is_set():
+                try:
+                    report = await self.run_once()
+                except SchemaError:
+                    raise
+                except StoreError as exc:
+                    failures += 1
+                    if failures == 1:
+                        log.error("store unavailable, retrying with backoff: %s", exc)
+                    await self.waiter.wait(outage_delay(failures, interval))
+                    continue
+                if failures:
+                    log.warning("store available again after %d failed poll(s)", failures)
+                    failures = 0
+                await asyncio.to_thread(self.outbox.prune_if_due)
+                if len(report.claimed) < self.options.batch_size and not self._stop.is_set():
+                    await self.waiter.wait(interval)
+        finally:
+            self.outbox.remove_waiter(self.waiter)
+            if self._owned is not None:
+                await self._owned.close()
+
+    async def run_until_idle(
+        self,
+        *,
+        on_idle: Callable[[], bool] | None = None,
+        on_round: Callable[[PollReport], None] | None = None,
+    ) -> list[PollReport]:
+        """``Poller.run_until_idle`` on asyncio: poll until a poll claims nothing (or
+        :meth:`stop`), without waiting; the test kit's async drain passes ``on_idle``."""
+        reports: list[PollReport] = []
+        while not self._stop.is_set():
+            report = await self.run_once()
+            if report.claimed:
+                reports.append(report)
+                if on_round is not None:
+                    on_round(report)
+                continue
+            if on_idle is None or not on_idle():
+                break
+        return reports
+
+
+async def _call(spec: HandlerSpec, event: Event, ctx: handling.Context) -> None:
+    """Await an ``async def`` handler; run a blocking (non-transactional) one in a worker
+    thread, so that it does not hold the event loop."""
+    try:
+        if handling.is_coroutine_function(spec.fn):
+            result = spec.fn(event, ctx)
+            if inspect.isawaitable(result):
+                await result
+        else:
+            result = await asyncio.to_thread(spec.fn, event, ctx)
+            if inspect.isawaitable(result):
+                await result  # a plain function that returns an awaitable: awaited too
+    except Reject:
+        raise
+    except Exception as exc:
+        raise handling.HandlerError(exc) from exc

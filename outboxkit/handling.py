@@ -1,0 +1,267 @@
+"""What both poller shells do around a handler's run that is no I/O of their own: the ``ctx`` a
+handler gets, which handlers a poller refuses, and how a run, a settlement or a lost lease is
+reported (the ``Delivery`` record, the log line, the observer event).
+
+``outboxkit.poller`` (blocking) and ``outboxkit.aio`` (asyncio) differ only in how they wait for
+the store and the handler; everything else they do alike lives here or in ``outboxkit.core``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from .bus import HandlerSpec
+from .core.batch import EventRun, Settled
+from .core.machine import DeadLetter, Publish, Retry, SettleNow, outcome_of
+from .core.model import (
+    Claim,
+    DeadLettered,
+    Delivery,
+    HandlerFailed,
+    HandlerRejected,
+    HandlerSucceeded,
+    LeaseLost,
+    NewEvent,
+    Outcome,
+    Published,
+    RetryScheduled,
+    Unrouted,
+)
+from .core.payload import build_event
+from .core.text import describe_exception, storable
+from .errors import ConfigurationError, Reject
+
+if TYPE_CHECKING:
+    from .outbox import Outbox
+
+__all__ = [
+    "Context",
+    "HandlerError",
+    "announce",
+    "awaitable_returned",
+    "check_handlers",
+    "delivery",
+    "failed",
+    "is_coroutine_function",
+    "lease_lost",
+    "lost",
+    "reason_of",
+    "rejected",
+    "succeeded",
+    "unrouted",
+]
+
+log = logging.getLogger("outboxkit")
+
+
+class Context:
+    """The ``ctx`` a handler receives (see ``outboxkit.bus.DeliveryContext``).
+
+    ``connection`` is the delivery transaction's connection (None for a non-transactional
+    handler). A follow-up ``enqueue`` is written at once through ``write`` when the shell gives
+    one (a blocking transactional delivery), else kept in ``buffer`` and written by the shell
+    with the delivery record, in the same transaction.
+    """
+
+    __slots__ = ("_max_payload_bytes", "attempt", "buffer", "connection", "handler", "write")
+
+    def __init__(self, handler: str, attempt: int, max_payload_bytes: int) -> None:
+        self.handler = handler
+        self.attempt = attempt
+        self._max_payload_bytes = max_payload_bytes
+        self.connection: Any = None
+        self.write: Callable[[Sequence[NewEvent]], object] | None = None
+        self.buffer: list[NewEvent] = []
+
+    def enqueue(
+        self,
+        topic: str,
+        payload: Any,
+        *,
+        headers: Mapping[str, str] | None = None,
+        key: str | None = None,
+        delay: float | timedelta | None = None,
+    ) -> None:
+        event = build_event(
+            topic,
+            payload,
+            headers=headers,
+            key=key,
+            delay=delay,
+            max_payload_bytes=self._max_payload_bytes,
+        )
+        if self.write is not None:
+            self.write([event])
+        else:
+            self.buffer.append(event)
+
+
+class HandlerError(Exception):
+    """Wraps an exception a handler raised, to keep it apart from the store's own errors."""
+
+    def __init__(self, exc: Exception) -> None:
+        super().__init__(exc)
+        self.exc = exc
+
+
+def is_coroutine_function(fn: object) -> bool:
+    """An ``async def`` function, or an object whose ``__call__`` is one."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+def check_handlers(specs: Sequence[HandlerSpec], *, asyncio: bool) -> None:
+    """Refuse handlers a poller cannot run, naming them: an ``async def`` handler under the
+    blocking poller (its coroutine would never be awaited), or (``asyncio``) a blocking
+    transactional handler under the asyncio poller (it would block the event loop while it
+    holds its delivery transaction).
+
+    Raises:
+        ConfigurationError: naming the handler and its topic.
+    """
+    for spec in specs:
+        coroutine = is_coroutine_function(spec.fn)
+        if coroutine and not asyncio:
+            raise ConfigurationError(
+                f"handler {spec.name!r} (topic {spec.topic!r}) is an async def: the blocking "
+                "poller cannot await it; run it with outbox.async_poller()"
+            )
+        if asyncio and not coroutine and spec.transactional:
+            raise ConfigurationError(
+                f"handler {spec.name!r} (topic {spec.topic!r}) is a blocking transactional "
+                "handler: the asyncio poller runs only async def transactional handlers (a "
+                "blocking one would hold the event loop in its delivery transaction); make it "
+                "async def, subscribe it with transactional=False, or use outbox.poller()"
+            )
+
+
+def awaitable_returned(spec: HandlerSpec, result: object) -> HandlerError:
+    """The failure of a handler that returned an awaitable to the blocking poller: it is never
+    recorded as run without running (its coroutine, if it is one, is closed unawaited)."""
+    if inspect.iscoroutine(result):
+        result.close()  # no "never awaited" warning: it is reported here instead
+    return HandlerError(
+        TypeError(
+            f"handler {spec.name!r} returned {type(result).__name__}, an awaitable: the "
+            "blocking poller cannot await it; run async handlers with outbox.async_poller()"
+        )
+    )
+
+
+# -- what a handler's run was ---------------------------------------------------------------------
+
+
+def delivery(
+    claim: Claim,
+    spec: HandlerSpec,
+    outcome: Outcome,
+    at: datetime,
+    error: str | None = None,
+    exc: BaseException | None = None,
+) -> Delivery:
+    return Delivery(
+        event_id=claim.event.id,
+        topic=claim.event.topic,
+        handler=spec.name,
+        attempt=claim.attempt,
+        outcome=outcome,
+        at=at,
+        error=error,
+        exception=exc,
+    )
+
+
+def succeeded(outbox: Outbox, claim: Claim, spec: HandlerSpec, at: datetime) -> Delivery:
+    event = claim.event
+    outbox.emit(HandlerSucceeded(event.id, event.topic, spec.name, claim.attempt))
+    return delivery(claim, spec, Outcome.SUCCEEDED, at)
+
+
+def rejected(
+    outbox: Outbox, claim: Claim, spec: HandlerSpec, at: datetime, reason: str
+) -> Delivery:
+    event = claim.event
+    log.info("event %d: %s rejected it: %s", event.id, spec.name, reason)
+    outbox.emit(HandlerRejected(event.id, event.topic, spec.name, claim.attempt, reason))
+    return delivery(claim, spec, Outcome.REJECTED, at, reason)
+
+
+def failed(
+    outbox: Outbox, claim: Claim, spec: HandlerSpec, at: datetime, failure: Exception
+) -> Delivery:
+    exc: Exception = failure.exc if isinstance(failure, HandlerError) else failure
+    error = describe_exception(exc)
+    event = claim.event
+    log.warning(
+        "event %d (%s): handler %s failed on attempt %d: %s",
+        event.id,
+        event.topic,
+        spec.name,
+        claim.attempt,
+        error,
+        exc_info=exc,
+    )
+    outbox.emit(HandlerFailed(event.id, event.topic, spec.name, claim.attempt, error))
+    return delivery(claim, spec, outcome_of(exc), at, error, exc)
+
+
+def lost(claim: Claim, spec: HandlerSpec, at: datetime) -> Delivery:
+    """The lease was lost under the handler: nothing of its run was recorded."""
+    return delivery(claim, spec, Outcome.CRASHED, at, "lease lost")
+
+
+def reason_of(rejection: Reject) -> str:
+    """A ``Reject``'s reason, storable (see ``core.text.storable``)."""
+    return storable(rejection.reason)
+
+
+# -- what became of events ------------------------------------------------------------------------
+
+
+def unrouted(outbox: Outbox, run: EventRun) -> None:
+    """R9: log and emit an event no handler is subscribed to (it is published at once)."""
+    if isinstance(run.plan, SettleNow) and run.plan.unrouted:
+        event = run.claim.event
+        log.info("event %d: no handler subscribed to %r; publishing it", event.id, event.topic)
+        outbox.emit(Unrouted(event.id, event.topic))
+
+
+def announce(outbox: Outbox, settled: Sequence[Settled]) -> None:
+    """Log and emit settlements that have been committed."""
+    for claim, settlement, error in settled:
+        event = claim.event
+        if isinstance(settlement, Publish):
+            outbox.emit(Published(event.id, event.topic, claim.attempt))
+        elif isinstance(settlement, Retry):
+            log.info(
+                "event %d (%s): retry %d in %ss",
+                event.id,
+                event.topic,
+                settlement.retry,
+                settlement.delay.total_seconds(),
+            )
+            outbox.emit(
+                RetryScheduled(event.id, event.topic, claim.attempt, settlement.delay, error)
+            )
+        elif isinstance(settlement, DeadLetter):
+            log.warning(
+                "event %d (%s): dead-lettered after %d attempt(s): %s",
+                event.id,
+                event.topic,
+                claim.attempt,
+                error,
+            )
+            outbox.emit(DeadLettered(event.id, event.topic, claim.attempt, error))
+
+
+def lease_lost(outbox: Outbox, claim: Claim, handler: str | None) -> None:
+    log.warning(
+        "event %d (%s): lease lost on attempt %d; another poller may own it",
+        claim.event.id,
+        claim.event.topic,
+        claim.attempt,
+    )
+    outbox.emit(LeaseLost(claim.event.id, claim.event.topic, claim.attempt, handler))
