@@ -174,7 +174,7 @@ class Outbox:
 
         The original is untouched (the test kit uses this to point an app's outbox at a test store).
         """
-        copy = Outbox.__new__(Outbox)
+        copy = type(self).__new__(type(self))  # a subclass stays one
         copy.__dict__.update(self.__dict__)
         if store is not None:
             copy.store = store

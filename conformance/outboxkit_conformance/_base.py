@@ -17,6 +17,8 @@ from outboxkit.core.payload import build_event
 from outboxkit.store import Capabilities
 from outboxkit.testing import Drain, DrainReport, Recorder
 
+from ._modes import MODES, AsyncioBus, AsyncioOutbox, LoopRunner, Mode
+
 __all__ = ["ConformanceBase", "StoreFactory", "call_factory"]
 
 START = "2030-01-01T00:00:00Z"
@@ -84,37 +86,60 @@ class ConformanceBase:
     def _known_failures(self) -> Mapping[str, str]:
         return self.known_failures
 
+    @pytest.fixture(params=MODES, ids=[m.name for m in MODES])
+    def mode(self, request: pytest.FixtureRequest, store: Store) -> Mode:
+        """The delivery mode of the ``outbox`` fixture's pollers (see ``_modes``): the blocking
+        poller per event or per batch, or the asyncio poller (skipped for a store without the
+        ``asyncio`` capability) per event, per batch, or four events at once."""
+        mode: Mode = request.param
+        if mode.transaction == "per_batch":
+            self.require(store, "batches")
+        if mode.asyncio:
+            self.require(store, "asyncio")
+        return mode
+
     @pytest.fixture
-    def bus(self) -> EventBus:
-        return EventBus()
+    def bus(self, mode: Mode) -> EventBus:
+        return AsyncioBus() if mode.asyncio else EventBus()
 
     @pytest.fixture
     def recorder(self) -> Recorder:
         return Recorder()
 
-    # Here rather than in the lifecycle mixin, so that a test asking for an outbox runs in both
-    # modes whichever mixins a class composes (its ids do not depend on the composition).
-    @pytest.fixture(params=["per_event", "per_batch"])
+    # Here rather than in the lifecycle mixin, so that a test asking for an outbox runs in every
+    # mode whichever mixins a class composes (its ids do not depend on the composition).
+    @pytest.fixture
     def outbox(
         self,
-        request: pytest.FixtureRequest,
+        mode: Mode,
         store: Store,
         bus: EventBus,
         clock: FrozenClock,
         recorder: Recorder,
-    ) -> Outbox:
-        """The outbox, its pollers delivering in one mode or the other (``[per_batch]`` is
-        skipped for a store without the ``batches`` capability)."""
-        if request.param == "per_batch":
-            self.require(store, "batches")
-        return Outbox(
+    ) -> Iterator[Outbox]:
+        """The outbox, its pollers delivering in the ``mode``."""
+        kind = AsyncioOutbox if mode.asyncio else Outbox
+        outbox = kind(
             store,
             bus,
             clock=clock,
             plugins=[recorder],
             load_entry_points=False,
-            transaction=request.param,
+            transaction=mode.transaction,
         )
+        if not isinstance(outbox, AsyncioOutbox):
+            yield outbox
+            return
+        assert mode.concurrency is not None
+        outbox.concurrency = mode.concurrency
+        outbox.runner = runner = LoopRunner()
+        try:
+            yield outbox
+        finally:
+            try:
+                runner.run(store.async_store().close())
+            finally:
+                runner.close()
 
     # -- helpers ----------------------------------------------------------------------------------
 
@@ -133,6 +158,11 @@ class ConformanceBase:
             )
         if capability not in store.capabilities:
             pytest.skip(f"store does not declare the {capability!r} capability")
+
+    @staticmethod
+    def concurrency(outbox: Outbox) -> int:
+        """How many events of a batch the outbox's pollers deliver at once."""
+        return outbox.concurrency if isinstance(outbox, AsyncioOutbox) else 1
 
     @staticmethod
     def put(
@@ -168,7 +198,11 @@ class ConformanceBase:
             AssertionError: an event is still pending or claimed at the end.
             DrainError: more than ``rounds`` rounds claimed something.
         """
-        report = Drain(outbox, clock)(max_rounds=rounds, raise_errors=False)
+        drain = Drain(outbox, clock)
+        if isinstance(outbox, AsyncioOutbox):
+            report = outbox.runner.run(drain.async_(max_rounds=rounds, raise_errors=False))
+        else:
+            report = drain(max_rounds=rounds, raise_errors=False)
         stats = outbox.stats()
         if stats.pending or stats.claimed:
             raise AssertionError(f"drain left events undelivered: {stats}\n{report.summary()}")
