@@ -42,6 +42,7 @@ __all__ = [
     "Context",
     "HandlerError",
     "announce",
+    "async_handlers",
     "awaitable_returned",
     "check_handlers",
     "delivery",
@@ -111,6 +112,19 @@ class HandlerError(Exception):
 def is_coroutine_function(fn: object) -> bool:
     """An ``async def`` function, or an object whose ``__call__`` is one."""
     return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(type(fn).__call__)
+
+
+def async_handlers(specs: Sequence[HandlerSpec]) -> list[HandlerSpec]:
+    """The ``async def`` handlers among ``specs``, in order: a bus with any of them needs the
+    asyncio poller (the test kit's drain and ``outboxkit run`` choose it by this).
+
+    Args:
+        specs: the subscriptions of a bus (``EventBus.specs()``).
+
+    Returns:
+        The subscriptions whose handler is an ``async def`` function (or callable object).
+    """
+    return [spec for spec in specs if is_coroutine_function(spec.fn)]
 
 
 def check_handlers(specs: Sequence[HandlerSpec], *, asyncio: bool) -> None:

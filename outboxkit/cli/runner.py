@@ -1,14 +1,17 @@
 """``outboxkit run``: pollers in this process, or N supervised poller processes.
 
 The command (:func:`run_command`) and the shell around ``Poller.run_forever`` and, with
-``--until-idle``, ``Poller.run_until_idle`` (:func:`run`). Theory of operation:
+``--until-idle``, ``Poller.run_until_idle`` (:func:`run`); or the same two of ``AsyncPoller``
+when the app's bus has ``async def`` handlers, or with ``--asyncio``. Theory of operation:
 
-- One process (``--processes 1``, and every child): the poller runs in a worker thread; the main
-  thread only waits, so a signal is handled at once even while a handler blocks. The first
-  SIGTERM/SIGINT calls ``Poller.stop()``: the event in hand is finished and settled, the rest of
-  the batch is released (its leases cleared, attempts refunded), and the process exits 0. If that
-  takes longer than ``--grace``, or a second signal comes, it exits 1 at once; the event in hand
-  is then recovered by its lease, as after a crash.
+- One process (``--processes 1``, and every child): the poller runs in a worker thread (the
+  asyncio poller on an event loop of that thread's own); the main thread only waits, so a
+  signal is handled at once even while a handler blocks. The first
+  SIGTERM/SIGINT calls the poller's ``stop()`` (thread-safe for both): the events in hand are
+  finished and settled, the rest of the batch is released (its leases cleared, attempts
+  refunded), and the process exits 0. If that takes longer than ``--grace``, or a second signal
+  comes, it exits 1 at once; the events in hand are then recovered by their leases, as after a
+  crash.
 - N processes: the supervisor starts N children (``python -m outboxkit run ...`` with the same
   options), restarts one that dies (at once the first time, then with a growing delay while it
   keeps dying young), and forwards SIGTERM/SIGINT as SIGTERM; a second signal kills them. The
@@ -20,6 +23,7 @@ The command (:func:`run_command`) and the shell around ``Poller.run_forever`` an
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import logging
@@ -29,21 +33,25 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
+from .. import handling
+from ..aio import MAX_CONCURRENCY, AsyncPoller
 from ..core.model import DeadLettered, ObserverEvent, PollReport, Published
 from ..core.options import PollerOptions
 from ..core.text import printable
+from ..errors import ConfigurationError
 from ..hookspecs import hookimpl
 from ..outbox import Outbox
 from ..poller import Poller, ThreadWaiter
+from ..waiter import LoopWaiter
 from .errors import WRONG_INPUT
 from .params import DURATION, StoreOption, format_duration
 from .stores import STORE_ENV, STORE_OPTIONS_ENV, open_outbox
@@ -56,6 +64,10 @@ SUPERVISOR_ENV = "OUTBOXKIT_SUPERVISOR_PID"
 POLLER_ENV = "OUTBOXKIT_POLLER"
 _TICK = 0.1  # seconds between the main thread's checks (signals interrupt the wait)
 _LOG_FORMAT = "%(asctime)s %(levelname)s {who}%(name)s: %(message)s"
+
+T = TypeVar("T")
+Drive = Callable[[Callable[[PollReport], None]], list[PollReport]]
+"""A poller's ``run_until_idle(on_round=...)``, blocking or run on an event loop to its end."""
 
 
 @dataclass(frozen=True)
@@ -71,6 +83,8 @@ class RunSettings:
     grace: timedelta = timedelta(seconds=30)
     log_every: timedelta = timedelta(seconds=60)
     log_level: str = "INFO"
+    asyncio: bool = False
+    concurrency: int | None = None
 
     def child_argv(self) -> list[str]:
         """The command line of one child poller process. The store's URL and options are not on
@@ -83,6 +97,10 @@ class RunSettings:
         argv += ["--grace", format_duration(self.grace)]
         argv += ["--log-every", format_duration(self.log_every)]
         argv += ["--log-level", self.log_level]
+        if self.asyncio:
+            argv.append("--asyncio")
+        if self.concurrency is not None:
+            argv += ["--concurrency", str(self.concurrency)]
         if self.until_idle:
             argv.append("--until-idle")
         return argv
@@ -133,6 +151,18 @@ class RunSettings:
     help="One transaction per delivery (default), or one per claimed batch with a savepoint "
     "per delivery (fewer commits; stores with the batched_delivery capability).",
 )
+@click.option(
+    "--asyncio",
+    "use_asyncio",
+    is_flag=True,
+    help="Run the asyncio poller (chosen anyway when the app has async def handlers).",
+)
+@click.option(
+    "--concurrency",
+    type=click.IntRange(1, MAX_CONCURRENCY),
+    default=None,
+    help="asyncio only: how many events of a batch are delivered at once (default 1).",
+)
 @click.option("--until-idle", is_flag=True, help="Drain what is due now, then exit 0.")
 @click.option(
     "--processes",
@@ -146,7 +176,7 @@ class RunSettings:
     type=DURATION,
     default="30s",
     show_default=True,
-    help="On SIGTERM/SIGINT, how long to finish the event in hand before exiting anyway.",
+    help="On SIGTERM/SIGINT, how long to finish the events in hand before exiting anyway.",
 )
 @click.option(
     "--log-every",
@@ -170,6 +200,8 @@ def run_command(
     lease: timedelta | None,
     max_retries: int | None,
     transaction: str | None,
+    use_asyncio: bool,
+    concurrency: int | None,
     until_idle: bool,
     processes: int,
     grace: timedelta,
@@ -179,10 +211,13 @@ def run_command(
     """Run pollers for APP (module:attribute naming an Outbox) until SIGTERM or SIGINT.
 
     The store is --store (or OUTBOXKIT_STORE), else the app's own. On SIGTERM/SIGINT each
-    poller finishes the event in hand, releases the rest of its batch at once and exits 0; past
-    --grace, or on a second signal, it exits 1 at once (the event in hand recovers by its
-    lease). A summary line is logged every --log-every: published/s, pending, oldest due
+    poller finishes the events in hand, releases the rest of its batch at once and exits 0;
+    past --grace, or on a second signal, it exits 1 at once (the events in hand recover by
+    their leases). A summary line is logged every --log-every: published/s, pending, oldest due
     age, dead letters.
+
+    An app whose bus has async def handlers is run by the asyncio poller, as with --asyncio;
+    --concurrency N then delivers N events of a batch at once.
     """
     if log_every <= timedelta(0):
         raise click.BadParameter("must be > 0", param_hint="'--log-every'")
@@ -207,6 +242,8 @@ def run_command(
         grace=grace,
         log_every=log_every,
         log_level=log_level.upper(),
+        asyncio=use_asyncio,
+        concurrency=concurrency,
     )
     sys.exit(run(settings))
 
@@ -229,13 +266,45 @@ def run(settings: RunSettings) -> int:
     ):
         # Validate the options here, once, before any child is started.
         PollerOptions.build(outbox.options, **settings.poller_options)
+        use_asyncio = _asyncio_wanted(outbox, settings)
         if settings.processes > 1:
             return _Supervisor(settings, outbox).run()
         return _run_here(
             outbox,
             settings,
+            use_asyncio=use_asyncio,
             supervisor_pid=int(supervisor) if supervisor and supervisor.isdigit() else None,
         )
+
+
+def _asyncio_wanted(outbox: Outbox, settings: RunSettings) -> bool:
+    """Whether the asyncio poller runs: asked for (``--asyncio``), or needed by the app's
+    ``async def`` handlers. Checks that it can (made once, with a waiter that holds nothing).
+
+    Raises:
+        click.BadParameter: ``--concurrency`` for the blocking poller (exit 2).
+        ConfigurationError: the asyncio poller cannot run this app on this store (exit 2).
+    """
+    coroutines = handling.async_handlers(outbox.bus.specs())
+    if not settings.asyncio and not coroutines:
+        if settings.concurrency is not None:
+            raise click.BadParameter(
+                "asyncio only: add --asyncio (the app has no async def handler, so it runs "
+                "the blocking poller)",
+                param_hint="'--concurrency'",
+            )
+        return False
+    if not outbox.store.capabilities.asyncio:
+        names = ", ".join(repr(spec.name) for spec in coroutines[:5])
+        why = "--asyncio asks for" if settings.asyncio else f"async def handlers ({names}) need"
+        raise ConfigurationError(
+            f"{why} the asyncio poller, which needs a store with an asyncio side; "
+            f"{outbox.store!r} has none (capabilities.asyncio is false)"
+        )
+    outbox.async_poller(
+        concurrency=settings.concurrency or 1, waiter=LoopWaiter(), **settings.poller_options
+    )
+    return True
 
 
 @contextmanager
@@ -319,7 +388,7 @@ class _Stopping:
         name = signal.Signals(signum).name
         if self.deadline is not None:
             _force_exit(
-                "second signal (%s): exiting now, the event in hand recovers by its lease", name
+                "second signal (%s): exiting now, the events in hand recover by their leases", name
             )
         self.request(f"{name} received")
 
@@ -329,7 +398,7 @@ class _Stopping:
         self.reason = reason
         self.deadline = time.monotonic() + self.grace
         log.info(
-            "%s: stopping; finishing the event in hand (grace %gs), releasing the rest",
+            "%s: stopping; finishing the events in hand (grace %gs), releasing the rest",
             reason,
             self.grace,
         )
@@ -338,19 +407,30 @@ class _Stopping:
     def check(self) -> None:
         if self.deadline is not None and time.monotonic() > self.deadline:
             _force_exit(
-                "did not stop within the grace time (%gs): exiting now, the event in hand "
-                "recovers by its lease",
+                "did not stop within the grace time (%gs): exiting now, the events in hand "
+                "recover by their leases",
                 self.grace,
             )
 
 
-def _run_here(outbox: Outbox, settings: RunSettings, *, supervisor_pid: int | None) -> int:
+def _run_here(
+    outbox: Outbox, settings: RunSettings, *, use_asyncio: bool, supervisor_pid: int | None
+) -> int:
     """Run one poller in a worker thread until it stops; the main thread handles signals."""
     outbox = outbox.rebind()  # our observer goes on a copy, never on the app's own outbox
+    poller: Poller | AsyncPoller
     # A drain until idle never waits: no need for the store's wake-up waiter (a LISTEN
     # connection on Postgres) that only run_forever closes.
-    waiter = ThreadWaiter() if settings.until_idle else None
-    poller = outbox.poller(waiter=waiter, **settings.poller_options)
+    if use_asyncio:
+        poller = outbox.async_poller(
+            concurrency=settings.concurrency or 1,
+            waiter=LoopWaiter() if settings.until_idle else None,
+            **settings.poller_options,
+        )
+    else:
+        poller = outbox.poller(
+            waiter=ThreadWaiter() if settings.until_idle else None, **settings.poller_options
+        )
     throughput = _Throughput()
     outbox.add_observer(throughput)
     failure: list[BaseException] = []
@@ -359,8 +439,25 @@ def _run_here(outbox: Outbox, settings: RunSettings, *, supervisor_pid: int | No
     def work() -> None:
         try:
             log.info("polling %r with %r", outbox.store, poller)
-            if settings.until_idle:
-                _drain_until_idle(outbox, poller, progress=supervisor_pid is None)
+            if isinstance(poller, AsyncPoller):
+                # The asyncio poller runs on an event loop of this worker thread's own, from
+                # start to end; the main thread stops it with the thread-safe stop().
+                if settings.until_idle:
+                    _drain_until_idle(
+                        outbox,
+                        lambda on_round: asyncio.run(
+                            _closing(poller, poller.run_until_idle(on_round=on_round))
+                        ),
+                        progress=supervisor_pid is None,
+                    )
+                else:
+                    asyncio.run(_closing(poller, poller.run_forever()))
+            elif settings.until_idle:
+                _drain_until_idle(
+                    outbox,
+                    lambda on_round: poller.run_until_idle(on_round=on_round),
+                    progress=supervisor_pid is None,
+                )
             else:
                 poller.run_forever()
         except BaseException as exc:
@@ -423,9 +520,18 @@ class _Summary:
         )
 
 
-def _drain_until_idle(outbox: Outbox, poller: Poller, *, progress: bool) -> None:
-    """``--until-idle``: ``Poller.run_until_idle`` (until a poll claims nothing, or the poller
-    is stopped), a progress bar as it goes, and a summary line."""
+async def _closing(poller: AsyncPoller, work: Coroutine[Any, Any, T]) -> T:
+    """Await ``work``, then close the store's asyncio side: its connections belong to this
+    event loop, which ends with the run."""
+    try:
+        return await work
+    finally:
+        await poller.store.close()
+
+
+def _drain_until_idle(outbox: Outbox, drive: Drive, *, progress: bool) -> None:
+    """``--until-idle``: the poller's ``run_until_idle`` (until a poll claims nothing, or the
+    poller is stopped) through ``drive``, a progress bar as it goes, and a summary line."""
     bar = click.progressbar(
         length=max(outbox.stats().pending, 1),
         label="draining",
@@ -439,7 +545,7 @@ def _drain_until_idle(outbox: Outbox, poller: Poller, *, progress: bool) -> None
         bar.update(settled)
 
     with bar:
-        reports = poller.run_until_idle(on_round=advance)
+        reports = drive(advance)
     outbox.prune_if_due()
     log.info(
         "drained: %d claimed, %d published, %d retried later, %d dead-lettered, "

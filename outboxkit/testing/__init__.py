@@ -1,4 +1,4 @@
-"""The test kit: drain an outbox synchronously under a virtual clock, and assert on what happened.
+"""The test kit: drain an outbox under a virtual clock, and assert on what happened.
 
 The pytest plugin (``outboxkit.testing.pytest_plugin``) hands these out as fixtures; they work
 without pytest too::
@@ -11,9 +11,11 @@ without pytest too::
     report.assert_delivered("order.placed", handler="send-receipt")
 
 ``Drain`` runs the production path in rounds, through the poller's own drain loop
-(``Poller.run_until_idle``). When nothing is due but a retry or a lease is waiting, it moves
-the clock to the next due time of any event, so a backoff schedule of hours finishes at once
-while every recorded time, and the order of deliveries, keeps the real schedule.
+(``Poller.run_until_idle``, or ``AsyncPoller.run_until_idle`` for an app with ``async def``
+handlers: ``drain()`` runs it on an event loop of its own, ``await drain.async_()`` on the
+running one). When nothing is due but a retry or a lease is waiting, it moves the clock to the
+next due time of any event, so a backoff schedule of hours finishes at once while every
+recorded time, and the order of deliveries, keeps the real schedule.
 
 One module per role: ``drain`` (``Drain``), ``report`` (``DrainReport``, ``HandlerErrors``),
 ``capture`` (``Capture`` and the enqueue assertions), ``clocks`` (``FreezegunClock``),

@@ -1,26 +1,40 @@
-"""``Drain``: deliver everything due, synchronously, on the production path, under a virtual
-clock; and the enqueue assertions on what was enqueued since the drain was made."""
+"""``Drain``: deliver everything due, on the production path, under a virtual clock; and the
+enqueue assertions on what was enqueued since the drain was made.
+
+One drain, two pollers: an app whose bus has ``async def`` handlers is drained by the asyncio
+poller (``Outbox.async_poller``), any other by the blocking one (``Outbox.poller``). Both run
+their own ``run_until_idle`` with the same two callbacks (``_Run``): the virtual clock's rules
+and the report are written once, here, for both.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from ..bus import EventBus
+from .. import handling
+from ..bus import EventBus, HandlerSpec
 from ..clock import FrozenClock, as_timedelta
-from ..core.model import Delivery, Event, PollReport, State, state_of
+from ..core.model import Claim, Delivery, Event, PollReport, State, state_of
 from ..errors import ConfigurationError, DrainError
 from ..outbox import Outbox
+from ..waiter import LoopWaiter
 from .capture import Capture, assert_enqueued, refute_enqueued
 from .report import DrainReport, HandlerErrors
+
+if TYPE_CHECKING:
+    from ..aio import AsyncPoller
 
 __all__ = ["PAGE", "Drain"]
 
 PAGE = 1000
 """How many events the drain reads from the store per call."""
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -36,8 +50,34 @@ class _Expected:
         return bool(self.types) and isinstance(delivery.exception, self.types)
 
 
+@dataclass
+class _Run:
+    """One drain in progress: what both pollers' ``run_until_idle`` are given (``on_idle`` moves
+    the virtual clock, ``on_round`` folds a round into the report) and what they fill in."""
+
+    drain: Drain
+    start: datetime
+    horizon: datetime | None
+    max_rounds: int
+    report: DrainReport = field(default_factory=DrainReport)
+
+    def on_idle(self) -> bool:
+        return self.drain._advance_to_next(self.horizon)
+
+    def on_round(self, round_report: PollReport) -> None:
+        self.drain._record(self.report, round_report)
+        # The cascade guard: a drain whose rounds keep making work ends, naming the chain.
+        if self.report.rounds >= self.max_rounds and self.drain._next_due(self.horizon) is not None:
+            raise DrainError(self.drain._cascade_message(self.report, self.max_rounds))
+
+
 class Drain:
-    """Deliver everything due, synchronously, on the production path, under a ``FrozenClock``.
+    """Deliver everything due, on the production path, under a ``FrozenClock``: ``drain()``
+    from a test, or ``await drain.async_()`` from an ``async def`` test.
+
+    The poller is chosen by the bus: one with ``async def`` handlers is drained by the asyncio
+    poller (``drain()`` then runs it on an event loop of its own), any other by the blocking
+    poller. ``async_()`` always drives the asyncio poller, on the running loop.
 
     Args:
         outbox: the outbox to drain (its store, bus and options).
@@ -68,6 +108,10 @@ class Drain:
         clock to the next due time of any event, so an event the app scheduled to fall due
         before a retry is delivered at its own time, before the retry, as a poller would.
 
+        A bus with ``async def`` handlers is drained by the asyncio poller, on an event loop of
+        the drain's own (a fresh one, closed before it returns); any other bus by the blocking
+        poller. In an ``async def`` test, await :meth:`async_` instead.
+
         Args:
             until: also deliver events scheduled up to this instant (or this far ahead);
                 without it, events due after the last retry (or lease) stay pending.
@@ -78,32 +122,97 @@ class Drain:
             The ``DrainReport``.
 
         Raises:
-            DrainError: more than ``max_rounds`` rounds (the message names the topic chain).
+            DrainError: more than ``max_rounds`` rounds (the message names the topic chain);
+                or async handlers to run while an event loop is running in this thread (the
+                message names ``await outbox_drain.async_()``).
             HandlerErrors: handler exceptions not covered by ``expect_failures`` (an
                 ``ExceptionGroup`` carrying ``.report``), after every outcome was recorded.
+            ConfigurationError: async handlers on a store without an asyncio side.
         """
+        run = self._begin(until, max_rounds)
+        coroutines = handling.async_handlers(self.outbox.bus.specs())
+        if coroutines:
+            _refuse_running_loop(
+                f"outbox_drain() drains async def handlers ({_names(coroutines)}) on an event "
+                "loop of its own, and one is running here: in an async def test, use "
+                "`report = await outbox_drain.async_()`"
+            )
+            poller = self._async_poller(coroutines)
+            _on_a_loop_of_its_own(
+                _closing(poller, poller.run_until_idle(on_idle=run.on_idle, on_round=run.on_round))
+            )
+        else:
+            # The poller's own drain loop, as ``outboxkit run --until-idle`` runs it; the drain
+            # only adds the virtual clock (on_idle) and the report (on_round).
+            self.outbox.poller().run_until_idle(on_idle=run.on_idle, on_round=run.on_round)
+        return self._end(run, raise_errors)
+
+    async def async_(
+        self,
+        *,
+        until: datetime | timedelta | None = None,
+        max_rounds: int = 50,
+        raise_errors: bool = True,
+    ) -> DrainReport:
+        """``drain()`` from an ``async def`` test: the asyncio poller's ``run_until_idle`` on the
+        running event loop, with the same virtual clock, rounds, report and errors.
+
+        It drives the asyncio poller whatever the bus holds, as ``outboxkit run --asyncio``
+        would: a blocking transactional handler is refused by it (a blocking non-transactional
+        one runs in a worker thread).
+
+        Args:
+            until: as for ``drain()``.
+            max_rounds: as for ``drain()``.
+            raise_errors: as for ``drain()``.
+
+        Returns:
+            The ``DrainReport``.
+
+        Raises:
+            DrainError: more than ``max_rounds`` rounds (the message names the topic chain).
+            HandlerErrors: as for ``drain()``.
+            ConfigurationError: a store without an asyncio side, or a handler the asyncio
+                poller refuses (a blocking transactional one).
+        """
+        run = self._begin(until, max_rounds)
+        poller = self._async_poller(handling.async_handlers(self.outbox.bus.specs()))
+        await poller.run_until_idle(on_idle=run.on_idle, on_round=run.on_round)
+        return self._end(run, raise_errors)
+
+    def _begin(self, until: datetime | timedelta | None, max_rounds: int) -> _Run:
         if not isinstance(max_rounds, int) or isinstance(max_rounds, bool) or max_rounds < 1:
             raise ConfigurationError(f"max_rounds must be an integer >= 1, got {max_rounds!r}")
         start = self.clock.now()
-        horizon = self._horizon(start, until)
-        report = DrainReport()
+        return _Run(self, start, self._horizon(start, until), max_rounds)
 
-        def on_round(round_report: PollReport) -> None:
-            self._record(report, round_report)
-            # The cascade guard: a drain whose rounds keep making work ends, naming the chain.
-            if report.rounds >= max_rounds and self._next_due(horizon) is not None:
-                raise DrainError(self._cascade_message(report, max_rounds))
-
-        # The poller's own drain loop, as ``outboxkit run --until-idle`` runs it; the drain only
-        # adds the virtual clock (on_idle) and the report (on_round).
-        self.outbox.poller().run_until_idle(
-            on_idle=lambda: self._advance_to_next(horizon), on_round=on_round
-        )
-        report.advanced = self.clock.now() - start
+    def _end(self, run: _Run, raise_errors: bool) -> DrainReport:
+        report = run.report
+        report.advanced = self.clock.now() - run.start
         report.pending = [e for e in self._events_after(0) if e.state is State.PENDING]
         if raise_errors:
             self._raise_unexpected(report)
         return report
+
+    def _async_poller(
+        self, coroutines: Sequence[HandlerSpec], outbox: Outbox | None = None
+    ) -> AsyncPoller:
+        """The asyncio poller a drain runs, with a waiter of its own: a drain never waits, so
+        it needs none of the store's (a ``LISTEN`` connection only ``run_forever`` closes)."""
+        outbox = outbox or self.outbox
+        store = outbox.store
+        if not store.capabilities.asyncio:
+            why = (
+                f"async def handlers ({_names(coroutines)}) run on the asyncio poller"
+                if coroutines
+                else "async_() drains with the asyncio poller"
+            )
+            raise ConfigurationError(
+                f"{why}, which needs a store with an asyncio side; {store!r} has none "
+                "(capabilities.asyncio is false): test on one that has, such as the memory "
+                "store (ini outboxkit_store = memory://, or --outbox-store=memory://)"
+            )
+        return outbox.async_poller(waiter=LoopWaiter())
 
     def _horizon(self, start: datetime, until: datetime | timedelta | None) -> datetime | None:
         if until is None:
@@ -293,7 +402,9 @@ class Drain:
 
         The event is enqueued on the handler's topic and drained by an outbox whose bus holds
         only that handler; events already waiting are left untouched (their leases are not
-        taken: the event is delivered before them by being claimed alone).
+        taken: the event is delivered before them by being claimed alone). An ``async def``
+        handler is run by the asyncio poller on an event loop of the drain's own; in an
+        ``async def`` test, await :meth:`deliver_one_async` instead.
 
         Args:
             handler: the handler's name on the outbox's bus.
@@ -305,14 +416,76 @@ class Drain:
             A one-round ``DrainReport``.
 
         Raises:
-            ConfigurationError: no handler (or several) of that name.
+            ConfigurationError: no handler (or several) of that name; an async handler on a
+                store without an asyncio side.
+            DrainError: an async handler while an event loop is running in this thread.
             HandlerErrors: the handler failed and ``raise_errors`` is true.
         """
         spec = self.outbox.bus.find(handler)
+        if handling.is_coroutine_function(spec.fn):
+            _refuse_running_loop(
+                f"outbox_drain.deliver_one() runs the async def handler {spec.name!r} on an "
+                "event loop of its own, and one is running here: in an async def test, use "
+                "`report = await outbox_drain.deliver_one_async(...)`"
+            )
+        solo = self._solo(spec)
+        if handling.is_coroutine_function(spec.fn):
+            poller = self._async_poller([spec], solo)  # refusals before anything is written
+            event_id, ours, claimed_at = self._claim_alone(solo, spec, payload, headers)
+            round_report = _on_a_loop_of_its_own(
+                _closing(poller, poller.process(ours, claimed_at=claimed_at))
+            )
+        else:
+            event_id, ours, claimed_at = self._claim_alone(solo, spec, payload, headers)
+            round_report = solo.poller().process(ours, claimed_at=claimed_at)
+        return self._one(round_report, event_id, spec, raise_errors)
+
+    async def deliver_one_async(
+        self,
+        handler: str,
+        payload: Any,
+        *,
+        headers: Mapping[str, str] | None = None,
+        raise_errors: bool = True,
+    ) -> DrainReport:
+        """:meth:`deliver_one` from an ``async def`` test: the handler is run by the asyncio
+        poller on the running event loop.
+
+        Args:
+            handler: as for :meth:`deliver_one`.
+            payload: as for :meth:`deliver_one`.
+            headers: as for :meth:`deliver_one`.
+            raise_errors: as for :meth:`deliver_one`.
+
+        Returns:
+            A one-round ``DrainReport``.
+
+        Raises:
+            ConfigurationError: no handler (or several) of that name; a store without an
+                asyncio side; a blocking transactional handler (the asyncio poller refuses it).
+            HandlerErrors: the handler failed and ``raise_errors`` is true.
+        """
+        spec = self.outbox.bus.find(handler)
+        solo = self._solo(spec)
+        coroutine = [spec] if handling.is_coroutine_function(spec.fn) else []
+        poller = self._async_poller(coroutine, solo)  # refusals before anything is written
+        event_id, ours, claimed_at = self._claim_alone(solo, spec, payload, headers)
+        round_report = await poller.process(ours, claimed_at=claimed_at)
+        return self._one(round_report, event_id, spec, raise_errors)
+
+    def _solo(self, spec: HandlerSpec) -> Outbox:
+        """A copy of the outbox whose bus holds only ``spec``."""
         solo_bus = EventBus()
         solo_bus.subscribe(spec.topic, spec.fn, name=spec.name, transactional=spec.transactional)
         solo = self.outbox.rebind()
         solo.bus = solo_bus
+        return solo
+
+    def _claim_alone(
+        self, solo: Outbox, spec: HandlerSpec, payload: Any, headers: Mapping[str, str] | None
+    ) -> tuple[int, list[Claim], datetime]:
+        """A new event on ``spec``'s topic, and the claim of that event alone (the others
+        claimed with it are handed back untouched)."""
         with solo.store.transaction() as conn:
             event_id = solo.enqueue(conn, spec.topic, payload, headers=headers)
         # Claim what is due, keep our event, and hand the others back untouched (their
@@ -323,8 +496,12 @@ class Drain:
         )
         ours = [c for c in claims if c.event.id == event_id]
         solo.store.release([c for c in claims if c.event.id != event_id], now=solo.store_now())
+        return event_id, ours, claimed_at
+
+    def _one(
+        self, round_report: PollReport, event_id: int, spec: HandlerSpec, raise_errors: bool
+    ) -> DrainReport:
         report = DrainReport()
-        round_report = solo.poller().process(ours, claimed_at=claimed_at)
         report._add(round_report, {event_id: spec.topic})
         report.rounds = 1
         self._drained.add(event_id)
@@ -359,3 +536,38 @@ class Drain:
             for e in self._events_after(self._baseline)
             if e.id not in self._drained and e.id not in self._asserted
         ]
+
+
+# -- event loops ----------------------------------------------------------------------------------
+
+
+def _names(specs: Sequence[HandlerSpec]) -> str:
+    shown = ", ".join(repr(spec.name) for spec in specs[:5])
+    return shown + (f" and {len(specs) - 5} more" if len(specs) > 5 else "")
+
+
+def _refuse_running_loop(message: str) -> None:
+    """Raise ``DrainError(message)`` when an event loop runs in this thread: a drain cannot run
+    a loop of its own inside it (checked before any coroutine is made, so none is left
+    unawaited)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return
+    raise DrainError(message)
+
+
+def _on_a_loop_of_its_own(coroutine: Coroutine[Any, Any, T]) -> T:
+    """Run ``coroutine`` on a fresh event loop, closed before this returns. With a loop factory
+    the runner sets no event loop for the thread: a loop the test set up stays its own."""
+    with asyncio.Runner(loop_factory=asyncio.new_event_loop) as runner:
+        return runner.run(coroutine)
+
+
+async def _closing(poller: AsyncPoller, work: Coroutine[Any, Any, T]) -> T:
+    """Await ``work``, then close the store's asyncio side: its connections belong to the loop
+    they were opened on, which ends with this drain."""
+    try:
+        return await work
+    finally:
+        await poller.store.close()

@@ -119,7 +119,10 @@ def outbox(
 def outbox_drain(
     request: pytest.FixtureRequest, outbox: Outbox, outbox_clock: FrozenClock
 ) -> Iterator[Drain]:
-    """Deliver everything due, synchronously, on the production path: ``outbox_drain()``."""
+    """Deliver everything due, on the production path: ``outbox_drain()``, or
+    ``await outbox_drain.async_()`` in an ``async def`` test. An app with ``async def``
+    handlers is drained by the asyncio poller (``outbox_drain()`` runs it on a loop of its
+    own), any other by the blocking poller."""
     from outboxkit.testing.drain import Drain
 
     drain = Drain(outbox, outbox_clock)

@@ -11,11 +11,21 @@ the import path, of the test and of its subprocesses). It opens its own store fr
   folder, waits for a file named ``gate`` there when the payload says ``{"block": true}`` (so a
   test decides when "mid-drain" ends, without sleeping), fails on ``{"fail": true}``, and touches
   ``done-<event>-<pid>`` when it returns.
+
+``ASYNC_APP_SOURCE`` is the same app with ``async def`` handlers (``outboxkit run`` picks the
+asyncio poller for it): ``order.placed`` -> ``reserve`` (transactional, enqueues a
+``stock.reserved`` follow-up) -> ``ship``; ``job.run`` -> ``work`` (non-transactional, as above,
+waiting for ``gate`` with ``await``). For a memory store, which lives and dies with the one
+``outboxkit run`` process, ``CLI_TEST_SEED`` (a JSON list of ``[topic, payload]``) is enqueued
+when the module is imported, and with ``CLI_TEST_DUMP`` set the process prints the store's
+events as one ``app state: <JSON>`` line on stderr when it exits (see ``dumped``).
 """
 
 from __future__ import annotations
 
 import importlib
+import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -81,6 +91,77 @@ not_an_outbox = bus
 '''
 
 
+ASYNC_APP_SOURCE = '''
+"""An asyncio app for the outboxkit CLI tests (written by tests/cli/apps.py)."""
+import asyncio
+import atexit
+import json
+import os
+import pathlib
+import sys
+import time
+
+from outboxkit import EventBus, Outbox, open_store
+
+HERE = pathlib.Path(__file__).parent
+bus = EventBus()
+
+
+@bus.handler("order.placed", name="reserve")
+async def reserve(event, ctx):
+    await asyncio.sleep(0)
+    ctx.enqueue("stock.reserved", {"order": event.payload.get("n")})
+
+
+@bus.handler("stock.reserved", name="ship", transactional=False)
+async def ship(event, ctx):
+    await asyncio.sleep(0)
+
+
+@bus.handler("job.run", name="work", transactional=False)
+async def work(event, ctx):
+    (HERE / f"started-{event.id}-{os.getpid()}").touch()
+    if event.payload.get("block"):
+        give_up = time.monotonic() + 120  # never hang a test run for good
+        while not (HERE / "gate").exists() and time.monotonic() < give_up:
+            await asyncio.sleep(0.005)
+    if event.payload.get("fail"):
+        raise RuntimeError("job failed")
+    (HERE / f"done-{event.id}-{os.getpid()}").touch()
+
+
+store = open_store(
+    os.environ["CLI_TEST_STORE"], **json.loads(os.environ.get("CLI_TEST_STORE_OPTIONS") or "{}")
+)
+outbox = Outbox(store, bus, max_retries=5, backoff=3600)
+
+if os.environ.get("CLI_TEST_SEED"):
+    with store.transaction() as tx:
+        for topic, payload in json.loads(os.environ["CLI_TEST_SEED"]):
+            outbox.enqueue(tx, topic, payload)
+
+
+def dump():
+    events = store.events(after_id=0, limit=10_000)
+    state = [
+        {
+            "id": e.id,
+            "topic": e.topic,
+            "state": e.state.value,
+            "attempts": e.attempts,
+            "leased": e.locked_until is not None,
+            "records": [[r.handler, r.outcome.value] for r in store.records(e.id)],
+        }
+        for e in events
+    ]
+    print("app state: " + json.dumps(state), file=sys.stderr, flush=True)
+
+
+if os.environ.get("CLI_TEST_DUMP"):
+    atexit.register(dump)
+'''
+
+
 @dataclass
 class App:
     """One written app module: its name, folder, and (once imported here) the module."""
@@ -123,12 +204,19 @@ def _markers(folder: Path, kind: str) -> dict[int, set[int]]:
     return found
 
 
-def write_app(folder: Path) -> App:
+def write_app(folder: Path, source: str = APP_SOURCE) -> App:
     folder.mkdir(parents=True, exist_ok=True)
     name = f"cli_app_{uuid.uuid4().hex[:12]}"
-    (folder / f"{name}.py").write_text(APP_SOURCE, encoding="utf-8")
+    (folder / f"{name}.py").write_text(source, encoding="utf-8")
     importlib.invalidate_caches()
     return App(name, folder)
+
+
+def dumped(stderr: str) -> dict[int, dict[str, Any]]:
+    """The events an ``ASYNC_APP_SOURCE`` process printed when it exited, by id."""
+    lines = re.findall(r"^app state: (.*)$", stderr, flags=re.M)
+    assert len(lines) == 1, stderr
+    return {event["id"]: event for event in json.loads(lines[0])}
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,8 @@ def test_operations_documents_every_command_and_option() -> None:
         "OUTBOXKIT_STORE",
         "--app",
         "--until-idle",
+        "--asyncio",
+        "--concurrency",
         "--processes",
         "--grace",
         "--log-every",

@@ -59,6 +59,48 @@ def pong_ping(event, ctx):
 outbox = Outbox(MemoryStore(), bus, max_retries=10)
 """
 
+ASYNC_APP = """
+import asyncio
+import threading
+
+from outboxkit import EventBus, MemoryStore, Outbox, Reject
+
+bus = EventBus()
+loops = []  # the event loop each async handler ran on
+threads = []  # the thread the blocking handler ran in
+
+
+@bus.handler("order.placed", name="reserve-stock")
+async def reserve_stock(event, ctx):
+    loops.append(asyncio.get_running_loop())
+    await asyncio.sleep(0)  # a real suspension: the handler runs on the loop
+    ctx.enqueue("stock.reserved", {"order_id": event.payload["order_id"]})
+
+
+@bus.handler("order.placed", name="fraud-check")
+async def fraud_check(event, ctx):
+    if event.payload.get("fraud"):
+        raise Reject("looks fraudulent")
+
+
+@bus.handler("stock.reserved", name="notify-warehouse", transactional=False)
+async def notify_warehouse(event, ctx):
+    loops.append(asyncio.get_running_loop())
+
+
+@bus.handler("stock.reserved", name="log-line", transactional=False)
+def log_line(event, ctx):  # blocking, not transactional: the asyncio poller runs it in a thread
+    threads.append(threading.current_thread())
+
+
+@bus.handler("email.requested", name="broken-mailer", transactional=False)
+async def broken_mailer(event, ctx):
+    raise ConnectionError("smtp down")
+
+
+outbox = Outbox(MemoryStore(), bus, max_retries=10)
+"""
+
 HELPERS = """
 def enqueue(outbox, topic, payload, **kw):
     with outbox.store.transaction() as conn:
