@@ -28,6 +28,7 @@ from outboxkit import Event, EventBus, Outbox, PollReport
 from outboxkit.aio import AsyncPoller
 from outboxkit.bus import DeliveryContext, Handler, HandlerSpec
 from outboxkit.core.model import Claim
+from outboxkit.core.options import TransactionMode
 from outboxkit.handling import is_coroutine_function
 
 __all__ = ["MODES", "AsyncioBus", "AsyncioOutbox", "LoopRunner", "Mode"]
@@ -40,7 +41,7 @@ class Mode:
     """How the pollers of the ``outbox`` fixture deliver."""
 
     name: str
-    transaction: str
+    transaction: TransactionMode
     concurrency: int | None = None
     """None: the blocking poller; else the asyncio poller with this ``concurrency``."""
 
