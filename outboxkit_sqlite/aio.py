@@ -248,13 +248,20 @@ class _AsyncDelivery:
 
     @property
     def connection(self) -> aiosqlite.Connection:
+        """The aiosqlite connection inside the delivery transaction."""
         return self._conn
 
     async def enqueue(self, events: Sequence[NewEvent]) -> list[int]:
+        """Follow-up events in the delivery transaction (``Delivery.enqueue``)."""
         return await self._conn.run(self._tx.enqueue, events)
 
     async def record(self, handler: str, outcome: Outcome, *, reason: str | None = None) -> None:
-        """Written as the delivery's block ends, in the hop that commits it."""
+        """The delivery record, written as the delivery's block ends, in the hop that commits
+        it (``Delivery.defer_record``).
+
+        Raises:
+            ConfigurationError: ``outcome`` is not one that is recorded.
+        """
         self._tx.defer_record(handler, outcome, reason=reason)
 
 
@@ -298,6 +305,7 @@ class AsyncSQLiteStore(AsyncSQLStore):
 
     @property
     def closed(self) -> bool:
+        """Whether ``close`` (or the store's) closed this side."""
         return self._pool.closed
 
     # -- the async dialect seam (outboxkit._sql.aio) ----------------------------------------------
@@ -399,7 +407,13 @@ class AsyncSQLiteStore(AsyncSQLStore):
     async def claim(
         self, *, batch_size: int, lease: timedelta, now: datetime | None
     ) -> list[Claim]:
-        """R3 (see ``SQLiteStore.claim``): refused, as there, while the schema is older."""
+        """R3: ``SQLiteStore.claim`` on the side's connection.
+
+        Raises:
+            SchemaError: the schema is older (opened with ``migrate=False``), as there.
+            StoreUnavailable: the write lock stayed taken for ``busy_timeout``.
+            StoreError: SQLite failed, or the side is closed.
+        """
         self._store._check_schema()
         return await super().claim(batch_size=batch_size, lease=lease, now=now)
 
@@ -427,7 +441,13 @@ class AsyncSQLiteStore(AsyncSQLStore):
     @asynccontextmanager
     async def batch(self, *, now: datetime | None) -> AsyncIterator[AsyncSQLiteBatch]:
         """``SQLiteStore.batch`` for async code: one ``BEGIN IMMEDIATE`` transaction, a
-        savepoint per delivery, committed once."""
+        savepoint per delivery, committed once; this loop's other write transactions wait
+        for it.
+
+        Raises:
+            StoreUnavailable: the write lock stayed taken for ``busy_timeout``.
+            StoreError: SQLite failed, or a handler ended the batch's transaction.
+        """
         async with self._transaction("open a batch transaction", self._store._batch_on) as (
             conn,
             batch,

@@ -52,14 +52,30 @@ class Delivery:
 
     @property
     def connection(self) -> sqlite3.Connection:
+        """The store's connection inside the delivery transaction (``ctx.connection``)."""
         return self.conn
 
     def enqueue(self, events: Sequence[NewEvent]) -> list[int]:
+        """Follow-up events, inserted in the delivery transaction.
+
+        Returns:
+            Their ids.
+
+        Raises:
+            HandlerCrashed: a handler ended the transaction.
+            StoreError: SQLite failed.
+        """
         self.check_open()
         return self._store._insert(self.conn, events, self._now)
 
     def record(self, handler: str, outcome: Outcome, *, reason: str | None = None) -> None:
-        """Write the delivery record for ``handler`` now; it commits with the transaction."""
+        """Write the delivery record for ``handler`` now; it commits with the transaction.
+
+        Raises:
+            ConfigurationError: ``outcome`` is not one that is recorded.
+            HandlerCrashed: a handler ended the transaction.
+            StoreError: SQLite failed.
+        """
         params = record_params(self._claim, handler, outcome, reason, self._now)
         self._write_record(handler, params)
 
@@ -99,6 +115,7 @@ class Batch(SQLBatch):
     _conn: StoreConnection
 
     def delivery(self, claim: Claim, *, now: datetime | None) -> AbstractContextManager[Delivery]:
+        """A delivery in a savepoint of the batch (``in_savepoint``)."""
         return in_savepoint(self._store, self._conn, claim, now)
 
 
@@ -160,12 +177,14 @@ def delivering(
 def handler_failure(
     store: SQLiteStore, tx: Delivery, claim: Claim, exc: Exception
 ) -> StoreError | HandlerCrashed | None:
-    """What a delivery raises instead of ``exc``, the exception its block ended with, or None
-    for ``exc`` itself.
+    """What a delivery raises instead of ``exc``, the exception its block ended with.
 
     The file failing under the handler (disk full, I/O error) is the database's failure, not the
     handler's, whatever the handler made of it; a handler that tried to end the transaction is
     a ``HandlerCrashed`` failure, whatever it raised afterwards.
+
+    Returns:
+        The error to raise from ``exc``, or None: ``exc`` itself.
     """
     failure = database_failure(exc)
     if failure is not None:

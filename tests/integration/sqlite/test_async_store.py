@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import sqlite3
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager, closing
@@ -180,6 +182,22 @@ def test_one_side_serves_one_event_loop_after_another(
 
     assert asyncio.run(claim_one()) == [first]
     assert asyncio.run(claim_one()) == [second]
+
+
+def test_aiosqlite_is_imported_only_by_the_asyncio_side(path: Path) -> None:
+    script = (
+        "import sys\n"
+        "from outboxkit import open_store\n"
+        f"store = open_store({'sqlite:///' + path.as_posix()!r})\n"
+        "print('aiosqlite' in sys.modules)\n"
+        "store.async_store()\n"
+        "print('aiosqlite' in sys.modules)\n"
+        "store.close()\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert result.stdout.split() == ["False", "True"]
 
 
 def test_an_aiosqlite_without_what_the_side_uses_is_refused(
