@@ -160,6 +160,10 @@ class Connections:
         self._shared_lock = threading.RLock()
         self._shared = connect() if shared else None
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     @contextmanager
     def acquire(self) -> Iterator[StoreConnection]:
         if self._shared is not None:

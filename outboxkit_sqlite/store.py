@@ -9,8 +9,10 @@ Theory of operation:
   committed transaction survives any process crash; a power cut may lose the last few commits.
 - The SQL is in ``queries.sql``; the operations every SQL store shares (claim, extend, the
   round's ``settle_many``, release, requeue, listings, purges, stats) are
-  ``outboxkit._sql.base.SQLStore``'s. What is SQLite's own lives here: its transactions, the
-  delivery transaction, the batch, enqueue through the app's connection, the paths.
+  ``outboxkit._sql.base.SQLStore``'s. What is SQLite's own lives here (its transactions, each
+  written once against a given connection, enqueue, the paths) and beside it: the delivery
+  transaction and the batch's savepoints (``delivery``), what the app's connection must be
+  (``caller``), and the asyncio side (``aio``), which runs these very transactions on aiosqlite.
 - A claim is one ``UPDATE ... WHERE id IN (SELECT ... LIMIT n) RETURNING ...`` under the write
   lock: two claimers, in threads or processes, never get the same event (R3).
 - A delivery transaction holds the write lock while its handler runs, so handlers on SQLite
@@ -26,36 +28,28 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
+import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
-from outboxkit._sql.base import SQLBatch, SQLStore
+from outboxkit._sql.base import SQLStore
 from outboxkit._sql.names import check_count, check_options, check_seconds
-from outboxkit._sql.rows import encode_headers, record_params
-from outboxkit.core.model import Claim, NewEvent, Outcome
-from outboxkit.errors import (
-    ConfigurationError,
-    HandlerCrashed,
-    LeaseLostError,
-    Reject,
-    SchemaError,
-    StoreError,
-)
+from outboxkit._sql.rows import encode_headers
+from outboxkit.core.model import Claim, NewEvent
+from outboxkit.errors import ConfigurationError, SchemaError, StoreError
 from outboxkit.store import Capabilities
 from outboxkit.waiter import ClosingWaiter
 
 from . import schema
+from .caller import app_connection
 from .connections import (
     BEGIN,
     BEGIN_READ,
     COMMIT,
-    RELEASE_SAVEPOINT,
-    ROLLBACK_TO_SAVEPOINT,
-    SAVEPOINT,
     Connections,
     StoreConnection,
     WalWatch,
@@ -63,8 +57,12 @@ from .connections import (
     in_transaction,
     retry_busy,
 )
-from .errors import database_failure, map_error, open_error
+from .delivery import Batch, Delivery, delivering
+from .errors import map_error, open_error
 from .tables import INSERT_COLUMNS, TableNames, insert_events, render_queries
+
+if TYPE_CHECKING:
+    from .aio import AsyncSQLiteStore
 
 __all__ = ["SQLiteStore"]
 
@@ -113,69 +111,6 @@ class _Mapped:
     def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
         if isinstance(exc, sqlite3.Error):
             raise map_error(exc, self._store._where, self._what) from exc
-
-
-class _Delivery:
-    """One delivery transaction: the store's connection inside ``BEGIN IMMEDIATE`` (or a
-    savepoint of a batch's), the claim's token checked."""
-
-    __slots__ = ("_claim", "_now", "_store", "conn", "ended_by_handler")
-
-    def __init__(
-        self, store: SQLiteStore, conn: sqlite3.Connection, claim: Claim, now: int
-    ) -> None:
-        self._store = store
-        self._claim = claim
-        self._now = now
-        self.conn = conn
-        self.ended_by_handler = False
-
-    @property
-    def connection(self) -> sqlite3.Connection:
-        return self.conn
-
-    def enqueue(self, events: Sequence[NewEvent]) -> list[int]:
-        self.check_open()
-        return self._store._insert(self.conn, events, self._now)
-
-    def record(self, handler: str, outcome: Outcome, *, reason: str | None = None) -> None:
-        params = record_params(self._claim, handler, outcome, reason, self._now)
-        self.check_open()
-        with self._store._mapped(f"record {handler!r} for event {self._claim.event.id}"):
-            self.conn.execute(self._store._queries["insert_record"], params)
-
-    def check_open(self) -> None:
-        """Raises HandlerCrashed if the transaction is no longer open (a handler closed it)."""
-        if not in_transaction(self.conn):
-            raise HandlerCrashed(
-                f"event {self._claim.event.id}: the delivery transaction was ended by a handler "
-                "(committed, rolled back or closed); outboxkit commits it with the delivery record"
-            )
-
-
-class _Batch(SQLBatch):
-    """One transaction for a claimed batch: deliveries in savepoints; settlements and lease
-    extensions on the same connection (``SQLBatch``)."""
-
-    _store: SQLiteStore
-    _conn: StoreConnection
-
-    @contextmanager
-    def delivery(self, claim: Claim, *, now: datetime | None) -> Iterator[_Delivery]:
-        conn = self._conn
-        with self._store._mapped(f"open a savepoint for event {claim.event.id}"):
-            conn.execute(SAVEPOINT)
-        try:
-            with self._store._delivering(conn, claim, now) as tx:
-                yield tx
-        except BaseException:
-            if in_transaction(conn):
-                with suppress(sqlite3.Error):
-                    conn.execute(ROLLBACK_TO_SAVEPOINT)
-                    conn.execute(RELEASE_SAVEPOINT)
-            raise
-        with self._store._mapped(f"release the savepoint of event {claim.event.id}"):
-            conn.execute(RELEASE_SAVEPOINT)
 
 
 class SQLiteStore(SQLStore):
@@ -236,6 +171,7 @@ class SQLiteStore(SQLStore):
             transactional_handlers=True,
             concurrent_claimers=True,
             multiprocess=not self.memory,
+            asyncio=not self.memory,
         )
         self.options: dict[str, Any] = {
             "events_table": self.tables.events,
@@ -244,6 +180,8 @@ class SQLiteStore(SQLStore):
             "busy_timeout": self.busy_timeout,
             "wal_warn_bytes": self.wal_warn_bytes,
         }
+        self._async: AsyncSQLiteStore | None = None
+        self._async_lock = threading.Lock()
         self._wal = WalWatch(None if self.memory else self._where, self.wal_warn_bytes)
         self._connections = self._open_connections()
         # An older schema found with migrate=False: pollers are refused until migrate().
@@ -319,15 +257,8 @@ class SQLiteStore(SQLStore):
     @contextmanager
     def _write(self, doing: str) -> Iterator[StoreConnection]:
         """A short write transaction on a store connection: BEGIN IMMEDIATE ... COMMIT."""
-        with self._connections.acquire() as conn:
-            try:
-                with self._mapped(doing):
-                    self._begin(conn)
-                    yield conn
-                    self._commit(conn)
-            except BaseException:
-                conn.rollback_quietly()
-                raise
+        with self._connections.acquire() as conn, self._write_on(conn, doing):
+            yield conn
 
     @contextmanager
     def _read(self, doing: str) -> Iterator[StoreConnection]:
@@ -423,20 +354,42 @@ class SQLiteStore(SQLStore):
         self._older = None
 
     def close(self) -> None:
-        """Close every connection. The store is unusable afterwards; closing twice is fine."""
+        """Close every connection, the asyncio side's too. The store is unusable afterwards;
+        closing twice is fine."""
         self._connections.close()
+        with self._async_lock:
+            side, self._async = self._async, None
+        if side is not None:
+            side.close_now()
 
     def now(self) -> datetime:
         """The store's clock: this host's (every process sharing the file is on it)."""
         return datetime.now(UTC)
 
-    def async_store(self) -> Any:
-        """The store's asyncio side.
+    def async_store(self) -> AsyncSQLiteStore:
+        """The store's asyncio side, on aiosqlite (``outboxkit_sqlite.aio``): made on first use,
+        closed with the store. Its transactions are this store's, on connections of its own.
 
         Raises:
-            ConfigurationError: not there yet (``capabilities.asyncio`` is false).
+            ConfigurationError: the database is ``:memory:`` (``capabilities.asyncio`` is
+                false): it lives on this store's one connection, which the asyncio side's
+                threads cannot share; or the installed aiosqlite lacks what the side uses.
+            StoreError: the store is closed.
         """
-        raise ConfigurationError("the SQLite store has no asyncio side yet")
+        if self.memory:
+            raise ConfigurationError(
+                "the SQLite store has no asyncio side for sqlite://:memory:: the in-memory "
+                "database lives on the blocking store's one connection, which aiosqlite's "
+                "threads cannot share; use a database file (a temporary one in tests)"
+            )
+        with self._async_lock:
+            if self._connections.closed:
+                raise StoreError("the SQLite store is closed")
+            if self._async is None or self._async.closed:
+                from .aio import AsyncSQLiteStore
+
+                self._async = AsyncSQLiteStore(self)
+            return self._async
 
     def make_waiter(self) -> ClosingWaiter | None:
         """None: SQLite has no notifications; pollers poll (and an enqueue in the same process
@@ -461,7 +414,7 @@ class SQLiteStore(SQLStore):
             SchemaError: the connection's database has no outboxkit tables.
             StoreError: SQLite failed (the app's transaction is left to the app).
         """
-        return self._insert(_app_connection(conn), events, self._instant(now))
+        return self._insert(app_connection(conn), events, self._instant(now))
 
     def _insert(
         self, conn: sqlite3.Connection, events: Sequence[NewEvent], created: int
@@ -490,15 +443,19 @@ class SQLiteStore(SQLStore):
         return ids
 
     def claim(self, *, batch_size: int, lease: timedelta, now: datetime | None) -> list[Claim]:
+        self._check_schema()
+        return super().claim(batch_size=batch_size, lease=lease, now=now)
+
+    def _check_schema(self) -> None:
+        """Refuse pollers while the schema is older (opened with ``migrate=False``)."""
         if self._older is not None:
             raise SchemaError(
                 f"SQLite database {self._where} has outboxkit schema version {self._older}, "
                 f"older than version {schema.SCHEMA_VERSION} this outboxkit needs: run migrate()"
             )
-        return super().claim(batch_size=batch_size, lease=lease, now=now)
 
     @contextmanager
-    def delivery(self, claim: Claim, *, now: datetime | None) -> Iterator[_Delivery]:
+    def delivery(self, claim: Claim, *, now: datetime | None) -> Iterator[Delivery]:
         """Open a delivery transaction (``BEGIN IMMEDIATE``) after checking the claim's token.
 
         ``tx.connection`` is the store's ``sqlite3.Connection`` inside that transaction; the
@@ -510,75 +467,63 @@ class SQLiteStore(SQLStore):
             StoreUnavailable: the database failed under the handler.
             StoreError: SQLite failed.
         """
-        with self._connections.acquire() as conn:
-            with self._mapped(f"open a delivery transaction for event {claim.event.id}"):
-                self._begin(conn)
-            try:
-                with self._delivering(conn, claim, now) as tx:
-                    yield tx
-                with self._mapped(f"commit the delivery of event {claim.event.id}"):
-                    self._commit(conn)
-            except BaseException:
-                conn.rollback_quietly()
-                raise
+        with self._connections.acquire() as conn, self._delivery_on(conn, claim, now) as tx:
+            yield tx
 
     @contextmanager
-    def batch(self, *, now: datetime | None) -> Iterator[_Batch]:
+    def batch(self, *, now: datetime | None) -> Iterator[Batch]:
         """One ``BEGIN IMMEDIATE`` transaction for a claimed batch (``transaction="per_batch"``):
         each delivery a savepoint of it, everything committed once. It holds SQLite's write
         lock until the batch ends, so other writers wait (up to ``busy_timeout``)."""
-        with self._connections.acquire() as conn:
-            with self._mapped("open a batch transaction"):
-                self._begin(conn)
-            try:
-                yield _Batch(self, conn)
-                with self._mapped("commit the batch"):
-                    if not in_transaction(conn):
-                        raise StoreError("the batch transaction was ended by a handler")
-                    self._commit(conn)
-            except BaseException:
-                conn.rollback_quietly()
-                raise
+        with self._connections.acquire() as conn, self._batch_on(conn) as batch:
+            yield batch
+
+    # -- the transactions, on a given connection ----------------------------------------------------
+    # Each one whole, from BEGIN to COMMIT: the blocking store runs them on its connections, the
+    # asyncio side (``aio``) on the threads of its own, with the block in between on the loop.
 
     @contextmanager
-    def _delivering(
-        self, conn: StoreConnection, claim: Claim, now: datetime | None
-    ) -> Iterator[_Delivery]:
-        """Inside ``conn``'s open transaction: check the token, hand out the delivery, check
-        the handler left the transaction open. Commits nothing."""
-        at = self._instant(now)
-        with self._mapped(f"check the claim on event {claim.event.id}"):
-            owned = conn.execute(
-                self._queries["owned"], {"id": claim.event.id, "token": claim.token}
-            ).fetchone()
-        if owned is None:
-            raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
-        tx = _Delivery(self, conn, claim, at)
-        conn.delivery = tx
+    def _write_on(self, conn: StoreConnection, doing: str) -> Iterator[StoreConnection]:
+        """A short write transaction on ``conn``, its errors mapped naming ``doing``."""
         try:
-            yield tx
-            tx.check_open()
-        except Exception as exc:
-            failure = database_failure(exc)
-            if failure is not None:
-                # The file failed under the handler (disk full, I/O error): the database's
-                # failure, not the handler's, whatever the handler made of it.
-                raise map_error(
-                    failure,
-                    self._where,
-                    f"deliver event {claim.event.id} (the database failed while a handler ran)",
-                ) from exc
-            if tx.ended_by_handler and not isinstance(
-                exc, HandlerCrashed | Reject | LeaseLostError
-            ):
-                raise HandlerCrashed(
-                    f"event {claim.event.id}: a handler may not commit or roll back its "
-                    "delivery transaction (outboxkit commits it with the delivery record); "
-                    f"its writes were rolled back: {exc}"
-                ) from exc
+            with self._mapped(doing):
+                self._begin(conn)
+                yield conn
+                self._commit(conn)
+        except BaseException:
+            conn.rollback_quietly()
             raise
-        finally:
-            conn.delivery = None
+
+    @contextmanager
+    def _delivery_on(
+        self, conn: StoreConnection, claim: Claim, now: datetime | None
+    ) -> Iterator[Delivery]:
+        """``delivery`` on ``conn``: BEGIN IMMEDIATE, the token check, the block, COMMIT."""
+        with self._mapped(f"open a delivery transaction for event {claim.event.id}"):
+            self._begin(conn)
+        try:
+            with delivering(self, conn, claim, now) as tx:
+                yield tx
+            with self._mapped(f"commit the delivery of event {claim.event.id}"):
+                self._commit(conn)
+        except BaseException:
+            conn.rollback_quietly()
+            raise
+
+    @contextmanager
+    def _batch_on(self, conn: StoreConnection) -> Iterator[Batch]:
+        """``batch`` on ``conn``: BEGIN IMMEDIATE, the block, COMMIT."""
+        with self._mapped("open a batch transaction"):
+            self._begin(conn)
+        try:
+            yield Batch(self, conn)
+            with self._mapped("commit the batch"):
+                if not in_transaction(conn):
+                    raise StoreError("the batch transaction was ended by a handler")
+                self._commit(conn)
+        except BaseException:
+            conn.rollback_quietly()
+            raise
 
 
 def _row(event: NewEvent, created: int) -> tuple[Any, ...]:
@@ -592,51 +537,6 @@ def _row(event: NewEvent, created: int) -> tuple[Any, ...]:
         event.key,
         created,
         created + event.delay // _MICROSECOND,
-    )
-
-
-_HAS_AUTOCOMMIT = hasattr(sqlite3.Connection, "autocommit")  # Python 3.12+
-
-
-def _app_connection(conn: Any) -> sqlite3.Connection:
-    """The ``sqlite3.Connection`` behind what the app passed to ``enqueue``, if it may write.
-
-    Raises:
-        ConfigurationError: not a SQLite connection, or no transaction is (or will be) open.
-    """
-    if isinstance(conn, sqlite3.Connection):
-        raw, wrapped = conn, False
-    else:
-        inner = getattr(conn, "conn", None)
-        if not isinstance(inner, sqlite3.Connection):
-            raise ConfigurationError(
-                "the SQLite store enqueues through a sqlite3.Connection (or a "
-                f"sqlite_utils.Database) in the app's open transaction, got {conn!r:.80}"
-            )
-        raw, wrapped = inner, True
-    try:
-        if raw.in_transaction:
-            return raw
-    except sqlite3.ProgrammingError as exc:
-        raise ConfigurationError(f"enqueue got a closed SQLite connection: {exc}") from exc
-    # No transaction is open. Python's legacy (default) handling opens one before our INSERT,
-    # exactly as it would before the app's own INSERT, and leaves it to the app to commit; in
-    # autocommit mode the INSERT would commit on its own, outside any transaction of the app's.
-    # sqlite-utils commits every write made outside db.atomic(), so it needs an open one too.
-    autocommit = getattr(raw, "autocommit", None) if _HAS_AUTOCOMMIT else None
-    legacy = autocommit is None or autocommit == getattr(sqlite3, "LEGACY_TRANSACTION_CONTROL", -1)
-    if legacy and raw.isolation_level is not None and not wrapped:
-        return raw
-    how = (
-        "enqueue inside `with db.atomic():` (or after db.begin())"
-        if wrapped
-        else "run BEGIN first (isolation_level=None / autocommit=True), or use Python's "
-        "default transaction handling or autocommit=False"
-    )
-    raise ConfigurationError(
-        "enqueue needs an open transaction on the app's SQLite connection, so that the event "
-        f"commits or rolls back with the app's writes; this one is in autocommit mode: {how}. "
-        "Nothing was written."
     )
 
 

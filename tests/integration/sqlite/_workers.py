@@ -7,6 +7,7 @@ warning it saw) as JSON in ``result_path``, and gives up by itself at ``deadline
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -99,20 +100,28 @@ def _reporting(result_path: str, result: dict[str, Any]) -> Iterator[None]:
         tmp.replace(result_path)
 
 
-def make_bus(effects_path: str) -> tuple[EventBus, Any]:
-    """Two handlers on TOPIC: ``ledger`` writes a row in its delivery transaction; ``notify``
-    (non-transactional) appends the event id to ``effects_path``, an effect outside the database.
+def make_bus(effects_path: str, *, asyncio: bool = False) -> tuple[EventBus, Any]:
+    """Two handlers on TOPIC: ``ledger`` writes a row in its delivery transaction (``asyncio``:
+    an ``async def`` on the delivery's aiosqlite connection); ``notify`` (non-transactional,
+    blocking: the asyncio poller runs it in a worker thread) appends the event id to
+    ``effects_path``, an effect outside the database.
     """
     bus = EventBus()
     effects = open(effects_path, "a", encoding="utf-8")  # noqa: SIM115 - closed by the caller
+    row = "INSERT INTO ledger (event_id, handler, pid) VALUES (?, ?, ?)"
     pid = os.getpid()
 
-    @bus.handler(TOPIC, name="ledger")
-    def ledger(event: Any, ctx: Any) -> None:
-        ctx.connection.execute(
-            "INSERT INTO ledger (event_id, handler, pid) VALUES (?, ?, ?)",
-            (event.id, "ledger", pid),
-        )
+    if asyncio:
+
+        @bus.handler(TOPIC, name="ledger")
+        async def ledger_async(event: Any, ctx: Any) -> None:
+            await ctx.connection.execute(row, (event.id, "ledger", pid))
+
+    else:
+
+        @bus.handler(TOPIC, name="ledger")
+        def ledger(event: Any, ctx: Any) -> None:
+            ctx.connection.execute(row, (event.id, "ledger", pid))
 
     @bus.handler(TOPIC, name="notify", transactional=False)
     def notify(event: Any, ctx: Any) -> None:
@@ -186,24 +195,72 @@ def poll(
         try:
             outbox = Outbox(store, bus, load_entry_points=False)
             poller = outbox.poller(batch_size=batch_size, lease=120)
-            while True:
-                if time.time() > deadline:
-                    raise TimeoutError("poller: deadline passed")
-                report = poller.run_once()
-                result["published"] += len(report.published)
-                if report.failed or report.lease_lost:
-                    raise AssertionError(f"failed {report.failed!r}, lost {report.lease_lost!r}")
-                if report.claimed:
-                    continue
-                if os.path.exists(done_path):
-                    stats = store.stats(now=None)
-                    if stats.pending == 0 and stats.claimed == 0:
-                        break
-                poller.waiter.wait(0.005)
+            while step := _next_step(store, poller.run_once(), result, deadline, done_path):
+                if step == "wait":
+                    poller.waiter.wait(0.005)
         finally:
             result["claims"] = list(store.windows.values())
             effects.close()
             store.close()
+
+
+def async_poll(
+    url: str,
+    options: dict[str, Any],
+    effects_path: str,
+    result_path: str,
+    deadline: float,
+    batch_size: int,
+    concurrency: int,
+) -> None:
+    """Run an asyncio poller (``concurrency`` events at once) until nothing is pending or
+    claimed any more."""
+    result: dict[str, Any] = {"role": "poller", "published": 0}
+    with _reporting(result_path, result):
+        asyncio.run(
+            _async_poll(url, options, effects_path, result, deadline, batch_size, concurrency)
+        )
+
+
+async def _async_poll(
+    url: str,
+    options: dict[str, Any],
+    effects_path: str,
+    result: dict[str, Any],
+    deadline: float,
+    batch_size: int,
+    concurrency: int,
+) -> None:
+    store = open_store(url, **options)
+    bus, effects = make_bus(effects_path, asyncio=True)
+    try:
+        outbox = Outbox(store, bus, load_entry_points=False)
+        poller = outbox.async_poller(batch_size=batch_size, lease=120, concurrency=concurrency)
+        while step := _next_step(store, await poller.run_once(), result, deadline, None):
+            if step == "wait":
+                await poller.waiter.wait(0.005)
+    finally:
+        effects.close()
+        store.close()
+
+
+def _next_step(
+    store: Any, report: Any, result: dict[str, Any], deadline: float, done_path: str | None
+) -> str | None:
+    """After a poller's round: poll again at once ("poll"), after a moment ("wait"), or stop
+    (None: ``done_path``, if given, exists and nothing is pending or claimed any more)."""
+    if time.time() > deadline:
+        raise TimeoutError("poller: deadline passed")
+    result["published"] += len(report.published)
+    if report.failed or report.lease_lost:
+        raise AssertionError(f"failed {report.failed!r}, lost {report.lease_lost!r}")
+    if report.claimed:
+        return "poll"
+    if done_path is None or os.path.exists(done_path):
+        stats = store.stats(now=None)
+        if stats.pending == 0 and stats.claimed == 0:
+            return None
+    return "wait"
 
 
 def poll_until_killed(

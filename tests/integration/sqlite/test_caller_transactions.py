@@ -89,19 +89,6 @@ STYLES = [
 
 
 @pytest.fixture
-def path(tmp_path: Path) -> Path:
-    return tmp_path / "app.db"
-
-
-@pytest.fixture
-def store(path: Path) -> Iterator[SQLiteStore]:
-    with SQLiteStore(path) as store:
-        with closing(sqlite3.connect(path)) as conn, conn:
-            conn.execute("CREATE TABLE orders (id INTEGER PRIMARY KEY, item TEXT NOT NULL)")
-        yield store
-
-
-@pytest.fixture
 def outbox(store: SQLiteStore) -> Outbox:
     return Outbox(store, EventBus(), clock=FrozenClock("2030-01-01T00:00:00Z"))
 

@@ -2,7 +2,8 @@
 
 Every (event, handler) is recorded exactly once, the transactional handler's ledger has exactly
 one row per event, no error ("database is locked" or any other) reaches a caller in any process,
-and no event is ever held by two claims at once.
+and no event is ever held by two claims at once. And two processes with the asyncio poller on
+one file deliver every event once.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from outboxkit import EventBus, Outbox
 from outboxkit_sqlite import SQLiteStore
 
 from . import _workers
@@ -157,3 +159,55 @@ def test_two_publishers_four_pollers_one_file(tmp_path: Path, spawn: Any) -> Non
         f"\nSQLite multi-process: {EVENTS} events, {PUBLISHERS} publishers + {POLLERS} pollers, "
         f"wall {wall:.1f}s, {rate:.0f} events/s; claims per poller {per_poller}"
     )
+
+
+ASYNC_EVENTS = 300
+ASYNC_BUDGET = 60.0
+
+
+def test_two_asyncio_pollers_one_file_deliver_every_event_once(tmp_path: Path, spawn: Any) -> None:
+    # Two processes, each with the asyncio poller (concurrency 1 and 4), drain one file: every
+    # (event, handler) is recorded once, the async handler's row written once.
+    path = tmp_path / "shared.db"
+    with SQLiteStore(path) as store:
+        url, options = store.url, dict(store.options)
+        with store.transaction() as conn:
+            conn.execute(_workers.LEDGER_SQL)
+            outbox = Outbox(store, EventBus(), load_entry_points=False)
+            ids = outbox.enqueue_many(
+                conn, [(_workers.TOPIC, {"n": n}) for n in range(ASYNC_EVENTS)]
+            )
+    deadline = time.time() + ASYNC_BUDGET
+    pollers = [
+        spawn(
+            _workers.async_poll,
+            url,
+            options,
+            str(tmp_path / f"effects-{n}.txt"),
+            str(tmp_path / f"poller-{n}.json"),
+            deadline,
+            25,
+            concurrency,
+        )
+        for n, concurrency in enumerate((1, 4))
+    ]
+    for process in pollers:
+        process.join(timeout=ASYNC_BUDGET + 10)
+        assert process.exitcode == 0, f"poller exit code {process.exitcode}"
+    results = [read_result(tmp_path / f"poller-{n}.json") for n in range(2)]
+    for result in results:
+        assert result["errors"] == [], result["errors"]
+        assert result["warnings"] == [], result["warnings"]
+    assert sum(r["published"] for r in results) == ASYNC_EVENTS
+
+    with closing(sqlite3.connect(path)) as conn:
+        published = dict(conn.execute("SELECT id, published_at IS NOT NULL FROM outbox_events"))
+        records = conn.execute("SELECT event_id, handler FROM outbox_deliveries").fetchall()
+        ledger = conn.execute("SELECT event_id, handler FROM ledger").fetchall()
+    assert published == dict.fromkeys(ids, 1)
+    assert Counter(records) == {(i, h): 1 for i in ids for h in ("ledger", "notify")}
+    assert Counter(ledger) == {(i, "ledger"): 1 for i in ids}
+    effects = Counter(
+        int(line) for n in range(2) for line in (tmp_path / f"effects-{n}.txt").read_text().split()
+    )
+    assert effects == dict.fromkeys(ids, 1)

@@ -1,0 +1,202 @@
+"""A SQLite delivery transaction, and the batch transaction whose savepoints they are.
+
+Blocking code that both sides of the store run as it is: the blocking store in the caller's
+thread, the asyncio side (``aio``) on the thread of its aiosqlite connection, with the handler's
+block in between run on the event loop. So the token check, the savepoint statements and the
+decision about a handler's failure exist once.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, suppress
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from outboxkit._sql.base import SQLBatch
+from outboxkit._sql.rows import record_params
+from outboxkit.core.model import Claim, NewEvent, Outcome
+from outboxkit.errors import HandlerCrashed, LeaseLostError, Reject, StoreError
+
+from .connections import (
+    RELEASE_SAVEPOINT,
+    ROLLBACK_TO_SAVEPOINT,
+    SAVEPOINT,
+    StoreConnection,
+    in_transaction,
+)
+from .errors import database_failure, map_error
+
+if TYPE_CHECKING:
+    from .store import SQLiteStore
+
+__all__ = ["Batch", "Delivery", "delivering", "handler_failure", "in_savepoint"]
+
+
+class Delivery:
+    """One delivery transaction: the store's connection inside ``BEGIN IMMEDIATE`` (or a
+    savepoint of a batch's), the claim's token checked."""
+
+    __slots__ = ("_claim", "_deferred", "_now", "_store", "conn", "ended_by_handler")
+
+    def __init__(
+        self, store: SQLiteStore, conn: sqlite3.Connection, claim: Claim, now: int
+    ) -> None:
+        self._store = store
+        self._claim = claim
+        self._now = now
+        self.conn = conn
+        self.ended_by_handler = False
+        self._deferred: list[tuple[str, dict[str, Any]]] | None = None
+
+    @property
+    def connection(self) -> sqlite3.Connection:
+        """The store's connection inside the delivery transaction (``ctx.connection``)."""
+        return self.conn
+
+    def enqueue(self, events: Sequence[NewEvent]) -> list[int]:
+        """Follow-up events, inserted in the delivery transaction.
+
+        Returns:
+            Their ids.
+
+        Raises:
+            HandlerCrashed: a handler ended the transaction.
+            StoreError: SQLite failed.
+        """
+        self.check_open()
+        return self._store._insert(self.conn, events, self._now)
+
+    def record(self, handler: str, outcome: Outcome, *, reason: str | None = None) -> None:
+        """Write the delivery record for ``handler`` now; it commits with the transaction.
+
+        Raises:
+            ConfigurationError: ``outcome`` is not one that is recorded.
+            HandlerCrashed: a handler ended the transaction.
+            StoreError: SQLite failed.
+        """
+        params = record_params(self._claim, handler, outcome, reason, self._now)
+        self._write_record(handler, params)
+
+    def defer_record(self, handler: str, outcome: Outcome, *, reason: str | None = None) -> None:
+        """``record``, checked now and written when the block ends, just before the commit:
+        the asyncio side's way, which saves a hop to the connection's thread per delivery."""
+        params = record_params(self._claim, handler, outcome, reason, self._now)
+        if self._deferred is None:
+            self._deferred = []
+        self._deferred.append((handler, params))
+
+    def write_deferred(self) -> None:
+        """Write the records ``defer_record`` kept (``delivering`` calls it as the block ends)."""
+        deferred, self._deferred = self._deferred, None
+        for handler, params in deferred or ():
+            self._write_record(handler, params)
+
+    def _write_record(self, handler: str, params: Mapping[str, Any]) -> None:
+        self.check_open()
+        with self._store._mapped(f"record {handler!r} for event {self._claim.event.id}"):
+            self.conn.execute(self._store._queries["insert_record"], params)
+
+    def check_open(self) -> None:
+        """Raises HandlerCrashed if the transaction is no longer open (a handler closed it)."""
+        if not in_transaction(self.conn):
+            raise HandlerCrashed(
+                f"event {self._claim.event.id}: the delivery transaction was ended by a handler "
+                "(committed, rolled back or closed); outboxkit commits it with the delivery record"
+            )
+
+
+class Batch(SQLBatch):
+    """One transaction for a claimed batch: deliveries in savepoints; settlements and lease
+    extensions on the same connection (``SQLBatch``)."""
+
+    _store: SQLiteStore
+    _conn: StoreConnection
+
+    def delivery(self, claim: Claim, *, now: datetime | None) -> AbstractContextManager[Delivery]:
+        """A delivery in a savepoint of the batch (``in_savepoint``)."""
+        return in_savepoint(self._store, self._conn, claim, now)
+
+
+@contextmanager
+def in_savepoint(
+    store: SQLiteStore, conn: StoreConnection, claim: Claim, now: datetime | None
+) -> Iterator[Delivery]:
+    """A delivery in a savepoint of the batch transaction open on ``conn``: released on a normal
+    exit, rolled back to (and released) on an exception."""
+    with store._mapped(f"open a savepoint for event {claim.event.id}"):
+        conn.execute(SAVEPOINT)
+    try:
+        with delivering(store, conn, claim, now) as tx:
+            yield tx
+    except BaseException:
+        if in_transaction(conn):
+            with suppress(sqlite3.Error):
+                conn.execute(ROLLBACK_TO_SAVEPOINT)
+                conn.execute(RELEASE_SAVEPOINT)
+        raise
+    with store._mapped(f"release the savepoint of event {claim.event.id}"):
+        conn.execute(RELEASE_SAVEPOINT)
+
+
+@contextmanager
+def delivering(
+    store: SQLiteStore, conn: StoreConnection, claim: Claim, now: datetime | None
+) -> Iterator[Delivery]:
+    """Inside ``conn``'s open transaction: check the token, hand out the delivery, check the
+    handler left the transaction open. Commits nothing.
+
+    Raises:
+        LeaseLostError: the token is stale (nothing is handed out).
+        HandlerCrashed, StoreUnavailable, StoreError: instead of the block's exception, as
+            ``handler_failure`` decides.
+    """
+    at = store._instant(now)
+    with store._mapped(f"check the claim on event {claim.event.id}"):
+        owned = conn.execute(
+            store._queries["owned"], {"id": claim.event.id, "token": claim.token}
+        ).fetchone()
+    if owned is None:
+        raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
+    tx = Delivery(store, conn, claim, at)
+    conn.delivery = tx
+    try:
+        yield tx
+        tx.write_deferred()
+        tx.check_open()
+    except Exception as exc:
+        instead = handler_failure(store, tx, claim, exc)
+        if instead is None:
+            raise
+        raise instead from exc
+    finally:
+        conn.delivery = None
+
+
+def handler_failure(
+    store: SQLiteStore, tx: Delivery, claim: Claim, exc: Exception
+) -> StoreError | HandlerCrashed | None:
+    """What a delivery raises instead of ``exc``, the exception its block ended with.
+
+    The file failing under the handler (disk full, I/O error) is the database's failure, not the
+    handler's, whatever the handler made of it; a handler that tried to end the transaction is
+    a ``HandlerCrashed`` failure, whatever it raised afterwards.
+
+    Returns:
+        The error to raise from ``exc``, or None: ``exc`` itself.
+    """
+    failure = database_failure(exc)
+    if failure is not None:
+        return map_error(
+            failure,
+            store._where,
+            f"deliver event {claim.event.id} (the database failed while a handler ran)",
+        )
+    if tx.ended_by_handler and not isinstance(exc, HandlerCrashed | Reject | LeaseLostError):
+        return HandlerCrashed(
+            f"event {claim.event.id}: a handler may not commit or roll back its delivery "
+            "transaction (outboxkit commits it with the delivery record); its writes were "
+            f"rolled back: {exc}"
+        )
+    return None
