@@ -175,7 +175,7 @@ class AsyncPoller:
             if unstarted:
                 released = await self.store.release(unstarted, now=outbox.store_now())
                 log.info("poller stopping: released %d unstarted claim(s)", released)
-        return batch.report
+        return batch.final_report()
 
     @asynccontextmanager
     async def _deliveries(self) -> AsyncIterator[AsyncDeliveries]:

@@ -156,7 +156,7 @@ class Poller:
             if unstarted:
                 released = outbox.store.release(unstarted, now=outbox.store_now())
                 log.info("poller stopping: released %d unstarted claim(s)", released)
-        return batch.report
+        return batch.final_report()
 
     @contextmanager
     def _deliveries(self) -> Iterator[Deliveries]:

@@ -93,6 +93,7 @@ class ClaimedBatch:
         self.max_retries = max_retries
         self.backoff = backoff
         self.report = PollReport(claimed=[c.event.id for c in claims])
+        self._position = {c.event.id: i for i, c in enumerate(claims)}
         self._unstarted: deque[Claim] = deque(claims)
         self._deadlines = {c.token: claimed_at + lease for c in claims}
         self._running: dict[str, EventRun] = {}
@@ -237,6 +238,22 @@ class ClaimedBatch:
             self._deadlines.pop(claim.token, None)
         self.report.released.extend(c.event.id for c in claims)
         return claims
+
+    def final_report(self) -> PollReport:
+        """The report, each list in claim order (events delivered at once finish in any order;
+        an event's deliveries stay in the order its handlers ran)."""
+        report = self.report
+        order = self._position.__getitem__
+        for ids in (
+            report.published,
+            report.retried,
+            report.dead_lettered,
+            report.lease_lost,
+            report.released,
+        ):
+            ids.sort(key=order)
+        report.deliveries.sort(key=lambda d: order(d.event_id))  # stable: runs stay in order
+        return report
 
     def __len__(self) -> int:
         return len(self._unstarted)

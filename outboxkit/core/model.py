@@ -214,7 +214,8 @@ class Delivery:
 
 @dataclass(slots=True)
 class PollReport:
-    """What one ``run_once`` did. Event ids per result; every handler run in ``deliveries``."""
+    """What one ``run_once`` did: event ids per result and every handler run (``deliveries``),
+    in claim order."""
 
     claimed: list[int] = field(default_factory=list)
     published: list[int] = field(default_factory=list)
