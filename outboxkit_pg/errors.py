@@ -50,7 +50,7 @@ def _lookup(state: str) -> tuple[str, type[StoreError]] | None:
 
 
 def error_class(
-    exc: psycopg.Error, conn: psycopg.Connection[Any] | None = None
+    exc: psycopg.Error, conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any] | None = None
 ) -> type[StoreError]:
     """The outboxkit error class for ``exc`` (``conn``: the connection it happened on)."""
     found = _lookup(exc.sqlstate or "")
@@ -70,7 +70,7 @@ def map_error(
     schema: str,
     doing: str,
     scrub: Callable[[str], str],
-    conn: psycopg.Connection[Any] | None = None,
+    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any] | None = None,
 ) -> StoreError:
     """The outboxkit error for ``exc``, raised while doing ``doing`` on the server ``where``;
     ``scrub`` takes any secret out of the driver's message."""

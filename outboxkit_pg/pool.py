@@ -1,5 +1,6 @@
 """The PostgreSQL store's connections: a psycopg pool of its own (opened on first use), or the
-app's pool, borrowed.
+app's pool, borrowed; and the asyncio side's ``AsyncPool``, a ``psycopg_pool.AsyncConnectionPool``
+of its own, built from the same conninfo and connection options (the app's pool's too).
 
 - A connection the server dropped while it sat in the pool (a restart, ``pg_terminate_backend``)
   is found without a round trip and swapped for a new one: an idle socket stays silent unless
@@ -8,31 +9,48 @@ app's pool, borrowed.
   credentials, no such database), so the message names the cause, not a timeout.
 - Messages name host, port and database; the password is taken out of every one (``where``,
   ``scrub``).
+
+``Pool`` knows all of that (the conninfo, the sizes, the liveness rule, the probe, every
+message); ``AsyncPool`` only waits differently, as psycopg's async pool does beside its blocking one.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import select
 import threading
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+import weakref
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.pq import ConnStatus, TransactionStatus
-from psycopg_pool import ConnectionPool, PoolTimeout
+from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
 from outboxkit.core.text import scrub, secrets_of
 from outboxkit.errors import ConfigurationError, StoreError, StoreUnavailable
 
-__all__ = ["Connection", "Pool", "describe", "is_url"]
+from .loops import close_from_blocking, finish
+
+__all__ = [
+    "AnyConnection",
+    "AsyncConnection",
+    "AsyncPool",
+    "Connection",
+    "Pool",
+    "describe",
+    "is_url",
+]
 
 log = logging.getLogger("outboxkit")
 
 Connection = psycopg.Connection[Any]
+AsyncConnection = psycopg.AsyncConnection[Any]
+AnyConnection = Connection | AsyncConnection
 
 SCHEMES = ("postgresql", "postgres")
 _PROBE_TIMEOUT = 5  # seconds libpq may spend finding out why the pool cannot connect
@@ -80,7 +98,7 @@ class Pool:
         conninfo: a URL or libpq string (the store opens a pool of its own on first use), or a
             ``psycopg_pool.ConnectionPool`` of the app's (borrowed, never closed).
         kwargs: connection keyword arguments (``prepare_threshold``...).
-        min_size, max_size, timeout: the store's own pool.
+        min_size, max_size, timeout: the store's own pool (and the asyncio side's).
         name: the pool's name (in psycopg_pool's logs).
     """
 
@@ -96,7 +114,7 @@ class Pool:
     ) -> None:
         self._lock = threading.Lock()
         self._closed = False
-        self.min_size, self.max_size, self.timeout, self._name = min_size, max_size, timeout, name
+        self.min_size, self.max_size, self.timeout, self.name = min_size, max_size, timeout, name
         self.secrets: tuple[str, ...] = ()
         self.where = "the pool's server"
         if isinstance(conninfo, ConnectionPool):
@@ -116,29 +134,51 @@ class Pool:
             if "application_name" not in params and "application_name" not in self.kwargs:
                 self.kwargs["application_name"] = "outboxkit"
 
+    @property
+    def closed(self) -> bool:
+        """The store was closed: no connection is given any more (the async pool's too)."""
+        return self._closed
+
     def scrub(self, text: str) -> str:
         return scrub(text, self.secrets)
+
+    def options(self, *, asyncio: bool = False) -> dict[str, Any]:
+        """The arguments of a pool of the store's own, besides the conninfo: autocommit
+        connections (every write is one statement; a delivery begins its own transaction)."""
+        kwargs = {**self.connect_kwargs(asyncio=asyncio), "autocommit": True}
+        return {
+            "kwargs": kwargs,
+            "min_size": self.min_size,
+            "max_size": self.max_size,
+            "timeout": self.timeout,
+            "name": f"{self.name}-async" if asyncio else self.name,
+            "open": False,
+        }
+
+    def connect_kwargs(self, *, asyncio: bool = False) -> dict[str, Any]:
+        """The connection keyword arguments; for an async connection without a cursor factory
+        (an app pool's is a blocking cursor class, which cannot serve an async connection)."""
+        if not asyncio:
+            return dict(self.kwargs)
+        return {k: v for k, v in self.kwargs.items() if k != "cursor_factory"}
 
     def _get(self) -> ConnectionPool[Any]:
         pool = self._pool
         if pool is not None and not self._closed:
             return pool
         with self._lock:
-            if self._closed:
-                raise StoreError("this PostgresStore is closed")
+            self.check_open()
             if self._pool is None:
                 assert self.conninfo is not None
-                self._pool = ConnectionPool(
-                    self.conninfo,
-                    kwargs={"autocommit": True, **self.kwargs},
-                    min_size=self.min_size,
-                    max_size=self.max_size,
-                    timeout=self.timeout,
-                    name=self._name,
-                    open=False,
-                )
+                self._pool = ConnectionPool(self.conninfo, **self.options())
                 self._pool.open(wait=False)
             return self._pool
+
+    def check_open(self) -> None:
+        """Raises:
+        StoreError: the store is closed."""
+        if self._closed:
+            raise StoreError("this PostgresStore is closed")
 
     @contextmanager
     def connection(self, doing: str) -> Iterator[Connection]:
@@ -153,30 +193,42 @@ class Pool:
         conn = self._getconn(pool, doing)
         try:
             yield conn
-            if not conn.autocommit and conn.info.transaction_status != TransactionStatus.IDLE:
+            if must_commit(conn):
                 conn.commit()
         except BaseException:
-            rollback_quietly(conn)
+            if must_roll_back(conn):
+                rollback_quietly(conn)
             raise
         finally:
             pool.putconn(conn)
 
     def _getconn(self, pool: ConnectionPool[Any], doing: str) -> Connection:
-        for _ in range(self.max_size + 2):
+        for _ in self.attempts():
             try:
                 conn: Connection = pool.getconn()
             except PoolTimeout as exc:
                 raise self.unreachable(doing) from exc
             except psycopg.Error as exc:
-                raise StoreUnavailable(
-                    f"PostgreSQL at {self.where} is unavailable ({doing}): "
-                    f"{self.scrub(str(exc).strip())}"
-                ) from exc
+                raise self.unavailable(exc, doing) from exc
             if _alive(conn):
                 return conn
-            log.info("discarding a PostgreSQL connection the server closed")
+            log.info(DISCARDING)
             pool.putconn(conn)
-        raise StoreUnavailable(
+        raise self.all_closed(doing)
+
+    def attempts(self) -> range:
+        """How many pooled connections to try before giving up: every one the pool may hold
+        found closed, and two fresh ones."""
+        return range(self.max_size + 2)
+
+    def unavailable(self, exc: psycopg.Error, doing: str) -> StoreUnavailable:
+        """The pool failed to give a connection (``exc``, not a timeout)."""
+        return StoreUnavailable(
+            f"PostgreSQL at {self.where} is unavailable ({doing}): {self.scrub(str(exc).strip())}"
+        )
+
+    def all_closed(self, doing: str) -> StoreUnavailable:
+        return StoreUnavailable(
             f"PostgreSQL at {self.where} ({doing}): every pooled connection was found closed"
         )
 
@@ -186,17 +238,27 @@ class Pool:
             return StoreUnavailable(
                 f"no PostgreSQL connection from the pool within {self.timeout:g} s ({doing})"
             )
-        kwargs = {**self.kwargs, "autocommit": True}
-        if "connect_timeout" not in conninfo_to_dict(self.conninfo):
-            kwargs["connect_timeout"] = _PROBE_TIMEOUT
         try:
-            with psycopg.connect(self.conninfo, **kwargs):
+            with psycopg.connect(self.conninfo, **self.probe_kwargs()):
                 pass
         except psycopg.Error as exc:
-            reason = self.scrub(str(exc).strip())
-            return StoreUnavailable(
-                f"cannot connect to PostgreSQL at {self.where} ({doing}): {reason}"
-            )
+            return self.cannot_connect(exc, doing)
+        return self.exhausted(doing)
+
+    def probe_kwargs(self, *, asyncio: bool = False) -> dict[str, Any]:
+        """The direct attempt's connection arguments: libpq may not spend long on it."""
+        kwargs = {**self.connect_kwargs(asyncio=asyncio), "autocommit": True}
+        if "connect_timeout" not in conninfo_to_dict(self.conninfo or ""):
+            kwargs["connect_timeout"] = _PROBE_TIMEOUT
+        return kwargs
+
+    def cannot_connect(self, exc: psycopg.Error, doing: str) -> StoreUnavailable:
+        """The direct attempt failed: ``exc`` says why (refused, bad credentials...)."""
+        reason = self.scrub(str(exc).strip())
+        return StoreUnavailable(f"cannot connect to PostgreSQL at {self.where} ({doing}): {reason}")
+
+    def exhausted(self, doing: str) -> StoreUnavailable:
+        """The direct attempt connected: the pool is full."""
         return StoreUnavailable(
             f"PostgreSQL at {self.where} ({doing}): no free connection in the pool within "
             f"{self.timeout:g} s (pool_max_size={self.max_size})"
@@ -211,17 +273,207 @@ class Pool:
             pool.close()
 
 
+class AsyncPool:
+    """The asyncio side's connections: a ``psycopg_pool.AsyncConnectionPool`` of its own,
+    built from ``pool``'s conninfo, connection options and sizes, opened on first use on the
+    running event loop, which it then belongs to.
+
+    The pool closes itself when its loop ends (``asyncio.run`` returns); the next use, on
+    another loop, opens a new one. Two live loops at once cannot share it.
+    """
+
+    def __init__(self, pool: Pool) -> None:
+        self.sync = pool
+        self._lock = threading.Lock()  # the loop binding is checked and changed at once
+        self._pool: AsyncConnectionPool[Any] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._opening: asyncio.Lock | None = None
+        self._closer: asyncio.Task[None] | None = None  # closes the pool when its loop ends
+        # Every connection the pool made, for closing their sockets after their loop ended.
+        self._made: weakref.WeakSet[AsyncConnection] = weakref.WeakSet()
+
+    async def _get(self, doing: str) -> AsyncConnectionPool[Any]:
+        loop = asyncio.get_running_loop()
+        pool = self._pool
+        if pool is not None and self._loop is loop and not self.sync.closed:
+            return pool
+        with self._lock:
+            self.sync.check_open()
+            if self._loop is not loop:
+                self._bind(loop)
+            opening = self._opening
+        assert opening is not None
+        async with opening:  # one pool, however many tasks ask for the first connection
+            if self._pool is None:
+                assert self.sync.conninfo is not None
+                pool = AsyncConnectionPool(
+                    self.sync.conninfo, configure=self._made_one, **self.sync.options(asyncio=True)
+                )
+                closer = asyncio.create_task(_close_at_loop_end(pool), name=pool.name)
+                # Wait for the first connections (``pool_min_size``): none is left half made
+                # in the background when a short-lived loop ends (``asyncio.run`` of a
+                # request), which cancels it midway.
+                try:
+                    await pool.open(wait=True, timeout=self.sync.timeout)
+                except BaseException as exc:  # a timeout, or this task cancelled
+                    await pool.close()
+                    closer.cancel()
+                    if isinstance(exc, PoolTimeout):
+                        raise await self.unreachable(doing) from exc
+                    raise
+                self._pool, self._closer = pool, closer
+            return self._pool
+
+    def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        old = self._loop
+        if old is not None and not old.is_closed():
+            raise ConfigurationError(
+                "the asyncio side of this PostgresStore is open on another event loop; one "
+                "loop at a time can use it: await store.async_store().close() on that loop first"
+            )
+        self._hard_close()  # the old loop's pool: its tasks ended with it
+        self._loop, self._opening = loop, asyncio.Lock()
+
+    async def _made_one(self, conn: AsyncConnection) -> None:
+        self._made.add(conn)
+
+    @asynccontextmanager
+    async def connection(self, doing: str) -> AsyncIterator[AsyncConnection]:
+        """``Pool.connection`` on the asyncio side: a live pooled async connection.
+
+        Raises:
+            StoreUnavailable: no connection could be had (the message says why).
+            ConfigurationError: the pool is open on another event loop.
+        """
+        pool = await self._get(doing)
+        conn = await self._getconn(pool, doing)
+        try:
+            yield conn
+            if must_commit(conn):
+                await conn.commit()
+        except BaseException:
+            if must_roll_back(conn):
+                await _rollback_quietly_async(conn)
+            raise
+        finally:
+            await pool.putconn(conn)
+
+    async def _getconn(self, pool: AsyncConnectionPool[Any], doing: str) -> AsyncConnection:
+        sync = self.sync
+        for _ in sync.attempts():
+            try:
+                conn: AsyncConnection = await pool.getconn()
+            except PoolTimeout as exc:
+                raise await self.unreachable(doing) from exc
+            except psycopg.Error as exc:
+                raise sync.unavailable(exc, doing) from exc
+            if await _alive_async(conn):
+                return conn
+            log.info(DISCARDING)
+            await pool.putconn(conn)
+        raise sync.all_closed(doing)
+
+    async def unreachable(self, doing: str) -> StoreUnavailable:
+        """``Pool.unreachable``, the direct attempt made on an async connection."""
+        sync = self.sync
+        try:
+            conn = await psycopg.AsyncConnection.connect(
+                sync.conninfo or "", **sync.probe_kwargs(asyncio=True)
+            )
+        except psycopg.Error as exc:
+            return sync.cannot_connect(exc, doing)
+        await conn.close()
+        return sync.exhausted(doing)
+
+    async def close(self) -> None:
+        """Close the pool (on its own loop); the next use opens another one, unless the store
+        is closed."""
+        loop, shut = self._take()
+        if shut is None:
+            return
+        if loop is asyncio.get_running_loop():
+            await shut()
+        else:  # its loop is gone (or elsewhere): nothing here can await its close
+            close_from_blocking(loop, shut, self._hard_close)
+
+    def close_blocking(self) -> None:
+        """Close the pool from blocking code (``PostgresStore.close()``), wherever its loop is
+        (see ``loops.close_from_blocking``)."""
+        loop, shut = self._take()
+        if shut is not None:
+            close_from_blocking(loop, shut, self._hard_close)
+
+    def _take(
+        self,
+    ) -> tuple[asyncio.AbstractEventLoop | None, Callable[[], Coroutine[Any, Any, None]] | None]:
+        """Forget the pool; its loop, and what closes it there (None: there is no pool)."""
+        with self._lock:
+            pool, loop, closer = self._pool, self._loop, self._closer
+            self._pool = self._loop = self._opening = self._closer = None
+        if pool is None:
+            return loop, None
+
+        async def shut() -> None:
+            await pool.close()
+            if closer is not None:
+                closer.cancel()
+
+        return loop, shut
+
+    def _hard_close(self) -> None:
+        self._pool = None
+        for conn in list(self._made):
+            finish(conn)
+        self._made = weakref.WeakSet()
+
+
+DISCARDING = "discarding a PostgreSQL connection the server closed"
+
+
+async def _close_at_loop_end(pool: AsyncConnectionPool[Any]) -> None:
+    """Wait until cancelled, then close ``pool``: a task of the pool's own that closes it when
+    its event loop ends. ``asyncio.run`` cancels every task once its main coroutine returns,
+    and psycopg_pool's workers survive a cancellation (they catch it, to keep the pool
+    consistent) and would wait for work forever, so that ``asyncio.run`` never returned; the
+    pool's close stops them."""
+    try:
+        await asyncio.get_running_loop().create_future()
+    except asyncio.CancelledError:
+        await pool.close()
+        raise
+
+
+def must_commit(conn: AnyConnection) -> bool:
+    """A connection without autocommit (a pool of the app's own) left in a transaction by a
+    block that ended normally: the block's work is committed before the connection goes back."""
+    return not conn.autocommit and conn.info.transaction_status != TransactionStatus.IDLE
+
+
+def must_roll_back(conn: AnyConnection) -> bool:
+    """A connection going back to the pool in a transaction (a block that raised)."""
+    return not conn.closed and conn.info.transaction_status != TransactionStatus.IDLE
+
+
 def rollback_quietly(conn: Connection) -> None:
-    if conn.closed or conn.info.transaction_status == TransactionStatus.IDLE:
-        return
     try:
         conn.rollback()
     except psycopg.Error as exc:
-        log.debug("rollback failed on a connection going back to the pool: %s", exc)
+        log.debug(_ROLLBACK_FAILED, exc)
 
 
-def _alive(conn: Connection) -> bool:
-    """False if the server has dropped ``conn`` while it sat idle in the pool.
+async def _rollback_quietly_async(conn: AsyncConnection) -> None:
+    try:
+        await conn.rollback()
+    except psycopg.Error as exc:
+        log.debug(_ROLLBACK_FAILED, exc)
+
+
+_ROLLBACK_FAILED = "rollback failed on a connection going back to the pool: %s"
+
+
+def _heard_from(conn: AnyConnection) -> bool | None:
+    """What ``conn``'s socket tells without a round trip, after it sat idle in the pool: True
+    if it is silent (alive), False if it is closed, None if the server spoke: ask it.
 
     An idle connection's socket stays silent unless the server speaks first, which in practice
     means it is hanging up (a FATAL such as "terminating connection due to administrator
@@ -234,10 +486,26 @@ def _alive(conn: Connection) -> bool:
         readable, _, _ = select.select([conn.fileno()], [], [], 0)
     except (OSError, ValueError):
         return False
-    if not readable:
-        return True
+    return None if readable else True
+
+
+def _alive(conn: Connection) -> bool:
+    """False if the server has dropped ``conn`` while it sat idle in the pool."""
+    if (silent := _heard_from(conn)) is not None:
+        return silent
     try:
         ConnectionPool.check_connection(conn)
+    except psycopg.Error:
+        return False
+    return conn.pgconn.status == ConnStatus.OK
+
+
+async def _alive_async(conn: AsyncConnection) -> bool:
+    """``_alive`` for an async connection."""
+    if (silent := _heard_from(conn)) is not None:
+        return silent
+    try:
+        await AsyncConnectionPool.check_connection(conn)
     except psycopg.Error:
         return False
     return conn.pgconn.status == ConnStatus.OK

@@ -8,7 +8,9 @@ Theory of operation:
   requeue, listings, purges, stats) are ``outboxkit._sql.base.SQLStore``'s; this module is the
   PostgreSQL dialect: transactions on pooled connections (``pool``), errors mapped by SQLSTATE
   (``errors``), enqueue through the app's connection, migrations, and the delivery and batch
-  transactions (``delivery``).
+  transactions (``delivery``, around ``flow``).
+- The asyncio side (``async_store()``, ``aio``) runs the very same statements, mappings and
+  decisions on async connections of a pool of its own; only the waiting is its own.
 - Time: every statement takes ``now`` as a parameter and falls back to the database clock
   (``coalesce(%(now)s, now())``): pollers on many machines share the server's clock; a test
   clock's instant is bound instead.
@@ -23,12 +25,13 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import weakref
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg import errors as pg_errors
@@ -50,11 +53,15 @@ from outboxkit.core.model import Claim, NewEvent
 from outboxkit.errors import ConfigurationError, SchemaError, StoreError
 from outboxkit.store import Capabilities
 
-from .delivery import Batch, Delivery, check_usable, delivering
+from .delivery import Batch, Delivery, delivering
 from .errors import map_error
+from .flow import check_usable
 from .listen import NotifyWaiter
 from .names import Names, Queries, validate_schema
-from .pool import Connection, Pool, is_url, scheme_of
+from .pool import AnyConnection, Connection, Pool, is_url, scheme_of
+
+if TYPE_CHECKING:
+    from .aio import AsyncPostgresStore
 
 __all__ = ["MIGRATIONS", "SCHEMA_VERSION", "PostgresStore"]
 
@@ -92,7 +99,9 @@ Row = Sequence[Any]
 class PostgresStore(SQLStore):
     """The PostgreSQL store (``postgresql://`` / ``postgres://``). Needs PostgreSQL 13 or later.
 
-    Thread-safe: pollers in several threads (and processes, and machines) may share it.
+    Thread-safe: pollers in several threads (and processes, and machines) may share it. Its
+    asyncio side (``async_store()``: ``Outbox.enqueue_async``, the asyncio poller) shares its
+    SQL and error mapping, on a ``psycopg_pool.AsyncConnectionPool`` of its own.
 
     Args:
         conninfo: a ``postgresql://`` URL or a libpq ``key=value`` string, or a
@@ -107,9 +116,11 @@ class PostgresStore(SQLStore):
         notify: ``NOTIFY`` at enqueue and let pollers ``LISTEN`` (default True). Turn it off
             behind PgBouncer in transaction pooling mode, together with ``prepare_threshold=None``.
         prepare_threshold: psycopg's server-side prepared statements (``None`` disables them).
-        pool_min_size, pool_max_size, pool_timeout: the store's own connection pool (ignored
-            when a pool is given): connections kept open, at most, and how long (seconds) to
-            wait for one before the store reports the database unavailable.
+        pool_min_size, pool_max_size, pool_timeout: the store's own connection pool and its
+            asyncio side's (when a pool is given, the asyncio side's only): connections kept
+            open, at most, and how long (seconds) to wait for one before the store reports the
+            database unavailable. An asyncio poller delivering ``concurrency`` events at once
+            holds up to ``concurrency + 1`` connections.
 
     Raises:
         ConfigurationError: a bad name (schema, table, channel: ``^[A-Za-z_][A-Za-z0-9_]{0,62}$``),
@@ -171,6 +182,8 @@ class PostgresStore(SQLStore):
         self._queries = Queries(self.names)
         self._schema_checked = False
         self._waiters: weakref.WeakSet[NotifyWaiter] = weakref.WeakSet()
+        self._async: AsyncPostgresStore | None = None
+        self._async_lock = threading.Lock()
         url = self._pool.conninfo
         self.url: str | None = url if url is not None and is_url(url) else None
         """The connection URL (``open_store(store.url, **store.options)`` opens this store)."""
@@ -216,6 +229,7 @@ class PostgresStore(SQLStore):
             multiprocess=self.url is not None,
             database_clock=True,
             concurrent_batches=True,
+            asyncio=self._pool.conninfo is not None,
         )
 
     # -- the dialect seam (outboxkit._sql.base) ---------------------------------------------------
@@ -290,7 +304,9 @@ class PostgresStore(SQLStore):
                 )
         return params
 
-    def _error(self, exc: psycopg.Error, doing: str, conn: Connection | None = None) -> StoreError:
+    def _error(
+        self, exc: psycopg.Error, doing: str, conn: AnyConnection | None = None
+    ) -> StoreError:
         """The outboxkit error for a driver error (the password scrubbed from the message)."""
         return map_error(
             exc,
@@ -319,14 +335,26 @@ class PostgresStore(SQLStore):
     def _check_schema(self, conn: Connection) -> None:
         try:
             rows = self._rows(conn, "schema_version", {})
-        except pg_errors.UndefinedTable as exc:
-            raise SchemaError(
+        except psycopg.Error as exc:
+            raise self._schema_error(exc) from exc
+        self._schema_found(rows)
+
+    def _schema_error(self, exc: psycopg.Error) -> StoreError:
+        """What a failed read of the schema version means (both sides' first use)."""
+        if isinstance(exc, pg_errors.UndefinedTable):
+            return SchemaError(
                 f"PostgreSQL at {self.where} has no outboxkit schema in schema "
                 f"{self.names.schema!r} (table {self.names.versions!r} is missing): "
                 "run migrate() first"
-            ) from exc
-        except psycopg.Error as exc:
-            raise self._error(exc, "read the schema version") from exc
+            )
+        return self._error(exc, "read the schema version")
+
+    def _schema_found(self, rows: Sequence[Row]) -> None:
+        """The schema version read (``schema_version``): checked once per store.
+
+        Raises:
+            SchemaError: another version than this code's.
+        """
         self._check_version(int(rows[0][0]))
         self._schema_checked = True
 
@@ -398,9 +426,16 @@ class PostgresStore(SQLStore):
             self._rows(conn, "drop_schema", {})
 
     def close(self) -> None:
-        """Close the store's own pool and listeners (a pool passed in is left open)."""
+        """Close the store's own pools (the asyncio side's too) and listeners (a pool passed in
+        is left open). From async code, ``await store.async_store().close()`` first: this
+        blocking call can only schedule the asyncio side's close on a loop running in its own
+        thread (see ``AsyncPostgresStore.close_blocking``)."""
         for waiter in list(self._waiters):
             waiter.close()
+        with self._async_lock:
+            side = self._async
+        if side is not None:
+            side.close_blocking()
         self._pool.close()
 
     def now(self) -> datetime:
@@ -454,31 +489,54 @@ class PostgresStore(SQLStore):
         """
         if not events:
             return []
-        if not isinstance(conn, psycopg.Connection):
-            raise ConfigurationError(
-                "the PostgreSQL store enqueues through the app's psycopg.Connection (psycopg 3) "
-                f"inside its open transaction, got {conn!r:.80}"
-            )
-        if conn.closed:
-            raise ConfigurationError("enqueue got a closed psycopg connection; nothing was written")
-        if conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
-            raise ConfigurationError(
-                "enqueue needs the app's open transaction, so that the event commits or rolls "
-                "back with the app's writes; this connection is in autocommit mode outside a "
-                "transaction block: use `with conn.transaction():`. Nothing was written."
-            )
+        self._check_app_connection(conn, psycopg.Connection)
         with self._mapped(f"enqueue {len(events)} event(s)"):
             if not self._schema_checked:
                 self._check_schema(conn)
             return self._insert(conn, events, now)
 
+    @staticmethod
+    def _check_app_connection(
+        conn: object, kind: type[psycopg.Connection[Any]] | type[psycopg.AsyncConnection[Any]]
+    ) -> None:
+        """Refuse a connection ``enqueue`` cannot write through in the app's transaction,
+        before anything is sent (the app's transaction stays usable).
+
+        Raises:
+            ConfigurationError: not a ``kind``, closed, or in autocommit mode outside a
+                transaction block (the INSERT would commit on its own).
+        """
+        name = f"psycopg.{kind.__name__}"
+        if not isinstance(conn, kind):
+            raise ConfigurationError(
+                f"the PostgreSQL store enqueues through the app's {name} (psycopg 3) inside its "
+                f"open transaction, got {conn!r:.80}"
+            )
+        if conn.closed:
+            raise ConfigurationError(f"enqueue got a closed {name}; nothing was written")
+        if conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
+            block = "async with" if kind is psycopg.AsyncConnection else "with"
+            raise ConfigurationError(
+                "enqueue needs the app's open transaction, so that the event commits or rolls "
+                "back with the app's writes; this connection is in autocommit mode outside a "
+                f"transaction block: use `{block} conn.transaction():`. Nothing was written."
+            )
+
     def _insert(
         self, conn: Connection, events: Sequence[NewEvent], now: datetime | None
     ) -> list[int]:
+        name, params = self._insert_query(events, now)
+        return self._inserted(name, self._rows(conn, name, params))
+
+    def _insert_query(
+        self, events: Sequence[NewEvent], now: datetime | None
+    ) -> tuple[str, dict[str, Any]]:
+        """The statement that inserts ``events`` (and queues the notification), by name, and
+        its parameters: ``enqueue_one`` for one event, else ``enqueue`` for the batch."""
         channel = {"channel": self.names.channel, "notify": self._notify}
         if len(events) == 1:
             (event,) = events
-            params = {
+            return "enqueue_one", {
                 "now": now,
                 "topic": event.topic,
                 "payload": event.payload_json,
@@ -487,9 +545,14 @@ class PostgresStore(SQLStore):
                 "delay": event.delay,
                 **channel,
             }
-            return [self._rows(conn, "enqueue_one", params)[0][0]]
-        params = {"now": now, "events": _batch_document(events), **channel}
-        return sorted(row[0] for row in self._rows(conn, "enqueue", params))  # in batch order
+        return "enqueue", {"now": now, "events": _batch_document(events), **channel}
+
+    @staticmethod
+    def _inserted(name: str, rows: Sequence[Row]) -> list[int]:
+        """The new ids from ``_insert_query``'s statement's rows, in batch order."""
+        if name == "enqueue_one":
+            return [rows[0][0]]
+        return sorted(row[0] for row in rows)
 
     # -- the hot path ---------------------------------------------------------------------------
 
@@ -522,25 +585,50 @@ class PostgresStore(SQLStore):
 
     # -- wake-ups -------------------------------------------------------------------------------
 
-    def async_store(self) -> Any:
-        """The store's asyncio side.
+    def async_store(self) -> AsyncPostgresStore:
+        """The store's asyncio side (``AsyncPostgresStore``), made on first use and closed by
+        ``close()``: the same tables, SQL and error mapping on psycopg's ``AsyncConnection``,
+        from a ``psycopg_pool.AsyncConnectionPool`` of its own that opens on first use.
 
         Raises:
-            ConfigurationError: not there yet (``capabilities.asyncio`` is false).
+            ConfigurationError: the store has no asyncio side (a pool of the app's without a
+                conninfo string to open async connections with).
+            StoreError: the store is closed.
         """
-        raise ConfigurationError("the PostgreSQL store has no asyncio side yet")
+        if self._pool.conninfo is None:
+            raise ConfigurationError(
+                f"{self!r} has no asyncio side: its pool has no conninfo string to open async "
+                "connections with"
+            )
+        with self._async_lock:
+            self._pool.check_open()
+            if self._async is None:
+                from .aio import AsyncPostgresStore
+
+                self._async = AsyncPostgresStore(self)
+            return self._async
 
     def make_waiter(self) -> NotifyWaiter | None:
         """A poller waiter that also returns when an enqueue commits (``LISTEN``), or None
         when notifications are off. It connects on its first ``wait`` and is closed by the
         poller (or by ``close()``)."""
-        if not self._notify or self._pool.conninfo is None:
+        if not self.capabilities.waiter:
             return None
-        waiter = NotifyWaiter(
-            self._pool.conninfo, self._pool.kwargs, self._queries["listen"], where=self.where
-        )
+        waiter = NotifyWaiter(**self._listening(asyncio=False))
         self._waiters.add(waiter)
         return waiter
+
+    def _listening(self, *, asyncio: bool) -> dict[str, Any]:
+        """A ``LISTEN`` waiter's arguments (either side's)."""
+        pool = self._pool
+        assert pool.conninfo is not None
+        return {
+            "conninfo": pool.conninfo,
+            "kwargs": pool.connect_kwargs(asyncio=asyncio),
+            "listen": self._queries["listen"],
+            "where": self.where,
+            "scrub": pool.scrub,
+        }
 
     def explain_claim(self, *, batch_size: int, lease: timedelta, now: datetime | None) -> Any:
         """``EXPLAIN (ANALYZE, FORMAT JSON)`` of one claim, rolled back afterwards.

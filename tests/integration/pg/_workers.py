@@ -1,10 +1,12 @@
 """Poller processes for the multi-process PostgreSQL tests, and what checks their traces.
 
 Spawn-safe: everything a child runs is a module-level function taking plain arguments. A poller
-child runs ``Poller.run_forever`` on the production path (database clock, pooled connections,
-LISTEN/NOTIFY) with two handlers on topic ``order``:
+child runs ``Poller.run_forever``, or the asyncio poller's under ``asyncio.run``, on the
+production path (database clock, pooled connections, LISTEN/NOTIFY) with two handlers on topic
+``order``:
 
-- ``ledger`` (transactional): one row in the ``ledger`` table, in its delivery transaction;
+- ``ledger`` (transactional): one row in the ``ledger`` table, in its delivery transaction (an
+  ``async def`` handler on the delivery's ``AsyncConnection`` under the asyncio poller);
 - ``mailer`` (not transactional): one row in ``side_effects`` through a connection of its own,
   standing for the outside world (its duplicates after a crash are expected and counted).
 
@@ -14,6 +16,7 @@ settles to a JSON-lines file, flushed as it goes, so a SIGKILL loses at most the
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import multiprocessing
@@ -51,19 +54,23 @@ def create_app_tables(conn: psycopg.Connection[Any], schema: str) -> None:
 
 
 class _OutsideWorld:
-    """The mailer's own autocommit connection, reopened when it breaks."""
+    """The mailer's own autocommit connection, reopened when it breaks (shared by the worker
+    threads the asyncio poller runs a blocking handler in)."""
 
     def __init__(self, url: str, schema: str) -> None:
         self.url = url
         self.conn: psycopg.Connection[Any] | None = None
+        self.lock = threading.Lock()
         self.insert = sql.SQL("INSERT INTO {} (event_id, pid) VALUES (%s, %s)").format(
             sql.Identifier(schema, "side_effects")
         )
 
     def send(self, event_id: int) -> None:
-        if self.conn is None or self.conn.closed:
-            self.conn = psycopg.connect(self.url, autocommit=True, connect_timeout=5)
-        self.conn.execute(self.insert, (event_id, os.getpid()))
+        with self.lock:
+            if self.conn is None or self.conn.closed:
+                self.conn = psycopg.connect(self.url, autocommit=True, connect_timeout=5)
+            conn = self.conn
+        conn.execute(self.insert, (event_id, os.getpid()))
 
     def close(self) -> None:
         if self.conn is not None:
@@ -84,9 +91,7 @@ def make_bus(
     zombie poller).
     """
     bus = EventBus()
-    insert_ledger = sql.SQL("INSERT INTO {} (event_id, handler) VALUES (%s, %s)").format(
-        sql.Identifier(schema, "ledger")
-    )
+    insert_ledger = _ledger_insert(schema)
 
     def ledger(event: Event, ctx: Any) -> None:
         ctx.connection.execute(insert_ledger, (event.id, "ledger"))
@@ -107,6 +112,33 @@ def make_bus(
     return bus
 
 
+def make_async_bus(
+    schema: str, outside: _OutsideWorld, topics: Iterable[str] = (TOPIC,)
+) -> EventBus:
+    """``make_bus`` for the asyncio poller: ``ledger`` is an ``async def`` handler writing
+    through the delivery's ``AsyncConnection``; ``mailer`` stays blocking (the poller runs it in
+    a worker thread)."""
+    bus = EventBus()
+    insert_ledger = _ledger_insert(schema)
+
+    async def ledger(event: Event, ctx: Any) -> None:
+        await ctx.connection.execute(insert_ledger, (event.id, "ledger"))
+
+    def mailer(event: Event, ctx: Any) -> None:
+        outside.send(event.id)
+
+    for topic in topics:
+        bus.subscribe(topic, ledger, name="ledger")
+        bus.subscribe(topic, mailer, name="mailer", transactional=False)
+    return bus
+
+
+def _ledger_insert(schema: str) -> sql.Composed:
+    return sql.SQL("INSERT INTO {} (event_id, handler) VALUES (%s, %s)").format(
+        sql.Identifier(schema, "ledger")
+    )
+
+
 class _Trace:
     """Appends what this process claimed, extended and settled to a JSON-lines file."""
 
@@ -121,56 +153,79 @@ class _Trace:
                 self.file.write(json.dumps(line) + "\n")
             self.file.flush()
 
-    def wrap(self, store: Any) -> None:
-        claim, extend, release = store.claim, store.extend, store.release
-        settle_many = store.settle_many
+    def claimed(self, args: Any, kw: dict[str, Any], claims: Any) -> None:
         pid = os.getpid()
+        self.write(
+            {
+                "kind": "claim",
+                "event": c.event.id,
+                "token": c.token,
+                "start": (c.locked_until - kw["lease"]).isoformat(),
+                "end": c.locked_until.isoformat(),
+                "pid": pid,
+                "batch": len(claims),
+                "limit": kw["batch_size"],
+            }
+            for c in claims
+        )
 
-        def traced_claim(**kw: Any) -> Any:
-            claims = claim(**kw)
-            self.write(
-                {
-                    "kind": "claim",
-                    "event": c.event.id,
-                    "token": c.token,
-                    "start": (c.locked_until - kw["lease"]).isoformat(),
-                    "end": c.locked_until.isoformat(),
-                    "pid": pid,
-                    "batch": len(claims),
-                    "limit": kw["batch_size"],
-                }
-                for c in claims
-            )
-            return claims
+    def extended(self, args: Any, kw: dict[str, Any], kept: Any) -> None:
+        self.write(
+            {"kind": "extend", "token": c.token, "end": c.locked_until.isoformat()} for c in kept
+        )
 
-        def traced_extend(claims: Any, **kw: Any) -> Any:
-            kept = extend(claims, **kw)
-            self.write(
-                {"kind": "extend", "token": c.token, "end": c.locked_until.isoformat()}
-                for c in kept
-            )
-            return kept
+    def settled(self, args: Any, kw: dict[str, Any], done: Any) -> None:
+        (items,) = args
+        self.write(
+            {"kind": "settle", "token": claim.token}
+            for (claim, _, _), ok in zip(items, done, strict=True)
+            if ok
+        )
 
-        def traced_settle_many(items: Any, **kw: Any) -> Any:
-            done = settle_many(items, **kw)
-            self.write(
-                {"kind": "settle", "token": claim.token}
-                for (claim, _, _), ok in zip(items, done, strict=True)
-                if ok
-            )
-            return done
+    def released(self, args: Any, kw: dict[str, Any], count: int) -> None:
+        (claims,) = args
+        if count:
+            self.write({"kind": "release", "token": c.token} for c in claims)
 
-        def traced_release(claims: Any, **kw: Any) -> Any:
-            count = release(claims, **kw)
-            if count:
-                self.write({"kind": "release", "token": c.token} for c in claims)
-            return count
+    def _notes(self) -> dict[str, Any]:
+        """What each traced method writes, by name: ``note(args, kwargs, result)``."""
+        return {
+            "claim": self.claimed,
+            "extend": self.extended,
+            "settle_many": self.settled,
+            "release": self.released,
+        }
 
-        store.claim, store.extend = traced_claim, traced_extend
-        store.release, store.settle_many = traced_release, traced_settle_many
+    def wrap(self, store: Any) -> None:
+        """Trace a store's claims, extensions, settlements and releases."""
+        for name, note in self._notes().items():
+            setattr(store, name, _traced(getattr(store, name), note))
+
+    def wrap_async(self, side: Any) -> None:
+        """``wrap`` for a store's asyncio side (what the asyncio poller calls)."""
+        for name, note in self._notes().items():
+            setattr(side, name, _traced_async(getattr(side, name), note))
 
     def close(self) -> None:
         self.file.close()
+
+
+def _traced(method: Any, note: Any) -> Any:
+    def traced(*args: Any, **kw: Any) -> Any:
+        result = method(*args, **kw)
+        note(args, kw, result)
+        return result
+
+    return traced
+
+
+def _traced_async(method: Any, note: Any) -> Any:
+    async def traced(*args: Any, **kw: Any) -> Any:
+        result = await method(*args, **kw)
+        note(args, kw, result)
+        return result
+
+    return traced
 
 
 def run_poller(
@@ -183,18 +238,45 @@ def run_poller(
     max_seconds: float,
     topics: tuple[str, ...] = (TOPIC,),
     hold_dir: str | None = None,
+    store_options: dict[str, Any] | None = None,
+    asyncio_poller: bool = False,
 ) -> None:
     """A poller process: run until the file ``stop_path`` exists (or ``max_seconds`` pass).
+    With ``asyncio_poller``, the asyncio poller (``options`` may hold ``concurrency``) under
+    ``asyncio.run``, its store's asyncio side traced (``hold_dir`` is not supported there).
 
     Files rather than multiprocessing events: a process killed inside ``Event.wait`` or
     ``Event.set`` would leave the event's lock held and the parent waiting forever.
     """
     log_to(trace_path)
     logging.getLogger("psycopg").setLevel(logging.ERROR)
-    store = open_store(url, schema=schema)
+    store = open_store(url, schema=schema, **(store_options or {}))
     outside = _OutsideWorld(side_url, schema)
-    outbox = Outbox(store, make_bus(schema, outside, topics, hold_dir))
-    serve_traced(outbox, outside, options, trace_path, stop_path, max_seconds)
+    if not asyncio_poller:
+        outbox = Outbox(store, make_bus(schema, outside, topics, hold_dir))
+        serve_traced(outbox, outside, options, trace_path, stop_path, max_seconds)
+        return
+    assert hold_dir is None
+    outbox = Outbox(store, make_async_bus(schema, outside, topics))
+    trace = _Trace(Path(trace_path), timedelta(seconds=options["lease"]))
+    trace.wrap_async(store.async_store())
+    try:
+        asyncio.run(serve_async(outbox.async_poller(**options), trace_path, stop_path, max_seconds))
+    finally:
+        outside.close()
+        trace.close()
+        store.close()
+
+
+async def serve_async(poller: Any, trace_path: str, stop_path: str, max_seconds: float) -> None:
+    """``serve`` for the asyncio poller; its store's asyncio side closed at the end."""
+    stop_when(poller, stop_path, max_seconds)
+    try:
+        await poller.run_once()
+        Path(f"{trace_path}.ready").touch()
+        await poller.run_forever()
+    finally:
+        await poller.store.close()
 
 
 def log_to(trace_path: str) -> None:
@@ -230,6 +312,15 @@ def serve_traced(
 def serve(poller: Any, trace_path: str, stop_path: str, max_seconds: float) -> None:
     """Poll once, say ready (``{trace_path}.ready``), then run until the file ``stop_path``
     exists or ``max_seconds`` pass."""
+    stop_when(poller, stop_path, max_seconds)
+    poller.run_once()
+    Path(f"{trace_path}.ready").touch()
+    poller.run_forever()
+
+
+def stop_when(poller: Any, stop_path: str, max_seconds: float) -> None:
+    """Stop ``poller`` (from a thread of its own) once the file ``stop_path`` exists or
+    ``max_seconds`` pass."""
 
     def watch() -> None:
         deadline = time.monotonic() + max_seconds
@@ -239,12 +330,59 @@ def serve(poller: Any, trace_path: str, stop_path: str, max_seconds: float) -> N
         poller.stop()
 
     threading.Thread(target=watch, daemon=True).start()
-    poller.run_once()
-    Path(f"{trace_path}.ready").touch()
-    poller.run_forever()
 
 
 # -- what the parent checks -------------------------------------------------------------------
+
+
+def count(conn: psycopg.Connection[Any], query: str, schema: str, *tables: str) -> int:
+    """One integer from ``query``, its ``{}`` slots filled with ``schema``-qualified tables."""
+    composed = sql.SQL(query).format(*(sql.Identifier(schema, t) for t in tables))  # type: ignore[arg-type]
+    row = conn.execute(composed).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+@dataclass(frozen=True)
+class Tally:
+    """What a drain left, read from the tables (``make_bus``'s two handlers)."""
+
+    records: int  # delivery records
+    incomplete: int  # events without a succeeded record of each handler
+    ledger: int  # the transactional handler's rows
+    distinct: int  # ... distinct by (event, handler): ledger - distinct are duplicates
+    lost: int  # events without a ledger row
+    side_effects: int  # the non-transactional handler's effects
+
+    @classmethod
+    def of(cls, conn: psycopg.Connection[Any], schema: str) -> Tally:
+        return cls(
+            records=count(conn, "SELECT count(*) FROM {}", schema, "outbox_deliveries"),
+            incomplete=count(
+                conn,
+                "SELECT count(*) FROM {} AS e WHERE (SELECT count(DISTINCT d.handler) FROM {}"
+                " AS d WHERE d.event_id = e.id AND d.outcome = 'succeeded') <> 2",
+                schema,
+                "outbox_events",
+                "outbox_deliveries",
+            ),
+            ledger=count(conn, "SELECT count(*) FROM {}", schema, "ledger"),
+            distinct=count(
+                conn,
+                "SELECT count(*) FROM (SELECT DISTINCT event_id, handler FROM {}) AS l",
+                schema,
+                "ledger",
+            ),
+            lost=count(
+                conn,
+                "SELECT count(*) FROM {} AS e WHERE NOT EXISTS"
+                " (SELECT 1 FROM {} AS l WHERE l.event_id = e.id)",
+                schema,
+                "outbox_events",
+                "ledger",
+            ),
+            side_effects=count(conn, "SELECT count(*) FROM {}", schema, "side_effects"),
+        )
 
 
 @dataclass
@@ -321,8 +459,12 @@ class Fleet:
         max_seconds: float = 150.0,
         topics: tuple[str, ...] = (TOPIC,),
         hold_dir: Path | None = None,
+        store_options: dict[str, Any] | None = None,
+        asyncio_poller: bool = False,
     ) -> None:
         self.context = multiprocessing.get_context("spawn")
+        self.store_options = store_options or {}
+        self.asyncio_poller = asyncio_poller  # the asyncio poller in each process
         self.url = url
         self.schema = schema
         self.side_url = side_url or url
@@ -350,6 +492,8 @@ class Fleet:
                 self.max_seconds,
                 self.topics,
                 None if self.hold_dir is None else str(self.hold_dir),
+                self.store_options,
+                self.asyncio_poller,
             ),
             daemon=True,
         )

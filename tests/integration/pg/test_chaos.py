@@ -19,9 +19,16 @@ import pytest
 from outboxkit import Message, Outbox
 from outboxkit_pg import PostgresStore
 
-from ._workers import TOPIC, Fleet, create_app_tables, lease_overlaps, read_traces, wait_until
+from ._workers import (
+    TOPIC,
+    Fleet,
+    count,
+    create_app_tables,
+    lease_overlaps,
+    read_traces,
+    wait_until,
+)
 from .conftest import fresh_schema
-from .test_load import count
 
 pytestmark = [pytest.mark.pg, pytest.mark.slow]
 

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 import psycopg
 import pytest
-from psycopg import sql
 
 from outboxkit import Message, Outbox
 from outboxkit_pg import PostgresStore
@@ -22,6 +20,7 @@ from ._workers import (
     HANDLERS,
     TOPIC,
     Fleet,
+    Tally,
     create_app_tables,
     lease_overlaps,
     read_traces,
@@ -33,14 +32,6 @@ pytestmark = [pytest.mark.pg, pytest.mark.slow]
 
 EVENTS = 10_000
 POLLERS = 4
-
-
-def count(conn: psycopg.Connection[Any], query: str, schema: str, *tables: str) -> int:
-    """One integer from ``query``, its ``{}`` slots filled with ``schema``-qualified tables."""
-    composed = sql.SQL(query).format(*(sql.Identifier(schema, t) for t in tables))  # type: ignore[arg-type]
-    row = conn.execute(composed).fetchone()
-    assert row is not None
-    return int(row[0])
 
 
 def test_four_pollers_drain_ten_thousand_events(
@@ -75,28 +66,13 @@ def test_four_pollers_drain_ten_thousand_events(
         assert alive == POLLERS
         assert exit_codes == [0] * POLLERS
         assert (stats.published, stats.pending, stats.claimed, stats.dead) == (EVENTS, 0, 0, 0)
+        tally = Tally.of(admin, schema)
         # Every (event, handler) recorded exactly once, as succeeded.
-        records = count(admin, "SELECT count(*) FROM {}", schema, "outbox_deliveries")
-        assert records == EVENTS * len(HANDLERS)
-        incomplete = count(
-            admin,
-            "SELECT count(*) FROM {} AS e WHERE (SELECT count(DISTINCT d.handler) FROM {} AS d"
-            " WHERE d.event_id = e.id AND d.outcome = 'succeeded') <> 2",
-            schema,
-            "outbox_events",
-            "outbox_deliveries",
-        )
-        assert incomplete == 0
+        assert tally.records == EVENTS * len(HANDLERS)
+        assert tally.incomplete == 0
         # The transactional handler's writes: exactly one ledger row per (event, handler).
-        ledger = count(admin, "SELECT count(*) FROM {}", schema, "ledger")
-        distinct = count(
-            admin,
-            "SELECT count(*) FROM (SELECT DISTINCT event_id, handler FROM {}) AS l",
-            schema,
-            "ledger",
-        )
-        assert (ledger, distinct) == (EVENTS, EVENTS)
-        side_effects = count(admin, "SELECT count(*) FROM {}", schema, "side_effects")
+        assert (tally.ledger, tally.distinct) == (EVENTS, EVENTS)
+        side_effects = tally.side_effects
         # No event was held by two live leases at once.
         windows = read_traces(fleet.traces())
         assert len({w.event for w in windows}) == EVENTS

@@ -1,0 +1,311 @@
+"""The PostgreSQL store's asyncio side (``PostgresStore.async_store()``): what the asyncio
+poller and ``Outbox.enqueue_async`` need, name for name with the blocking store.
+
+It runs the blocking store's statements (``queries.sql``, rendered once by the store), built
+and mapped by the store's own code (``SQLStore``'s hot path through ``AsyncSQLStore``; enqueue
+through ``PostgresStore._insert_query``), with the store's error mapping (``errors``). A
+delivery is the same ``flow.Flow`` as the blocking one (its two pipeline syncs, the commit
+guard, which error a failure is), driven by an async shell. Only the waiting is its own:
+
+- connections come from ``pool.AsyncPool``, a ``psycopg_pool.AsyncConnectionPool`` of its own
+  (the store's sizes), opened on first use on the running event loop and closed by
+  ``close()`` or by the store's ``close()``;
+- a transactional handler's ``ctx.connection`` is the delivery's ``psycopg.AsyncConnection``;
+- ``make_waiter()`` listens with psycopg's async notifications (``listen.AsyncNotifyWaiter``).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg.rows import tuple_row
+
+from outboxkit._sql.aio import AsyncSQLBatch, AsyncSQLStore
+from outboxkit._sql.base import Row
+from outboxkit.core.model import Claim, NewEvent, Outcome
+
+from .flow import BatchGuard, Flow, Result, Statement, Transaction, check_usable
+from .listen import AsyncNotifyWaiter
+from .pool import AsyncConnection, AsyncPool
+
+if TYPE_CHECKING:
+    from .store import PostgresStore
+
+__all__ = ["AsyncBatch", "AsyncDelivery", "AsyncPostgresStore"]
+
+log = logging.getLogger("outboxkit")
+
+
+class AsyncPostgresStore(AsyncSQLStore):
+    """The asyncio side of ``store`` (an ``AsyncStore``); get it with ``store.async_store()``.
+
+    Every method is the async twin of the store's own: the same statements, the same
+    refusals, the same errors (``outboxkit.errors``, never a driver's). One event loop at a
+    time uses it; ``close()`` (on that loop) releases its connections, and the next use opens
+    them again, on whichever loop it runs.
+    """
+
+    _store: PostgresStore
+
+    def __init__(self, store: PostgresStore) -> None:
+        super().__init__(store)
+        self._pool = AsyncPool(store._pool)
+        self._waiters: weakref.WeakSet[AsyncNotifyWaiter] = weakref.WeakSet()
+
+    def __repr__(self) -> str:
+        return f"AsyncPostgresStore({self._store.where}, schema={self._store.names.schema!r})"
+
+    # -- the async dialect seam (outboxkit._sql.aio) ----------------------------------------------
+
+    @asynccontextmanager
+    async def _write(self, doing: str) -> AsyncIterator[AsyncConnection]:
+        # As the blocking store's: every write is one statement, atomic by itself.
+        with self._store._mapped(doing):
+            async with self._connection(doing) as conn:
+                yield conn
+
+    async def _rows(self, conn: Any, name: str, params: Mapping[str, Any]) -> list[Row]:
+        store = self._store
+        async with conn.cursor(row_factory=tuple_row) as cur:
+            # No parameters: none at all, so a % in the statement (a function body) is kept.
+            await cur.execute(store._queries[name], store._params(params) or None)
+            rows: list[Row] = await cur.fetchall() if cur.description is not None else []
+            return rows
+
+    # -- connections ------------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def _connection(self, doing: str) -> AsyncIterator[AsyncConnection]:
+        """A pooled async connection; on the store's first use, the schema's version is
+        checked (once for both sides).
+
+        Raises:
+            StoreUnavailable: no connection could be had (the message says why).
+            SchemaError: no schema, or one of another version.
+        """
+        async with self._pool.connection(doing) as conn:
+            if not self._store._schema_checked:
+                await self._check_schema(conn)
+            yield conn
+
+    async def _check_schema(self, conn: AsyncConnection) -> None:
+        try:
+            rows = await self._rows(conn, "schema_version", {})
+        except psycopg.Error as exc:
+            raise self._store._schema_error(exc) from exc
+        self._store._schema_found(rows)
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[AsyncConnection]:
+        """``PostgresStore.transaction`` on the asyncio side: a pooled ``AsyncConnection`` in an
+        open transaction, committed when the block ends, rolled back if it raises. For apps
+        without an async connection of their own.
+
+        Raises:
+            StoreUnavailable / StoreError: the database failed to begin or commit.
+        """
+        async with self._open_transaction("a transaction") as conn:
+            yield conn
+
+    @asynccontextmanager
+    async def _open_transaction(self, what: str) -> AsyncIterator[AsyncConnection]:
+        """As the blocking store's: begin and commit mapped, naming ``what``; an error of the
+        block is re-raised as it is, after the rollback (which never masks it)."""
+        mapped = self._store._mapped
+        async with self._connection(f"open {what}") as conn:
+            tx = psycopg.AsyncTransaction(conn)
+            with mapped(f"begin {what}", conn):
+                await tx.__aenter__()
+            try:
+                yield conn
+            except BaseException as exc:
+                if not await tx.__aexit__(type(exc), exc, exc.__traceback__):
+                    raise
+                return
+            with mapped(f"commit {what}", conn):
+                await tx.__aexit__(None, None, None)
+
+    # -- enqueue ----------------------------------------------------------------------------------
+
+    async def enqueue(
+        self, conn: Any, events: Sequence[NewEvent], *, now: datetime | None
+    ) -> list[int]:
+        """Insert ``events`` through the app's ``psycopg.AsyncConnection``, in its transaction
+        (``PostgresStore.enqueue`` for async code). Never begins (psycopg does, on a
+        connection without autocommit), commits or rolls back. The ``NOTIFY`` is delivered
+        when the app commits.
+
+        Args:
+            conn: the app's ``psycopg.AsyncConnection``, in its open transaction.
+            events: the checked events (``Outbox.enqueue_async`` builds them).
+            now: the instant to bind, or None for the database's clock.
+
+        Returns:
+            The new ids, in ``events`` order.
+
+        Raises:
+            ConfigurationError: not a ``psycopg.AsyncConnection``, closed, or in autocommit
+                mode outside a transaction block; nothing was written, the transaction is
+                usable.
+            StoreError: the INSERT failed.
+        """
+        if not events:
+            return []
+        store = self._store
+        store._check_app_connection(conn, psycopg.AsyncConnection)
+        with store._mapped(f"enqueue {len(events)} event(s)"):
+            if not store._schema_checked:
+                await self._check_schema(conn)
+            return await self._insert(conn, events, now)
+
+    async def _insert(
+        self, conn: AsyncConnection, events: Sequence[NewEvent], now: datetime | None
+    ) -> list[int]:
+        name, params = self._store._insert_query(events, now)
+        return self._store._inserted(name, await self._rows(conn, name, params))
+
+    # -- the hot path -----------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def delivery(self, claim: Claim, *, now: datetime | None) -> AsyncIterator[AsyncDelivery]:
+        """``PostgresStore.delivery`` for async code: a delivery transaction on a pooled async
+        connection, the event row locked. ``tx.connection`` is that ``AsyncConnection`` in the
+        open transaction: the handler reads and writes through it, but must not commit, roll
+        back or close it.
+
+        Raises:
+            LeaseLostError: the token is stale (nothing runs, nothing is written).
+            HandlerCrashed: the handler ended, broke or closed the transaction it was given.
+            StoreUnavailable / StoreError: the database failed (never blamed on the handler).
+        """
+        async with (
+            self._connection(f"deliver event {claim.event.id}") as conn,
+            delivering(self, conn, claim, now) as tx,
+        ):
+            yield tx
+
+    @asynccontextmanager
+    async def batch(self, *, now: datetime | None) -> AsyncIterator[AsyncBatch]:
+        """``PostgresStore.batch`` for async code: one transaction for a claimed batch on a
+        pooled async connection, a savepoint per delivery, one commit at the end."""
+        async with self._open_transaction("the batch") as conn:
+            yield AsyncBatch(self, conn)
+            check_usable(conn, self._store.where, "the batch")
+
+    # -- wake-ups and the end ---------------------------------------------------------------------
+
+    def make_waiter(self) -> AsyncNotifyWaiter | None:
+        """An async waiter that also returns when an enqueue commits anywhere (``LISTEN``), or
+        None when notifications are off. It connects on its first ``wait``; the poller that
+        asked closes it (so do ``close()`` and the store's ``close()``)."""
+        if not self._store.capabilities.waiter:
+            return None
+        waiter = AsyncNotifyWaiter(**self._store._listening(asyncio=True))
+        self._waiters.add(waiter)
+        return waiter
+
+    async def close(self) -> None:
+        """Release the async connections and listeners (on the loop they belong to); the
+        next use opens them again, unless the store is closed."""
+        for waiter in list(self._waiters):
+            await waiter.close()
+        await self._pool.close()
+
+    def close_blocking(self) -> None:
+        """``close`` from blocking code (the store's ``close()``), wherever the event loop is:
+        awaited there when it runs in another thread, scheduled on it when this is blocking
+        code inside it, the sockets closed at once when it has ended."""
+        for waiter in list(self._waiters):
+            waiter.close_blocking()
+        self._pool.close_blocking()
+
+
+class AsyncDelivery(Transaction[AsyncConnection]):
+    """One open async delivery transaction (see ``AsyncPostgresStore.delivery``)."""
+
+    def __init__(self, side: AsyncPostgresStore, flow: Flow[AsyncConnection]) -> None:
+        super().__init__(flow)
+        self._side = side
+
+    async def enqueue(self, events: Sequence[NewEvent]) -> list[int]:
+        """Enqueue follow-up events inside this transaction."""
+        if not events:
+            return []
+        flow = self._flow
+        with flow.store._mapped(self._following(events), flow.conn):
+            return await self._side._insert(flow.conn, events, flow.now)
+
+    async def record(self, handler: str, outcome: Outcome, *, reason: str | None = None) -> None:
+        """Queue the record; it is written with the commit, in the same sync."""
+        self._flow.record(handler, outcome, reason)
+
+
+class AsyncBatch(BatchGuard, AsyncSQLBatch):
+    """One transaction for a claimed batch (see ``AsyncPostgresStore.batch``)."""
+
+    _side: AsyncPostgresStore
+    _conn: AsyncConnection
+
+    def delivery(
+        self, claim: Claim, *, now: datetime | None
+    ) -> AbstractAsyncContextManager[AsyncDelivery]:
+        self._check_open()
+        return delivering(self._side, self._conn, claim, now, self)
+
+    def _where(self) -> str:
+        return self._side._store.where
+
+
+@asynccontextmanager
+async def delivering(
+    side: AsyncPostgresStore,
+    conn: AsyncConnection,
+    claim: Claim,
+    now: datetime | None,
+    batch: AsyncBatch | None = None,
+) -> AsyncIterator[AsyncDelivery]:
+    """``delivery.delivering`` on an async connection (the same ``Flow``).
+
+    Raises:
+        LeaseLostError: the token is stale (nothing runs, nothing is written).
+        HandlerCrashed: the handler ended, broke or closed the transaction it was given.
+        StoreUnavailable: the server ended the session under the handler.
+        StoreError: the database failed (never blamed on the handler).
+    """
+    flow = Flow(side._store, conn, claim, now, batch)
+    try:
+        flow.opened(await _sync(conn, flow.opening()))
+        yield AsyncDelivery(side, flow)
+        await _sync(conn, flow.closing())
+    except BaseException as exc:
+        error = flow.error_for(exc)
+        await _abort(conn, flow.aborting())
+        if error is exc:
+            raise
+        raise error from exc
+
+
+async def _sync(conn: AsyncConnection, statements: Sequence[Statement]) -> list[Result]:
+    """Send ``statements`` in one pipeline sync; what each returned."""
+    async with conn.pipeline():
+        cursors = [
+            await conn.cursor(row_factory=tuple_row).execute(s.query, s.params) for s in statements
+        ]
+    return [
+        Result(c.rowcount, await c.fetchall() if c.description is not None else []) for c in cursors
+    ]
+
+
+async def _abort(conn: AsyncConnection, statements: Sequence[bytes]) -> None:
+    """Roll a delivery back, quietly (see ``delivery._abort``)."""
+    try:
+        for statement in statements:
+            await conn.execute(statement)
+    except psycopg.Error as exc:
+        log.debug("rollback of a delivery failed: %s", exc)

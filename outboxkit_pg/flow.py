@@ -1,0 +1,343 @@
+"""What a PostgreSQL delivery does, whichever way it waits: the statements of its two pipeline
+syncs, how their results are read, and which error it raises when something fails.
+
+The blocking delivery (``delivery``) and the asyncio one (``aio``) are thin shells around a
+``Flow``, as psycopg's own blocking and async connections are around its generators: each shell
+sends ``flow.opening()`` in one pipeline sync and hands the results to ``flow.opened``, yields
+the delivery transaction, and sends ``flow.closing()`` in one more sync. On any exception it
+asks ``flow.error_for(exc)`` which error to raise - before rolling back, since the rollback
+changes the state that decision reads - then rolls back with ``flow.aborting()``. Only the
+waiting is the shell's own.
+
+Round trips: the transaction (or savepoint) opens in the same pipeline sync as the row lock,
+and the record and the COMMIT go in one more sync at the end (psycopg's pipeline mode,
+prepared statements): a one-handler event costs the handler's own statements plus two.
+
+The commit guard (``migration_2`` in ``queries.sql``): ``lock_for_delivery`` marks the
+transaction as holding an open delivery and touches the event row, which queues a deferred
+trigger; ``insert_record`` clears the mark; at COMMIT the trigger refuses to commit while a
+delivery is open. So a handler's own ``COMMIT`` through ``ctx.connection`` fails and rolls back
+everything, and the delivery counts as a handler failure. In a batch the trigger is queued
+once, outside every savepoint (``lock_for_delivery`` without the mark), and each delivery locks
+and marks its row in its own savepoint (``lock_in_batch``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg.pq import TransactionStatus
+
+from outboxkit._sql.rows import record_params
+from outboxkit.core.model import Claim, Outcome
+from outboxkit.errors import (
+    HandlerCrashed,
+    LeaseLostError,
+    Reject,
+    StoreError,
+    StoreUnavailable,
+)
+
+from .errors import session_ended_by_handler
+from .pool import AnyConnection
+
+if TYPE_CHECKING:
+    from .store import PostgresStore
+
+__all__ = [
+    "BatchGuard",
+    "Flow",
+    "Frame",
+    "Result",
+    "Statement",
+    "Transaction",
+    "check_batch_open",
+    "check_usable",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Frame:
+    """How a delivery opens, ends and abandons its transaction (or its savepoint of a batch's):
+    the statements sent in the pipeline syncs around the delivery."""
+
+    begin: bytes  # empty: psycopg begins (a connection without autocommit)
+    end: bytes
+    abort: tuple[bytes, ...]
+
+
+TRANSACTION = Frame(begin=b"BEGIN", end=b"COMMIT", abort=(b"ROLLBACK",))
+# A connection without autocommit (a pool of the app's own): psycopg begins the transaction.
+IMPLICIT = Frame(begin=b"", end=b"COMMIT", abort=(b"ROLLBACK",))
+SAVEPOINT = Frame(
+    begin=b"SAVEPOINT outboxkit_delivery",
+    end=b"RELEASE SAVEPOINT outboxkit_delivery",
+    abort=(b"ROLLBACK TO SAVEPOINT outboxkit_delivery", b"RELEASE SAVEPOINT outboxkit_delivery"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Statement:
+    """One statement of a pipeline sync, with its bound values (None: no parameters)."""
+
+    query: bytes
+    params: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    """What one statement of a pipeline sync returned: its row count and rows (none for a
+    statement without a result, such as ``BEGIN``)."""
+
+    rowcount: int
+    rows: Sequence[tuple[Any, ...]]
+
+
+class BatchGuard:
+    """What both sides' batch transactions share beyond ``SQLBatch``: whether the commit
+    guard's trigger is already queued in the batch's transaction (its deliveries' flows read
+    and set it), and the refusal of a step once that transaction has ended."""
+
+    guarded: bool = False
+    _conn: AnyConnection
+
+    def _where(self) -> str:
+        raise NotImplementedError
+
+    def _check_open(self) -> None:
+        check_batch_open(self._conn, self._where())
+
+
+C = TypeVar("C", psycopg.Connection[Any], psycopg.AsyncConnection[Any])
+"""The connection a flow runs on: a blocking one, or an async one."""
+
+# The phases of a delivery: which error a failure is depends on when it happened.
+_OPENING, _HANDLER, _CLOSING = "opening", "handler", "closing"
+
+
+class Flow(Generic[C]):
+    """One delivery of ``claim`` on ``conn``: its own transaction, or (``batch``) a savepoint
+    of the batch's. See the module docstring for how a shell drives it.
+
+    Raises:
+        ConfigurationError: ``now`` is a naive datetime (before anything is sent).
+    """
+
+    def __init__(
+        self,
+        store: PostgresStore,
+        conn: C,
+        claim: Claim,
+        now: datetime | None,
+        batch: BatchGuard | None = None,
+    ) -> None:
+        self.store: PostgresStore = store
+        self.conn: C = conn
+        self.claim: Claim = claim
+        self.now: datetime | None = now
+        self._batch: BatchGuard | None = batch
+        queries = store._queries
+        if batch is None:
+            self.frame = TRANSACTION if conn.autocommit else IMPLICIT
+            self._lock = queries["lock_for_delivery"]
+        else:
+            self.frame, self._lock = SAVEPOINT, queries["lock_in_batch"]
+        self._params = store._params(
+            {"id": claim.event.id, "token": claim.token, "mark": batch is None}
+        )
+        store._params({"now": now})  # refused here if naive, before anything runs
+        # The batch's first delivery (until one matches its row) also queues the guard's
+        # trigger, outside its savepoint: a statement of its own, before the savepoint opens.
+        self._guarding = batch is not None and not batch.guarded
+        self._phase = _OPENING
+        self.records: list[Mapping[str, Any]] = []  # written with the commit (closing)
+
+    @property
+    def what(self) -> str:
+        return f"event {self.claim.event.id}"
+
+    # -- the first sync: open, lock the row, check the token ---------------------------------------
+
+    def opening(self) -> list[Statement]:
+        """The first pipeline sync: (the batch's guard,) the transaction or savepoint, the
+        row lock with the token check."""
+        statements = []
+        if self._guarding:
+            statements.append(Statement(self.store._queries["lock_for_delivery"], self._params))
+        if self.frame.begin:
+            statements.append(Statement(self.frame.begin))
+        statements.append(Statement(self._lock, self._params))
+        return statements
+
+    def opened(self, results: Sequence[Result]) -> None:
+        """Read the first sync's results; from now on the handler runs.
+
+        Raises:
+            LeaseLostError: the token is stale (the caller rolls back; nothing ran).
+        """
+        if self._guarding and self._batch is not None and results[0].rowcount == 1:
+            self._batch.guarded = True
+        if not results[-1].rows:
+            raise LeaseLostError(f"{self.what}: claim token is stale")
+        self._phase = _HANDLER
+
+    # -- while the handler runs ---------------------------------------------------------------------
+
+    def check_usable(self) -> None:
+        """The transaction is still the one outboxkit opened (see ``check_usable``)."""
+        check_usable(self.conn, self.store.where, self.what)
+
+    def record(self, handler: str, outcome: Outcome, reason: str | None) -> None:
+        """Queue the record; it is written with the commit (``closing``), in the same sync.
+
+        Raises:
+            ConfigurationError: ``outcome`` is not one that is recorded.
+            HandlerCrashed / StoreUnavailable: the transaction is no longer usable.
+        """
+        params = record_params(self.claim, handler, outcome, reason, self.now)
+        self.check_usable()
+        self.records.append(params)
+
+    # -- the last sync: the records and the commit ------------------------------------------------
+
+    def closing(self) -> list[Statement]:
+        """The last pipeline sync: the queued records and the COMMIT (or the release of the
+        savepoint).
+
+        Raises:
+            HandlerCrashed / StoreUnavailable: the handler left the transaction unusable.
+        """
+        self.check_usable()
+        self._phase = _CLOSING
+        insert = self.store._queries["insert_record"]
+        return [Statement(insert, params) for params in self.records] + [Statement(self.frame.end)]
+
+    # -- failures ---------------------------------------------------------------------------------
+
+    def error_for(self, exc: BaseException) -> BaseException:
+        """The error to raise for ``exc`` (``exc`` itself: re-raise it), by when it happened.
+        Call it before rolling back: the decision reads the connection's state.
+
+        - opening: a driver error is the database's (mapped);
+        - the handler: the server ended the session under the handler (``conn.broken``) is
+          ``StoreUnavailable`` whatever the handler raised, except the handler's own idling
+          past ``idle_in_transaction_session_timeout``; a handler that ended the transaction
+          itself (its COMMIT refused by the guard, a ROLLBACK) is ``HandlerCrashed``;
+        - closing: a second record for the event is a ``StoreError``, any other driver error
+          the database's (mapped).
+        """
+        conn, store = self.conn, self.store
+        if self._phase == _OPENING:
+            if isinstance(exc, psycopg.Error):
+                return store._error(exc, f"deliver {self.what}", conn)
+            return exc
+        if self._phase == _CLOSING:
+            if isinstance(exc, pg_errors.UniqueViolation):
+                return StoreError(f"{self.what} already has a delivery record")
+            if isinstance(exc, psycopg.Error):
+                return store._error(exc, f"commit the delivery of {self.what}", conn)
+            return exc
+        if (
+            conn.broken
+            and isinstance(exc, Exception)
+            and not isinstance(exc, StoreError)
+            and not session_ended_by_handler(exc)
+        ):
+            # The server ended the session under the handler (a restart, a terminated
+            # backend): the database failed, not the handler, whatever it raised then.
+            return StoreUnavailable(
+                f"PostgreSQL at {store.where} is unavailable (deliver {self.what}): the "
+                "connection was lost while a handler ran"
+            )
+        if _ended_by_handler(conn, exc):
+            return HandlerCrashed(
+                f"{self.what}: a handler may not commit or roll back its delivery transaction "
+                "(outboxkit commits it together with the delivery record); its writes were "
+                f"rolled back: {exc}"
+            )
+        return exc
+
+    def aborting(self) -> tuple[bytes, ...]:
+        """The statements that roll the delivery back (to its savepoint), or none when there is
+        nothing to roll back: the connection is gone (the pool discards it) or idle."""
+        conn = self.conn
+        if conn.closed or conn.broken or conn.info.transaction_status == TransactionStatus.IDLE:
+            return ()
+        return self.frame.abort
+
+
+class Transaction(Generic[C]):
+    """What both sides' delivery transactions (``DeliveryTransaction``) share: the flow they
+    belong to, and its connection, the handler's ``ctx.connection``."""
+
+    def __init__(self, flow: Flow[C]) -> None:
+        self._flow: Flow[C] = flow
+
+    @property
+    def connection(self) -> C:
+        return self._flow.conn
+
+    def _following(self, events: Sequence[object]) -> str:
+        """Before follow-ups are inserted: the transaction is still usable; what is done."""
+        self._flow.check_usable()
+        return f"enqueue {len(events)} follow-up(s)"
+
+
+def check_usable(conn: AnyConnection, where: str, what: str) -> None:
+    """``conn``'s transaction (delivering ``what``) is still the one outboxkit opened.
+
+    Raises:
+        StoreUnavailable: the connection was lost (the database's doing).
+        HandlerCrashed: a handler closed the connection, ended the transaction, or left it
+            aborted by a failed statement it caught.
+    """
+    if conn.broken:
+        raise StoreUnavailable(f"PostgreSQL at {where}: the connection delivering {what} was lost")
+    if conn.closed:
+        raise HandlerCrashed(
+            f"{what}: a handler closed its delivery connection (outboxkit commits the delivery "
+            "transaction together with the delivery record)"
+        )
+    status = conn.info.transaction_status
+    if status == TransactionStatus.INERROR:
+        raise HandlerCrashed(
+            f"{what}: a statement in the delivery transaction failed and the handler went on; "
+            "the transaction is aborted and its writes were rolled back"
+        )
+    if status != TransactionStatus.INTRANS:
+        raise HandlerCrashed(
+            f"{what}: a handler may not commit or roll back its delivery transaction "
+            "(outboxkit commits it together with the delivery record)"
+        )
+
+
+def check_batch_open(conn: AnyConnection, where: str) -> None:
+    """A batch whose transaction a handler ended would run every later step outside it
+    (autocommitted): refuse them; the batch is abandoned and its events recover by their
+    leases.
+
+    Raises:
+        StoreError: the batch's transaction is no longer open.
+    """
+    if conn.closed or conn.info.transaction_status != TransactionStatus.INTRANS:
+        raise StoreError(
+            f"PostgreSQL at {where}: the batch transaction is no longer open (a handler ended "
+            "it, or the connection was lost); the batch is abandoned"
+        )
+
+
+def _ended_by_handler(conn: AnyConnection, exc: BaseException) -> bool:
+    """Whether a handler's failure ``exc`` came with the delivery transaction ended under
+    outboxkit (a raw COMMIT the commit guard refused, or a ROLLBACK): the connection is idle."""
+    return (
+        isinstance(exc, Exception)
+        and not isinstance(exc, HandlerCrashed | LeaseLostError | Reject | StoreError)
+        and not conn.closed
+        and not conn.broken
+        and conn.info.transaction_status == TransactionStatus.IDLE
+    )
