@@ -113,13 +113,9 @@ class LoopWaiter:
         loop, event = self._loop, self._event
         if loop is None or event is None or loop.is_closed():
             return
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is loop:
-            event.set()
-            return
+        # Through the loop's self-pipe even from its own thread: a plain ``signal.signal``
+        # handler runs there while the loop sleeps in its selector, which ``event.set()``
+        # alone would not wake before the wait's timeout.
         with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
             loop.call_soon_threadsafe(event.set)
 

@@ -295,7 +295,7 @@ class AsyncPool:
     async def _get(self, doing: str) -> AsyncConnectionPool[Any]:
         loop = asyncio.get_running_loop()
         pool = self._pool
-        if pool is not None and self._loop is loop and not self.sync.closed:
+        if pool is not None and self._loop is loop and not pool.closed and not self.sync.closed:
             return pool
         with self._lock:
             self.sync.check_open()
@@ -304,6 +304,10 @@ class AsyncPool:
             opening = self._opening
         assert opening is not None
         async with opening:  # one pool, however many tasks ask for the first connection
+            if self._pool is not None and self._pool.closed:
+                # Its loop lives on, but the pool was closed with its tasks (cancelled all at
+                # once, as a framework's shutdown may): the next use opens another.
+                self._pool = None
             if self._pool is None:
                 assert self.sync.conninfo is not None
                 pool = AsyncConnectionPool(

@@ -88,14 +88,16 @@ class LoopRunner:
             )
         try:
             return self.loop.run_until_complete(coro)
-        except BaseException:
-            # A KeyboardInterrupt from a handler leaves the loop as asyncio.run does: cut
-            # short, with tasks of the poll still pending. Finish them as asyncio.run's
-            # shutdown would (cancelled, their cleanup run), before the next call uses it.
-            self._cancel_pending()
+        except (KeyboardInterrupt, SystemExit):
+            # A KeyboardInterrupt from a handler ends the program's loop under asyncio.run:
+            # its tasks cancelled (their cleanup run), the loop closed. So here; the next call
+            # runs on a new loop, as a restarted poller would.
+            self.close()
+            self.loop = asyncio.new_event_loop()
             raise
 
     def close(self) -> None:
+        """End the loop as ``asyncio.run`` does: cancel what is left, then close it."""
         try:
             self._cancel_pending()
             self.loop.run_until_complete(self.loop.shutdown_asyncgens())

@@ -4,6 +4,7 @@ refuses at construction. Time moves through a ``FrozenClock``; no test sleeps.""
 from __future__ import annotations
 
 import asyncio
+import signal
 import threading
 from collections import Counter
 from datetime import timedelta
@@ -23,6 +24,7 @@ from outboxkit import (
     Reject,
 )
 from outboxkit.testing import Recorder
+from outboxkit.waiter import LoopWaiter
 
 LEASE = timedelta(seconds=30)
 
@@ -237,3 +239,35 @@ def test_a_store_without_an_asyncio_side_is_refused() -> None:
         outbox.async_poller()
     with pytest.raises(ConfigurationError, match="has no asyncio side"):
         asyncio.run(outbox.enqueue_async(None, "t", {}))
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals")
+def test_loop_waiter_wakes_from_a_plain_signal_handler_while_the_loop_sleeps() -> None:
+    # signal.signal handlers run in the main thread between bytecodes; with the loop asleep in
+    # its selector, only a write to its self-pipe ends the wait before its timeout.
+    waiter = LoopWaiter()
+    main_thread = threading.get_ident()
+    go = threading.Event()
+
+    def send() -> None:
+        go.wait(30)
+        signal.pthread_kill(main_thread, signal.SIGUSR1)
+
+    async def main() -> None:
+        waiting = asyncio.create_task(waiter.wait(3600))
+        await asyncio.sleep(0)  # the wait has begun
+        sender = threading.Thread(target=send)
+        sender.start()
+        go.set()  # the loop now sleeps in its selector until woken
+        try:
+            done, _ = await asyncio.wait({waiting}, timeout=30)
+            assert done == {waiting}, "the wake did not end the wait"
+        finally:
+            waiting.cancel()
+            await asyncio.to_thread(sender.join)
+
+    previous = signal.signal(signal.SIGUSR1, lambda *_: waiter.wake())
+    try:
+        asyncio.run(main())
+    finally:
+        signal.signal(signal.SIGUSR1, previous)

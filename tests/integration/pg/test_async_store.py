@@ -560,6 +560,24 @@ def test_the_async_side_is_cached_and_follows_the_event_loop(
         asyncio.run(use())
 
 
+def test_a_pool_closed_with_its_tasks_reopens_on_the_same_loop(pg_store: PostgresStore) -> None:
+    side = pg_store.async_store()
+    loop = asyncio.new_event_loop()
+    try:
+        assert loop.run_until_complete(side.claim(batch_size=1, lease=LEASE, now=None)) == []
+        # A framework's shutdown cancelling every task of a loop that lives on: the pool's own
+        # tasks end, and with them the pool.
+        pending = asyncio.all_tasks(loop)
+        assert pending  # the pool's workers and its closer
+        for task in pending:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        assert loop.run_until_complete(side.claim(batch_size=1, lease=LEASE, now=None)) == []
+        loop.run_until_complete(side.close())
+    finally:
+        loop.close()
+
+
 @pytest.mark.asyncio
 async def test_store_close_from_another_thread_closes_the_async_pool(
     pg_url: str, pg_schema: str, admin: psycopg.Connection[Any]
