@@ -21,6 +21,11 @@ cleanup. Tests needing a capability the store does not declare (a field of
 subclass, or an attribute of the factory) maps test names to reasons and runs those tests as
 strict xfail.
 
+The checks that go through an ``Outbox`` run in every delivery mode (``_modes``): the blocking
+poller per event and per batch, and the asyncio poller per event, per batch and four events at
+once, from the same test code; a store without an asyncio side (``capabilities.asyncio`` false)
+skips the asyncio modes with the reason.
+
 The tests are split by concern, one mixin per module, which ``StoreConformance`` composes:
 ``EnqueueTests`` (``_enqueue``), ``ClaimTests`` (``_claim``), ``DeliveryTests`` (``_delivery``),
 ``SettleTests`` (``_settle``), ``BatchTests`` (``_batch``), ``OperationsTests``
@@ -68,7 +73,7 @@ __all__ = [
     "load_factory",
 ]
 
-SUITE_VERSION = "1.1.0"
+SUITE_VERSION = "1.2.0"
 
 
 class StoreConformance(

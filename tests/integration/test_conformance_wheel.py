@@ -38,8 +38,11 @@ PACKAGES = {  # the top-level packages the wheel installs, and their folders in 
 }
 
 THIRD_PARTY_STORE = '''
-"""A third party's store: the memory store wrapped, plus a broken variant."""
-from outboxkit import MemoryStore
+"""A third party's store: the memory store wrapped, plus a broken variant and one without an
+asyncio side."""
+import dataclasses
+
+from outboxkit import ConfigurationError, MemoryStore
 
 
 class WrappedStore:
@@ -66,8 +69,23 @@ class LeaseIgnoringStore(WrappedStore):
         return self._inner.claim(batch_size=batch_size, lease=lease, now=now)
 
 
+class BlockingOnlyStore(WrappedStore):
+    """Declares no asyncio side: the asyncio modes skip, saying so."""
+
+    @property
+    def capabilities(self):
+        return dataclasses.replace(self._inner.capabilities, asyncio=False)
+
+    def async_store(self):
+        raise ConfigurationError("no asyncio side")
+
+
 def make_store():
     return WrappedStore()
+
+
+def make_blocking_store():
+    return BlockingOnlyStore()
 
 
 def make_broken_store(tmp_path):
@@ -111,12 +129,14 @@ def venv_with_wheel(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     return env_dir
 
 
-def run_conformance(env_dir: Path, factory: str) -> subprocess.CompletedProcess[str]:
+def run_conformance(
+    env_dir: Path, factory: str, *pytest_args: str
+) -> subprocess.CompletedProcess[str]:
     cwd = env_dir.parent / "thirdparty"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "PYTEST"))}
     env["PYTHONPATH"] = str(cwd)
     return subprocess.run(
-        [str(env_dir / "bin" / "outboxkit"), "conformance", factory],
+        [str(env_dir / "bin" / "outboxkit"), "conformance", factory, *pytest_args],
         cwd=cwd,
         env=env,
         capture_output=True,
@@ -157,7 +177,7 @@ def test_wheel_installs_exactly_the_four_top_level_packages(wheel: Path) -> None
 def test_wheel_ships_the_suite_and_a_third_party_store_passes(venv_with_wheel: Path) -> None:
     result = run_conformance(venv_with_wheel, "mystore:make_store")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "outboxkit conformance suite 1.1.0 against mystore:make_store" in result.stdout
+    assert "outboxkit conformance suite 1.2.0 against mystore:make_store" in result.stdout
     assert (
         "declared capabilities: asyncio, batches, concurrent_batches, concurrent_claimers, "
         "transactional_handlers" in result.stdout
@@ -167,6 +187,20 @@ def test_wheel_ships_the_suite_and_a_third_party_store_passes(venv_with_wheel: P
     assert " 0 failed" in summary[0]
     passed = int(summary[0].split()[1])
     assert passed >= 40
+
+
+@pytest.mark.slow
+def test_a_store_without_an_asyncio_side_skips_the_asyncio_modes_saying_why(
+    venv_with_wheel: Path,
+) -> None:
+    result = run_conformance(venv_with_wheel, "mystore:make_blocking_store", "-rs", "-k", "r9")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "declared capabilities: batches, concurrent_batches" in result.stdout
+    skipped = [line for line in result.stdout.splitlines() if line.startswith("SKIPPED ")]
+    reason = "store does not declare the 'asyncio' capability"
+    assert len(skipped) == 1 and "3" in skipped[0].split()[1] and reason in skipped[0], skipped
+    summary = [line for line in result.stdout.splitlines() if line.startswith("conformance: ")]
+    assert summary and summary[0].startswith("conformance: 2 passed"), result.stdout
 
 
 @pytest.mark.slow

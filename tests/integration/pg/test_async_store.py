@@ -1,5 +1,5 @@
 """The PostgreSQL store's asyncio side against the real server: enqueue through the app's
-``psycopg.AsyncConnection`` in its transaction (an endpoint as a web framework would call it),
+``psycopg.AsyncConnection`` in its transaction (a FastAPI app, through httpx's ASGI transport),
 ``async def`` transactional handlers on the delivery's ``AsyncConnection`` and the commit
 guard, the hot path called directly, its pool's life (first use, loops, ``close()``), and
 database failures under a handler."""
@@ -11,13 +11,16 @@ import contextlib
 import threading
 from collections.abc import AsyncIterator, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import Annotated, Any
 
+import httpx
 import psycopg
 import pytest
 import pytest_asyncio
+from fastapi import Depends, FastAPI, Request
 from psycopg import sql
 from psycopg_pool import ConnectionPool
+from pydantic import BaseModel
 
 from outboxkit import (
     ConfigurationError,
@@ -79,38 +82,61 @@ async def committed(side: AsyncPostgresStore, outbox: Outbox, topic: str, payloa
 # -- enqueue through the app's AsyncConnection (R1) ---------------------------------------------
 
 
-class Endpoint:
-    """What a web framework's handler for ``POST /orders`` does: the order row and its event in
-    one transaction of the request's ``AsyncConnection`` (no web server: the function alone)."""
+class OrderIn(BaseModel):
+    id: int
+    payload: Any
+    fail: bool = False
 
-    def __init__(self, outbox: Outbox, orders: sql.Identifier) -> None:
-        self.outbox = outbox
-        self.insert = sql.SQL("INSERT INTO {} (id) VALUES (%s)").format(orders)
 
+async def request_connection(request: Request) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+    """The request's own connection (a dependency)."""
+    url: str = request.app.state.database_url
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as conn:
+        yield conn
+
+
+def shop(outbox: Outbox, url: str, orders: sql.Identifier) -> FastAPI:
+    """A FastAPI app whose ``POST /orders`` writes the order row and its event in one
+    transaction of the request's own ``AsyncConnection`` (a dependency, as apps make them);
+    driven through ``httpx.ASGITransport``: no web server."""
+    app = FastAPI()
+    app.state.database_url = url
+    insert = sql.SQL("INSERT INTO {} (id) VALUES (%s)").format(orders)
+
+    @app.post("/orders", status_code=201)
     async def create_order(
-        self, conn: psycopg.AsyncConnection[Any], order_id: int, payload: Any, *, fail: bool = False
+        order: OrderIn, conn: Annotated[psycopg.AsyncConnection[Any], Depends(request_connection)]
     ) -> dict[str, Any]:
         async with conn.transaction():
-            await conn.execute(self.insert, (order_id,))
+            await conn.execute(insert, (order.id,))
             try:
-                event_id = await self.outbox.enqueue_async(conn, "order.placed", payload)
+                event_id = await outbox.enqueue_async(conn, "order.placed", order.payload)
             except InvalidEvent as exc:  # a bad event is the request's problem, not the order's
-                return {"id": order_id, "event": None, "warning": str(exc)}
-            if fail:
+                return {"id": order.id, "event": None, "warning": str(exc)}
+            if order.fail:
                 raise RuntimeError("the request failed after the enqueue")
-        return {"id": order_id, "event": event_id}
+        return {"id": order.id, "event": event_id}
+
+    return app
+
+
+def client(app: FastAPI) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://shop")
 
 
 @pytest.mark.asyncio
 async def test_an_endpoint_commits_the_event_with_the_app(
     pg_url: str, pg_store: PostgresStore, orders: sql.Identifier, admin: psycopg.Connection[Any]
 ) -> None:
-    endpoint = Endpoint(Outbox(pg_store), orders)
-    async with app_connection(pg_url, autocommit=True) as conn:
-        response = await endpoint.create_order(conn, 1, {"id": 1})
-    assert response["event"] is not None
+    async with client(shop(Outbox(pg_store), pg_url, orders)) as http:
+        response = await http.post("/orders", json={"id": 1, "payload": {"id": 1}})
+    assert response.status_code == 201
     (event,) = pg_store.events()
-    assert (event.id, event.topic, event.payload) == (response["event"], "order.placed", {"id": 1})
+    assert (event.id, event.topic, event.payload) == (
+        response.json()["event"],
+        "order.placed",
+        {"id": 1},
+    )
     assert order_ids(admin, orders) == [1]
 
 
@@ -118,10 +144,9 @@ async def test_an_endpoint_commits_the_event_with_the_app(
 async def test_an_endpoint_that_raises_leaves_no_event(
     pg_url: str, pg_store: PostgresStore, orders: sql.Identifier, admin: psycopg.Connection[Any]
 ) -> None:
-    endpoint = Endpoint(Outbox(pg_store), orders)
-    async with app_connection(pg_url, autocommit=True) as conn:
+    async with client(shop(Outbox(pg_store), pg_url, orders)) as http:
         with pytest.raises(RuntimeError, match="after the enqueue"):
-            await endpoint.create_order(conn, 1, {"id": 1}, fail=True)
+            await http.post("/orders", json={"id": 1, "payload": {"id": 1}, "fail": True})
     assert pg_store.stats(now=None).total == 0
     assert order_ids(admin, orders) == []
 
@@ -130,13 +155,14 @@ async def test_an_endpoint_that_raises_leaves_no_event(
 async def test_a_bad_payload_is_refused_and_the_transaction_still_commits(
     pg_url: str, pg_store: PostgresStore, orders: sql.Identifier, admin: psycopg.Connection[Any]
 ) -> None:
-    endpoint = Endpoint(Outbox(pg_store), orders)
-    async with app_connection(pg_url, autocommit=True) as conn:
-        response = await endpoint.create_order(conn, 7, {"not": {"json"}})
-        assert response["event"] is None and "JSON" in response["warning"]
-        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE  # committed
+    async with client(shop(Outbox(pg_store), pg_url, orders)) as http:
+        # JSON carries a NUL character; an event may not (PostgreSQL's jsonb refuses it).
+        response = await http.post("/orders", json={"id": 7, "payload": {"note": "a\x00b"}})
+    assert response.status_code == 201
+    body = response.json()
+    assert body["event"] is None and "NUL" in body["warning"]
     assert pg_store.stats(now=None).total == 0
-    assert order_ids(admin, orders) == [7]
+    assert order_ids(admin, orders) == [7]  # the order's own write committed
 
 
 @pytest.mark.asyncio
