@@ -182,18 +182,11 @@ def test_a_bad_concurrency_is_refused_in_one_line(cli: Cli, memory_app: App, val
 
 
 def test_an_asyncio_app_on_a_store_without_an_asyncio_side_is_refused_in_one_line(
-    cli: Cli, memory_app: App, tmp_path: Path
+    cli: Cli, memory_app: App
 ) -> None:
-    # SQLite has no asyncio side yet; once it has, this needs a store that still has none.
-    url = f"sqlite:///{tmp_path / 'plain.db'}"
-    from outboxkit import open_store
-
-    probe = open_store(url)
-    try:
-        if probe.capabilities.asyncio:
-            pytest.skip("the SQLite store has an asyncio side now")
-    finally:
-        probe.close()
+    # A SQLite database in memory has no asyncio side (aiosqlite's thread cannot share its one
+    # connection).
+    url = "sqlite://:memory:"
     result = cli("run", memory_app.spec(), "--until-idle", "--store", url)
     wrong_input(
         result,
@@ -359,19 +352,15 @@ def test_supervised_children_run_the_asyncio_poller_with_the_same_flags(
     assert "all 2 poller processes stopped" in result.stderr
 
 
-# -- the same on SQLite and PostgreSQL, once their asyncio sides exist ---------------------------
+# -- the same on SQLite and PostgreSQL ------------------------------------------------------------
 
 
 @pytest.fixture
 def async_app(
     tmp_path: Path, target: Target, monkeypatch: pytest.MonkeyPatch, store: Store
 ) -> Iterator[App]:
-    """The asyncio test app on the target store (migrated); skipped while the target's store
-    has no asyncio side."""
-    if not store.capabilities.asyncio:
-        pytest.skip(
-            f"{type(store).__name__} has no asyncio side yet (capabilities.asyncio is false)"
-        )
+    """The asyncio test app on the target store (migrated)."""
+    assert store.capabilities.asyncio, f"{type(store).__name__} lost its asyncio side"
     written = write_app(tmp_path / "app", ASYNC_APP_SOURCE)
     for name, value in target.app_env().items():
         monkeypatch.setenv(name, value)

@@ -51,13 +51,9 @@ def store_url(backend: str) -> str | None:
 
 
 def require_asyncio_side(backend: str, tmp_path: Path) -> None:
-    """Skip unless ``backend``'s store has an asyncio side: these tests turn on by themselves
-    once it has."""
+    """Every built-in store a test app can name has an asyncio side."""
     with open_test_store(store_url(backend), tmp_path / "probe", "probe") as store:
-        if not store.capabilities.asyncio:
-            pytest.skip(
-                f"{type(store).__name__} has no asyncio side yet (capabilities.asyncio is false)"
-            )
+        assert store.capabilities.asyncio, f"{type(store).__name__} lost its asyncio side"
 
 
 @pytest.fixture(params=BACKENDS)
