@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
-import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from datetime import datetime
@@ -49,7 +48,7 @@ MAX_CONCURRENCY = 1_000
 """The most events one asyncio poller delivers at once (each holds a connection)."""
 
 
-class AsyncPoller:
+class AsyncPoller(handling.Shell):
     """Claims due events and delivers them on asyncio. Make one with
     ``Outbox.async_poller(concurrency=1, **options)``.
 
@@ -70,8 +69,7 @@ class AsyncPoller:
         concurrency: int = 1,
         waiter: AsyncWaiter | None,
     ) -> None:
-        self.outbox = outbox
-        self.options = options
+        super().__init__(outbox, options)
         if (
             not isinstance(concurrency, int)
             or isinstance(concurrency, bool)
@@ -82,20 +80,13 @@ class AsyncPoller:
                 f"{concurrency!r:.40}"
             )
         self.concurrency = concurrency
-        self._batched = options.transaction == "per_batch"
-        capabilities = outbox.store.capabilities
-        if self._batched and not capabilities.batches:
-            raise ConfigurationError(
-                f"transaction='per_batch' needs a store with batches; {outbox.store!r} has "
-                f"{sorted(capabilities.names())}"
-            )
         if self._batched and concurrency > 1:
             raise ConfigurationError(
                 "transaction='per_batch' delivers a batch in one transaction, on one connection: "
                 f"it cannot deliver events at once (concurrency={concurrency}); use "
                 "transaction='per_event' with concurrency"
             )
-        if not capabilities.asyncio:
+        if not outbox.store.capabilities.asyncio:
             raise ConfigurationError(
                 f"the asyncio poller needs a store with an asyncio side; {outbox.store!r} has "
                 "none (capabilities.asyncio is false): use outbox.poller()"
@@ -106,24 +97,9 @@ class AsyncPoller:
         if waiter is None:
             self._owned = self.store.make_waiter()
         self.waiter: AsyncWaiter = waiter or self._owned or LoopWaiter()
-        self._stop = threading.Event()
 
-    def __repr__(self) -> str:
-        o = self.options
-        return (
-            f"AsyncPoller(batch_size={o.batch_size}, lease={o.lease.total_seconds()}s, "
-            f"interval={o.interval.total_seconds()}s, max_retries={o.max_retries}, "
-            f"transaction={o.transaction!r}, concurrency={self.concurrency})"
-        )
-
-    @property
-    def stopping(self) -> bool:
-        return self._stop.is_set()
-
-    def stop(self) -> None:
-        """Stop gracefully: finish the events in hand, release the leases of the rest."""
-        self._stop.set()
-        self.waiter.wake()
+    def _described(self) -> str:
+        return f", concurrency={self.concurrency}"
 
     # -- one round ------------------------------------------------------------------------------
 

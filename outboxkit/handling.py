@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -31,15 +32,18 @@ from .core.model import (
     RetryScheduled,
     Unrouted,
 )
+from .core.options import PollerOptions
 from .core.payload import build_event
 from .core.text import describe_exception, storable
 from .errors import ConfigurationError, Reject
+from .waiter import Wakeable
 
 if TYPE_CHECKING:
     from .outbox import Outbox
 
 __all__ = [
     "Context",
+    "Shell",
     "HandlerError",
     "announce",
     "async_handlers",
@@ -57,6 +61,50 @@ __all__ = [
 ]
 
 log = logging.getLogger("outboxkit")
+
+
+class Shell:
+    """What both pollers are before they differ: the options, the delivery mode checked
+    against the store, the stop flag and the waiter ``stop`` wakes.
+
+    Raises:
+        ConfigurationError: ``transaction="per_batch"`` on a store without batches.
+    """
+
+    waiter: Wakeable
+
+    def __init__(self, outbox: Outbox, options: PollerOptions) -> None:
+        self.outbox = outbox
+        self.options = options
+        self._batched = options.transaction == "per_batch"
+        capabilities = outbox.store.capabilities
+        if self._batched and not capabilities.batches:
+            raise ConfigurationError(
+                f"transaction='per_batch' needs a store with batches; {outbox.store!r} has "
+                f"{sorted(capabilities.names())}"
+            )
+        self._stop = threading.Event()
+
+    def __repr__(self) -> str:
+        o = self.options
+        return (
+            f"{type(self).__name__}(batch_size={o.batch_size}, "
+            f"lease={o.lease.total_seconds()}s, interval={o.interval.total_seconds()}s, "
+            f"max_retries={o.max_retries}, transaction={o.transaction!r}{self._described()})"
+        )
+
+    def _described(self) -> str:
+        return ""
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop.is_set()
+
+    def stop(self) -> None:
+        """Stop gracefully: finish the events in hand, release the leases of the rest (safe
+        from any thread and from a signal handler)."""
+        self._stop.set()
+        self.waiter.wake()
 
 
 class Context:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
@@ -23,7 +22,6 @@ from .core.machine import MAX_OUTAGE_WAIT, LeaseCheck, outage_delay
 from .core.model import Claim, Claimed, Delivery, Event, Outcome, PollReport
 from .core.options import PollerOptions
 from .errors import (
-    ConfigurationError,
     HandlerCrashed,
     LeaseLostError,
     Reject,
@@ -51,7 +49,7 @@ log = logging.getLogger("outboxkit")
 check_handlers = handling.check_handlers
 
 
-class Poller:
+class Poller(handling.Shell):
     """Claims due events and delivers them. Make one with ``Outbox.poller(**options)``.
 
     Thread-safe to ``stop()`` from another thread or a signal handler.
@@ -62,14 +60,7 @@ class Poller:
     """
 
     def __init__(self, outbox: Outbox, options: PollerOptions, *, waiter: Waiter | None) -> None:
-        self.outbox = outbox
-        self.options = options
-        self._batched = options.transaction == "per_batch"
-        if self._batched and not outbox.store.capabilities.batches:
-            raise ConfigurationError(
-                f"transaction='per_batch' needs a store with batches; {outbox.store!r} has "
-                f"{sorted(outbox.store.capabilities.names())}"
-            )
+        super().__init__(outbox, options)
         handling.check_handlers(outbox.bus.specs(), asyncio=False)
         # Without a waiter given, the store may offer one that also wakes on commits in other
         # processes; this poller then closes it when run_forever ends.
@@ -77,24 +68,6 @@ class Poller:
         if waiter is None:
             self._owned = outbox.store.make_waiter()
         self.waiter: Waiter = waiter or self._owned or ThreadWaiter()
-        self._stop = threading.Event()
-
-    def __repr__(self) -> str:
-        o = self.options
-        return (
-            f"Poller(batch_size={o.batch_size}, lease={o.lease.total_seconds()}s, "
-            f"interval={o.interval.total_seconds()}s, max_retries={o.max_retries}, "
-            f"transaction={o.transaction!r})"
-        )
-
-    @property
-    def stopping(self) -> bool:
-        return self._stop.is_set()
-
-    def stop(self) -> None:
-        """Stop gracefully: finish the event in hand, release the leases of the rest."""
-        self._stop.set()
-        self.waiter.wake()
 
     # -- one round ------------------------------------------------------------------------------
 
