@@ -13,6 +13,7 @@ import pluggy
 
 from .bus import EventBus
 from .clock import Clock, MonotonicClock, SystemClock, as_timedelta, require_aware
+from .contrib import adapter_for
 from .core.backoff import BackoffPolicy
 from .core.duration import MAX_DURATION, before
 from .core.model import DeadLetter, NewEvent, ObserverEvent, Stats
@@ -233,7 +234,11 @@ class Outbox:
             delay=delay,
             max_payload_bytes=self.max_payload_bytes,
         )
-        (event_id,) = self.store.enqueue(conn, [event], now=self.store_now())
+        adapter = adapter_for(conn)
+        if adapter is None:
+            (event_id,) = self.store.enqueue(conn, [event], now=self.store_now())
+        else:
+            (event_id,) = adapter.enqueue(self.store, conn, [event], now=self.store_now())
         self.wake()
         return event_id
 
@@ -256,7 +261,11 @@ class Outbox:
         built = self._build_many(events)
         if not built:
             return []
-        ids = self.store.enqueue(conn, built, now=self.store_now())
+        adapter = adapter_for(conn)
+        if adapter is None:
+            ids = self.store.enqueue(conn, built, now=self.store_now())
+        else:
+            ids = adapter.enqueue(self.store, conn, built, now=self.store_now())
         self.wake()
         return ids
 
@@ -292,7 +301,13 @@ class Outbox:
             delay=delay,
             max_payload_bytes=self.max_payload_bytes,
         )
-        (event_id,) = await self._async_store().enqueue(conn, [event], now=self.store_now())
+        adapter = adapter_for(conn)
+        if adapter is None:
+            (event_id,) = await self._async_store().enqueue(conn, [event], now=self.store_now())
+        else:
+            (event_id,) = await adapter.enqueue_async(
+                self.store, conn, [event], now=self.store_now()
+            )
         self.wake()
         return event_id
 
@@ -309,7 +324,11 @@ class Outbox:
         built = self._build_many(events)
         if not built:
             return []
-        ids = await self._async_store().enqueue(conn, built, now=self.store_now())
+        adapter = adapter_for(conn)
+        if adapter is None:
+            ids = await self._async_store().enqueue(conn, built, now=self.store_now())
+        else:
+            ids = await adapter.enqueue_async(self.store, conn, built, now=self.store_now())
         self.wake()
         return ids
 
