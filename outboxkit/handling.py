@@ -40,6 +40,7 @@ from .waiter import Wakeable
 
 if TYPE_CHECKING:
     from .outbox import Outbox
+    from .store import DeliveryTransaction
 
 __all__ = [
     "Context",
@@ -111,20 +112,44 @@ class Context:
     """The ``ctx`` a handler receives (see ``outboxkit.bus.DeliveryContext``).
 
     ``connection`` is the delivery transaction's connection (None for a non-transactional
-    handler). A follow-up ``enqueue`` is written at once through ``write`` when the shell gives
-    one (a blocking transactional delivery), else kept in ``buffer`` and written by the shell
-    with the delivery record, in the same transaction.
+    handler): the one the shell set, or (``bind``) the delivery transaction's, taken only when
+    the handler asks for it (a store may open the transaction then: a handler that never uses
+    it costs no round trip). A follow-up ``enqueue`` is written at once through ``write`` when
+    the shell gives one (a blocking transactional delivery), else kept in ``buffer`` and written
+    by the shell with the delivery record, in the same transaction.
     """
 
-    __slots__ = ("_max_payload_bytes", "attempt", "buffer", "connection", "handler", "write")
+    __slots__ = (
+        "_connection",
+        "_max_payload_bytes",
+        "_tx",
+        "attempt",
+        "buffer",
+        "handler",
+        "write",
+    )
 
     def __init__(self, handler: str, attempt: int, max_payload_bytes: int) -> None:
         self.handler = handler
         self.attempt = attempt
         self._max_payload_bytes = max_payload_bytes
-        self.connection: Any = None
+        self._connection: Any = None
+        self._tx: DeliveryTransaction | None = None
         self.write: Callable[[Sequence[NewEvent]], object] | None = None
         self.buffer: list[NewEvent] = []
+
+    @property
+    def connection(self) -> Any:
+        tx = self._tx
+        return self._connection if tx is None else tx.connection
+
+    @connection.setter
+    def connection(self, value: Any) -> None:
+        self._connection = value
+
+    def bind(self, tx: DeliveryTransaction) -> None:
+        """Hand the handler ``tx``: its connection on demand, its follow-ups written at once."""
+        self._tx, self.write = tx, tx.enqueue
 
     def enqueue(
         self,

@@ -195,7 +195,7 @@ class Poller(handling.Shell):
         try:
             if spec.transactional:
                 with deliveries.delivery(claim, now=outbox.store_now()) as tx:
-                    ctx.connection, ctx.write = tx.connection, tx.enqueue
+                    ctx.bind(tx)
                     _call(spec, claim.event, ctx)
                     tx.record(spec.name, Outcome.SUCCEEDED)
             else:

@@ -29,13 +29,29 @@ log = logging.getLogger("outboxkit")
 
 
 class Delivery(Transaction[Connection]):
-    """One open delivery transaction (see ``PostgresStore.delivery``)."""
+    """One delivery transaction (see ``PostgresStore.delivery``); a delivery of its own opens
+    when its connection is first taken (or a follow-up enqueued)."""
+
+    @property
+    def connection(self) -> Connection:
+        """The connection in the open delivery transaction, opened now if it is not yet.
+
+        Raises:
+            LeaseLostError: the token is stale (the transaction is not opened).
+            StoreError: the database failed opening it.
+        """
+        flow = self._flow
+        if not flow.is_open:
+            open_flow(flow)
+        return flow.conn
 
     def enqueue(self, events: Sequence[NewEvent]) -> list[int]:
         """Enqueue follow-up events inside this transaction."""
         if not events:
             return []
         flow = self._flow
+        if not flow.is_open:
+            open_flow(flow)
         with flow.store._mapped(self._following(events), flow.conn):
             return flow.store._insert(flow.conn, events, flow.now)
 
@@ -70,17 +86,30 @@ def delivering(
     the event row locked and the token checked; committed (released) on a normal exit, rolled
     back on an exception.
 
+    Opened lazily: only when the handler first takes ``tx.connection`` or enqueues a
+    follow-up. A delivery that never did ends with its one record fenced by the token in a
+    single statement (``insert_record_fenced``) or, in a batch, kept by the batch and written
+    with the others' before it settles (``insert_records_fenced``): a handler that does not
+    use the connection costs no round trip of its own.
+
     Raises:
-        LeaseLostError: the token is stale (nothing runs, nothing is written).
+        LeaseLostError: the token is stale (nothing the handler wrote through the connection
+            commits; in a batch, a kept record's stale token shows when the batch settles).
         HandlerCrashed: the handler ended, broke or closed the transaction it was given.
         StoreUnavailable: the server ended the session under the handler.
         StoreError: the database failed (never blamed on the handler).
     """
     flow = Flow(store, conn, claim, now, batch)
     try:
-        flow.opened(_sync(conn, flow.opening()))
         yield Delivery(flow)
-        _sync(conn, flow.closing())
+        if flow.open_error is not None:
+            raise flow.open_error  # the handler swallowed it: the delivery fails all the same
+        if flow.must_open():
+            open_flow(flow)
+        if batch is not None and not flow.is_open:
+            batch.keep(claim, flow.records[0])  # written, fenced, before the batch settles
+        else:
+            flow.closed(_sync(conn, flow.closing()))
     except BaseException as exc:
         error = flow.error_for(exc)
         _abort(conn, flow.aborting())
@@ -89,8 +118,31 @@ def delivering(
         raise error from exc
 
 
+def open_flow(flow: Flow[Connection]) -> None:
+    """Open ``flow``'s transaction now: its first pipeline sync. What it raises is kept as the
+    delivery's error (``Flow.open_error``), whatever the handler that asked makes of it.
+
+    Raises:
+        LeaseLostError: the token is stale.
+        StoreError: the database failed (mapped).
+    """
+    try:
+        flow.opened(_sync(flow.conn, flow.opening()))
+    except BaseException as exc:
+        error = flow.open_error = flow.error_for(exc)
+        if error is exc:
+            raise
+        raise error from exc
+
+
 def _sync(conn: Connection, statements: Sequence[Statement]) -> list[Result]:
-    """Send ``statements`` in one pipeline sync; what each returned."""
+    """Send ``statements`` in one pipeline sync (one alone: without the pipeline, whose
+    entry and exit cost more than the statement); what each returned."""
+    if len(statements) == 1:
+        (statement,) = statements
+        cursor = conn.cursor(row_factory=tuple_row).execute(statement.query, statement.params)
+        rows = cursor.fetchall() if cursor.description is not None else []
+        return [Result(cursor.rowcount, rows)]
     with conn.pipeline():
         cursors = [
             conn.cursor(row_factory=tuple_row).execute(s.query, s.params) for s in statements

@@ -156,6 +156,11 @@ class Flow(Generic[C]):
         self._guarding = batch is not None and not batch.guarded
         self._phase = _OPENING
         self.records: list[Mapping[str, Any]] = []  # written with the commit (closing)
+        # A delivery of its own opens lazily: only when the handler first takes the connection
+        # (``open_error``: what that opening raised, whatever the handler made of it). One never
+        # opened is, at its end, one fenced statement (``closing``).
+        self.is_open = False
+        self.open_error: BaseException | None = None
 
     @property
     def what(self) -> str:
@@ -184,7 +189,14 @@ class Flow(Generic[C]):
             self._batch.guarded = True
         if not results[-1].rows:
             raise LeaseLostError(f"{self.what}: claim token is stale")
+        self.is_open = True
         self._phase = _HANDLER
+
+    def must_open(self) -> bool:
+        """Whether the transaction must be opened before it can end: it is not open yet, and
+        its end is not the single record that ``closing`` fences in one statement (or, in a
+        batch, that the batch keeps: ``SQLBatch.keep``)."""
+        return not self.is_open and len(self.records) != 1
 
     # -- while the handler runs ---------------------------------------------------------------------
 
@@ -200,7 +212,8 @@ class Flow(Generic[C]):
             HandlerCrashed / StoreUnavailable: the transaction is no longer usable.
         """
         params = record_params(self.claim, handler, outcome, reason, self.now)
-        self.check_usable()
+        if self.is_open:
+            self.check_usable()
         self.records.append(params)
 
     # -- the last sync: the records and the commit ------------------------------------------------
@@ -209,13 +222,35 @@ class Flow(Generic[C]):
         """The last pipeline sync: the queued records and the COMMIT (or the release of the
         savepoint).
 
+        A delivery never opened (``must_open`` is false) ends in one statement instead: the
+        record inserted only if the token still holds, the row locked meanwhile
+        (``insert_record_fenced``), autocommitted (or committed with it, on a connection
+        without autocommit); ``closed`` reads whether it held.
+
         Raises:
             HandlerCrashed / StoreUnavailable: the handler left the transaction unusable.
         """
+        if not self.is_open:
+            self._phase = _CLOSING
+            fenced = Statement(
+                self.store._queries["insert_record_fenced"],
+                {**self.records[0], "token": self.claim.token},
+            )
+            return [fenced] if self.frame is TRANSACTION else [fenced, Statement(b"COMMIT")]
         self.check_usable()
         self._phase = _CLOSING
         insert = self.store._queries["insert_record"]
         return [Statement(insert, params) for params in self.records] + [Statement(self.frame.end)]
+
+    def closed(self, results: Sequence[Result]) -> None:
+        """Read the last sync's results.
+
+        Raises:
+            LeaseLostError: the fenced record of a delivery never opened found the token stale
+                (nothing was written).
+        """
+        if not self.is_open and not results[0].rows:
+            raise LeaseLostError(f"{self.what}: claim token is stale")
 
     # -- failures ---------------------------------------------------------------------------------
 
@@ -232,6 +267,8 @@ class Flow(Generic[C]):
           the database's (mapped).
         """
         conn, store = self.conn, self.store
+        if self.open_error is not None:
+            return self.open_error  # the lazy opening failed under the handler
         if self._phase == _OPENING:
             if isinstance(exc, psycopg.Error):
                 return store._error(exc, f"deliver {self.what}", conn)
@@ -266,6 +303,8 @@ class Flow(Generic[C]):
         """The statements that roll the delivery back (to its savepoint), or none when there is
         nothing to roll back: the connection is gone (the pool discards it) or idle."""
         conn = self.conn
+        if not self.is_open and self._batch is not None:
+            return ()  # a delivery in a batch that never opened its savepoint
         if conn.closed or conn.broken or conn.info.transaction_status == TransactionStatus.IDLE:
             return ()
         return self.frame.abort

@@ -212,6 +212,41 @@ VALUES (%(event_id)s, %(handler)s, %(outcome)s, %(attempt)s,
         coalesce(%(now)s::timestamptz, now()), %(reason)s)
 RETURNING set_config('outboxkit.open_delivery', '', true)
 
+-- name: insert_record_fenced
+-- A delivery whose handler never used its connection (a non-transactional handler, a rejection,
+-- a transactional handler that wrote nothing through ctx.connection) is this one statement:
+-- the token check, the row lock and the record at once, autocommitted. A stale token inserts
+-- nothing (no row returned); the row lock keeps another poller's claim off the row until the
+-- record is committed, as lock_for_delivery does for a longer delivery.
+INSERT INTO {deliveries} (event_id, handler, outcome, attempt, recorded_at, reason)
+SELECT e.id, %(handler)s, %(outcome)s, %(attempt)s, coalesce(%(now)s::timestamptz, now()),
+       %(reason)s
+  FROM {events} AS e
+ WHERE e.id = %(event_id)s
+   AND e.claim_token = %(token)s::uuid
+   AND e.published_at IS NULL
+   AND e.failed_at IS NULL
+   FOR UPDATE
+RETURNING event_id
+
+-- name: insert_records_fenced
+-- The records a batch's deliveries kept (deliveries whose handler never used the connection,
+-- see insert_record_fenced), written together before the batch settles: each inserted only if
+-- its event's token still holds, the rows locked until the batch commits; in delivery order.
+INSERT INTO {deliveries} (event_id, handler, outcome, attempt, recorded_at, reason)
+SELECT e.id, r.handler, r.outcome, r.attempt, coalesce(r.at, now()), r.reason
+  FROM unnest(%(ids)b::bigint[], %(tokens)b::uuid[], %(handlers)b::text[],
+              %(outcomes)b::text[], %(attempts)b::integer[], %(ats)s::timestamptz[],
+              %(reasons)b::text[])
+       WITH ORDINALITY AS r (id, token, handler, outcome, attempt, at, reason, ord)
+  JOIN {events} AS e ON e.id = r.id AND e.claim_token = r.token
+ WHERE e.id = ANY(%(ids)b::bigint[])
+   AND e.published_at IS NULL
+   AND e.failed_at IS NULL
+ ORDER BY r.ord
+   FOR UPDATE OF e
+RETURNING event_id
+
 -- name: extend
 -- R13: every claim of the batch in one statement, fenced by its token.
 UPDATE {events} AS e

@@ -272,6 +272,20 @@ class PostgresStore(SQLStore):
         pairs: list[Sequence[str]] = raw
         return pairs
 
+    def _records_params(self, rows: Sequence[tuple[Any, ...]]) -> dict[str, Any]:
+        ids, tokens, handlers, outcomes, attempts, ats, reasons = (
+            list(column) for column in zip(*rows, strict=True)
+        )
+        return {
+            "ids": ids,
+            "tokens": tokens,
+            "handlers": handlers,
+            "outcomes": outcomes,
+            "attempts": attempts,
+            "ats": ats,
+            "reasons": reasons,
+        }
+
     def _settle_params(self, rows: Sequence[tuple[Any, ...]]) -> dict[str, Any]:
         # One binary array per column of SETTLE_COLUMNS (psycopg's text format would escape
         # every element through a regular expression: milliseconds per hundred).
@@ -580,7 +594,9 @@ class PostgresStore(SQLStore):
         connection: each delivery in a savepoint of it, settlements and lease extensions in
         it, one commit at the end. The rows it delivers stay locked until then."""
         with self._open_transaction("the batch") as conn:
-            yield Batch(self, conn)
+            batch = Batch(self, conn)
+            yield batch
+            batch.write_kept()
             check_usable(conn, self.where, "the batch")
 
     # -- wake-ups -------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ decision about a handler's failure exist once.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, suppress
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
@@ -31,17 +31,22 @@ from .errors import database_failure, map_error
 if TYPE_CHECKING:
     from .store import SQLiteStore
 
-__all__ = ["Batch", "Delivery", "delivering", "handler_failure", "in_savepoint"]
+__all__ = ["Batch", "Delivery", "delivering", "handler_failure", "in_savepoint", "lazily"]
 
 
 class Delivery:
     """One delivery transaction: the store's connection inside ``BEGIN IMMEDIATE`` (or a
     savepoint of a batch's), the claim's token checked."""
 
-    __slots__ = ("_claim", "_deferred", "_now", "_store", "conn", "ended_by_handler")
+    __slots__ = ("_claim", "_deferred", "_now", "_store", "conn", "ended_by_handler", "opener")
 
     def __init__(
-        self, store: SQLiteStore, conn: sqlite3.Connection, claim: Claim, now: int
+        self,
+        store: SQLiteStore,
+        conn: sqlite3.Connection,
+        claim: Claim,
+        now: int,
+        opener: Callable[[], None] | None = None,
     ) -> None:
         self._store = store
         self._claim = claim
@@ -49,10 +54,21 @@ class Delivery:
         self.conn = conn
         self.ended_by_handler = False
         self._deferred: list[tuple[str, dict[str, Any]]] | None = None
+        # Set while the transaction is still to be opened (``lazily``): opens it when the
+        # connection is first taken, then clears itself.
+        self.opener = opener
 
     @property
     def connection(self) -> sqlite3.Connection:
-        """The store's connection inside the delivery transaction (``ctx.connection``)."""
+        """The store's connection inside the delivery transaction (``ctx.connection``),
+        opened now if it is not yet.
+
+        Raises:
+            LeaseLostError: the token is stale (nothing is opened).
+            StoreError: SQLite failed opening it.
+        """
+        if self.opener is not None:
+            self.opener()
         return self.conn
 
     def enqueue(self, events: Sequence[NewEvent]) -> list[int]:
@@ -65,6 +81,8 @@ class Delivery:
             HandlerCrashed: a handler ended the transaction.
             StoreError: SQLite failed.
         """
+        if self.opener is not None:
+            self.opener()
         self.check_open()
         return self._store._insert(self.conn, events, self._now)
 
@@ -77,6 +95,9 @@ class Delivery:
             StoreError: SQLite failed.
         """
         params = record_params(self._claim, handler, outcome, reason, self._now)
+        if self.opener is not None:  # written when the block ends (``lazily``)
+            self._deferred = [*(self._deferred or ()), (handler, params)]
+            return
         self._write_record(handler, params)
 
     def defer_record(self, handler: str, outcome: Outcome, *, reason: str | None = None) -> None:
@@ -98,6 +119,34 @@ class Delivery:
         with self._store._mapped(f"record {handler!r} for event {self._claim.event.id}"):
             self.conn.execute(self._store._queries["insert_record"], params)
 
+    def write_fenced(self) -> bool:
+        """A delivery never opened, ending with one record: that record, inserted only if the
+        token still holds, in one autocommitted statement. Whether it held.
+
+        Raises:
+            StoreError: SQLite failed.
+        """
+        handler, params = self._take()
+        with self._store._mapped(f"record {handler!r} for event {self._claim.event.id}"):
+            cursor = self.conn.execute(
+                self._store._queries["insert_record_fenced"], {**params, "token": self._claim.token}
+            )
+        return cursor.rowcount == 1
+
+    def take_single(self) -> Mapping[str, Any]:
+        """The one record kept, taken (for the batch to write: ``Batch.keep``)."""
+        return self._take()[1]
+
+    def _take(self) -> tuple[str, Mapping[str, Any]]:
+        deferred, self._deferred = self._deferred or [], None
+        ((handler, params),) = deferred
+        return handler, params
+
+    @property
+    def single_record(self) -> bool:
+        """Whether the block ended with exactly one record kept (``write_fenced`` can end it)."""
+        return self._deferred is not None and len(self._deferred) == 1
+
     def check_open(self) -> None:
         """Raises HandlerCrashed if the transaction is no longer open (a handler closed it)."""
         if not in_transaction(self.conn):
@@ -115,21 +164,86 @@ class Batch(SQLBatch):
     _conn: StoreConnection
 
     def delivery(self, claim: Claim, *, now: datetime | None) -> AbstractContextManager[Delivery]:
-        """A delivery in a savepoint of the batch (``in_savepoint``)."""
+        """A delivery in a savepoint of the batch (``in_savepoint``), opened only when the
+        handler first takes the connection; one that never did keeps its record for
+        ``write_kept`` (``lazily``)."""
+        store, conn = self._store, self._conn
+
+        def keep(tx: Delivery) -> None:
+            self.keep(claim, tx.take_single())
+
+        return lazily(
+            store, conn, claim, now, lambda tx: in_savepoint(store, conn, claim, now, tx), keep
+        )
+
+    def savepoint(self, claim: Claim, *, now: datetime | None) -> AbstractContextManager[Delivery]:
+        """A delivery in a savepoint of the batch, opened at once (``in_savepoint``): the
+        asyncio side's, whose handler takes the aiosqlite connection without asking here."""
         return in_savepoint(self._store, self._conn, claim, now)
 
 
 @contextmanager
+def lazily(
+    store: SQLiteStore,
+    conn: StoreConnection,
+    claim: Claim,
+    now: datetime | None,
+    opening: Callable[[Delivery], AbstractContextManager[Delivery]],
+    single: Callable[[Delivery], None],
+) -> Iterator[Delivery]:
+    """A delivery opened (``opening(tx)``: a transaction, or a savepoint of the batch's) only
+    when its handler first takes the connection or enqueues a follow-up; a block that never
+    did and ends with exactly one record is ended by ``single(tx)`` instead (the record fenced
+    by the token in one statement, or kept by the batch). A failure of the opening is the
+    delivery's error, whatever the handler made of it."""
+    opened: list[AbstractContextManager[Delivery]] = []
+    failed: list[BaseException] = []
+
+    def open_now() -> None:
+        tx.opener = None
+        cm = opening(tx)
+        try:
+            cm.__enter__()
+        except BaseException as exc:
+            failed.append(exc)
+            raise
+        opened.append(cm)
+
+    tx = Delivery(store, conn, claim, store._instant(now), open_now)
+    try:
+        yield tx
+    except BaseException as exc:
+        if failed and failed[0] is not exc:
+            raise failed[0] from exc
+        if opened and opened[0].__exit__(type(exc), exc, exc.__traceback__):
+            return  # pragma: no cover - the openings never swallow an exception
+        raise
+    if failed:
+        raise failed[0]  # the handler swallowed it: the delivery fails all the same
+    if not opened and tx.single_record:
+        tx.opener = None
+        single(tx)
+        return
+    if not opened:
+        open_now()
+    opened[0].__exit__(None, None, None)
+
+
+@contextmanager
 def in_savepoint(
-    store: SQLiteStore, conn: StoreConnection, claim: Claim, now: datetime | None
+    store: SQLiteStore,
+    conn: StoreConnection,
+    claim: Claim,
+    now: datetime | None,
+    tx: Delivery | None = None,
 ) -> Iterator[Delivery]:
     """A delivery in a savepoint of the batch transaction open on ``conn``: released on a normal
     exit, rolled back to (and released) on an exception."""
     with store._mapped(f"open a savepoint for event {claim.event.id}"):
         conn.execute(SAVEPOINT)
     try:
-        with delivering(store, conn, claim, now) as tx:
-            yield tx
+        with delivering(store, conn, claim, now, tx) as opened:
+            yield opened
     except BaseException:
         if in_transaction(conn):
             with suppress(sqlite3.Error):
@@ -142,7 +256,11 @@ def in_savepoint(
 
 @contextmanager
 def delivering(
-    store: SQLiteStore, conn: StoreConnection, claim: Claim, now: datetime | None
+    store: SQLiteStore,
+    conn: StoreConnection,
+    claim: Claim,
+    now: datetime | None,
+    tx: Delivery | None = None,
 ) -> Iterator[Delivery]:
     """Inside ``conn``'s open transaction: check the token, hand out the delivery, check the
     handler left the transaction open. Commits nothing.
@@ -159,7 +277,8 @@ def delivering(
         ).fetchone()
     if owned is None:
         raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
-    tx = Delivery(store, conn, claim, at)
+    if tx is None:
+        tx = Delivery(store, conn, claim, at)
     conn.delivery = tx
     try:
         yield tx

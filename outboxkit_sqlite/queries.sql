@@ -48,6 +48,28 @@ RETURNING {event_columns}, token,
 SELECT 1 FROM {events}
  WHERE id = :id AND token = :token AND published_at IS NULL AND failed_at IS NULL
 
+-- name: insert_record_fenced
+-- A delivery whose handler never used its connection (a non-transactional handler, a rejection,
+-- a transactional handler that wrote nothing through ctx.connection) is this one autocommitted
+-- statement: the token check and the record at once (R6); a stale token inserts nothing.
+INSERT INTO {deliveries} (event_id, handler, outcome, attempt, recorded_at, reason)
+SELECT id, :handler, :outcome, :attempt, :now, :reason
+  FROM {events}
+ WHERE id = :event_id AND token = :token AND published_at IS NULL AND failed_at IS NULL
+
+-- name: insert_records_fenced
+-- The records a batch's deliveries kept (see insert_record_fenced), written together before
+-- the batch settles, each only if its event's token still holds: :items is a JSON array of
+-- [event_id, token, handler, outcome, attempt, recorded_at, reason], in delivery order.
+INSERT INTO {deliveries} (event_id, handler, outcome, attempt, recorded_at, reason)
+SELECT e.id, json_extract(r.value, '$[2]'), json_extract(r.value, '$[3]'),
+       json_extract(r.value, '$[4]'), json_extract(r.value, '$[5]'), json_extract(r.value, '$[6]')
+  FROM json_each(:items) AS r
+  JOIN {events} AS e ON e.id = json_extract(r.value, '$[0]')
+                    AND e.token = json_extract(r.value, '$[1]')
+ WHERE e.published_at IS NULL AND e.failed_at IS NULL
+ ORDER BY r.key
+
 -- name: insert_record
 INSERT INTO {deliveries} (event_id, handler, outcome, attempt, recorded_at, reason)
 VALUES (:event_id, :handler, :outcome, :attempt, :now, :reason)

@@ -31,7 +31,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
@@ -40,7 +40,7 @@ from outboxkit._sql.base import SQLStore
 from outboxkit._sql.names import check_count, check_options, check_seconds
 from outboxkit._sql.rows import encode_headers
 from outboxkit.core.model import Claim, NewEvent
-from outboxkit.errors import ConfigurationError, SchemaError, StoreError
+from outboxkit.errors import ConfigurationError, LeaseLostError, SchemaError, StoreError
 from outboxkit.store import Capabilities
 from outboxkit.waiter import ClosingWaiter
 
@@ -57,7 +57,7 @@ from .connections import (
     in_transaction,
     retry_busy,
 )
-from .delivery import Batch, Delivery, delivering
+from .delivery import Batch, Delivery, delivering, lazily
 from .errors import map_error, open_error
 from .tables import INSERT_COLUMNS, TableNames, insert_events, render_queries
 
@@ -250,6 +250,9 @@ class SQLiteStore(SQLStore):
     def _done(self, raw: Any) -> list[Sequence[str]]:
         pairs: list[Sequence[str]] = json.loads(raw) if raw else []
         return pairs
+
+    def _records_params(self, rows: Sequence[tuple[Any, ...]]) -> dict[str, Any]:
+        return {"items": json.dumps(rows)}
 
     def _settle_params(self, rows: Sequence[tuple[Any, ...]]) -> dict[str, Any]:
         return {"items": json.dumps(rows)}
@@ -467,7 +470,7 @@ class SQLiteStore(SQLStore):
             StoreUnavailable: the database failed under the handler.
             StoreError: SQLite failed.
         """
-        with self._connections.acquire() as conn, self._delivery_on(conn, claim, now) as tx:
+        with self._connections.acquire() as conn, self._lazily(conn, claim, now) as tx:
             yield tx
 
     @contextmanager
@@ -496,19 +499,40 @@ class SQLiteStore(SQLStore):
 
     @contextmanager
     def _delivery_on(
-        self, conn: StoreConnection, claim: Claim, now: datetime | None
+        self,
+        conn: StoreConnection,
+        claim: Claim,
+        now: datetime | None,
+        tx: Delivery | None = None,
     ) -> Iterator[Delivery]:
-        """``delivery`` on ``conn``: BEGIN IMMEDIATE, the token check, the block, COMMIT."""
+        """``delivery`` on ``conn``: BEGIN IMMEDIATE, the token check, the block, COMMIT (the
+        block hands out ``tx``, when given: a delivery ``_lazily`` opens now)."""
         with self._mapped(f"open a delivery transaction for event {claim.event.id}"):
             self._begin(conn)
         try:
-            with delivering(self, conn, claim, now) as tx:
-                yield tx
+            with delivering(self, conn, claim, now, tx) as opened:
+                yield opened
             with self._mapped(f"commit the delivery of event {claim.event.id}"):
                 self._commit(conn)
         except BaseException:
             conn.rollback_quietly()
             raise
+
+    def _lazily(
+        self, conn: StoreConnection, claim: Claim, now: datetime | None
+    ) -> AbstractContextManager[Delivery]:
+        """``delivery`` on ``conn``, opened (``_delivery_on``) only when the handler first
+        takes the connection or enqueues a follow-up (``delivery.lazily``); one that never did
+        and ends with one record is that record, fenced by the token, autocommitted."""
+
+        def fenced(tx: Delivery) -> None:
+            if not tx.write_fenced():
+                raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
+            self._wal.after_commit(conn)
+
+        return lazily(
+            self, conn, claim, now, lambda tx: self._delivery_on(conn, claim, now, tx), fenced
+        )
 
     @contextmanager
     def _batch_on(self, conn: StoreConnection) -> Iterator[Batch]:
@@ -516,7 +540,9 @@ class SQLiteStore(SQLStore):
         with self._mapped("open a batch transaction"):
             self._begin(conn)
         try:
-            yield Batch(self, conn)
+            batch = Batch(self, conn)
+            yield batch
+            batch.write_kept()
             with self._mapped("commit the batch"):
                 if not in_transaction(conn):
                     raise StoreError("the batch transaction was ended by a handler")

@@ -73,7 +73,7 @@ __all__ = [
     "load_factory",
 ]
 
-SUITE_VERSION = "1.2.0"
+SUITE_VERSION = "1.3.0"
 
 
 class StoreConformance(

@@ -126,3 +126,30 @@ class BatchTests(ConformanceBase):
             assert settle_one(batch, stale, Publish(), error=None, now=clock.now() + LEASE) is False
             assert batch.extend([stale], lease=LEASE, now=clock.now() + LEASE) == []
         assert settle_one(store, fresh, Publish(), error=None, now=clock.now() + LEASE) is True
+
+    def test_a_stale_claims_record_in_a_batch_is_never_written(
+        self, store: Store, clock: FrozenClock
+    ) -> None:
+        """A store may open a delivery lazily and keep its record for the batch's end: then the
+        stale token shows there (no record, the settlement refused), not at the delivery."""
+        self.require(store, "batches")
+        (event_id, other) = self.put(store, clock.now(), ("t", 1), ("t", 2))
+        (stale, mine) = self.claim(store, clock.now())
+        later = clock.now() + LEASE
+        (fresh,) = self.claim(store, later, batch_size=1)
+        assert fresh.event.id == event_id
+        with store.batch(now=later) as batch:
+            try:
+                with batch.delivery(stale, now=later) as tx:
+                    tx.record("h", Outcome.SUCCEEDED)
+            except LeaseLostError:
+                pass  # refused at once: as good
+            with batch.delivery(mine, now=later) as tx:
+                tx.record("h", Outcome.SUCCEEDED)
+            settled = batch.settle_many(
+                [(stale, Publish(), None), (mine, Publish(), None)], now=later
+            )
+        assert settled == [False, True]
+        assert store.records(event_id) == []
+        assert [r.handler for r in store.records(other)] == ["h"]
+        assert settle_one(store, fresh, Publish(), error=None, now=later) is True

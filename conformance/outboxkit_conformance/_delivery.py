@@ -53,6 +53,24 @@ class DeliveryTests(ConformanceBase):
         assert store.get(follow_up[0]) is None
         assert store.stats(now=clock.now()).total == 1
 
+    def test_records_of_deliveries_that_never_took_the_connection(
+        self, store: Store, clock: FrozenClock
+    ) -> None:
+        """A delivery whose block only records (a store may write it as one fenced statement)
+        commits its record, and a rejection's reason, like any other."""
+        (first, second) = self.put(store, clock.now(), ("t", 1), ("t", 2))
+        claims = self.claim(store, clock.now())
+        with store.delivery(claims[0], now=clock.now()) as tx:
+            tx.record("h", Outcome.SUCCEEDED)
+        with store.delivery(claims[1], now=clock.now()) as tx:
+            tx.record("h", Outcome.REJECTED, reason="no stock")
+        (one,) = store.records(first)
+        (two,) = store.records(second)
+        assert (one.handler, one.outcome, one.attempt) == ("h", Outcome.SUCCEEDED, 1)
+        assert one.recorded_at == clock.now()
+        assert two.outcome is Outcome.REJECTED
+        assert two.reason == "no stock"
+
     def test_recorded_handlers_come_back_with_the_claim(
         self, store: Store, clock: FrozenClock
     ) -> None:

@@ -44,6 +44,7 @@ from .rows import (
     event_from_row,
     fold_stats,
     record_from_row,
+    record_row,
     settle_row,
     sort_claims,
     still_owned,
@@ -101,6 +102,10 @@ class SQLStore(ABC):
     @abstractmethod
     def _settle_params(self, rows: Sequence[tuple[Any, ...]]) -> dict[str, Any]:
         """``settle_many``'s parameters (besides ``now``) for rows of ``SETTLE_COLUMNS``."""
+
+    @abstractmethod
+    def _records_params(self, rows: Sequence[tuple[Any, ...]]) -> dict[str, Any]:
+        """``insert_records_fenced``'s parameters for rows of ``RECORD_COLUMNS``."""
 
     # -- claims and leases --------------------------------------------------------------------------
     # Each hot-path statement as a query to run and a mapping of its rows, so that the store's
@@ -288,6 +293,25 @@ class SQLBatch:
     def __init__(self, store: SQLStore, conn: Any) -> None:
         self._store = store
         self._conn = conn
+        # The records of deliveries that never opened their savepoint (their handler did not
+        # use the connection): written together, fenced by token, before the batch settles.
+        self._kept: list[tuple[Any, ...]] = []
+
+    def keep(self, claim: Claim, params: Mapping[str, Any]) -> None:
+        """Keep a delivery's record (``record_params``) for ``write_kept``."""
+        self._kept.append(record_row(claim, params))
+
+    def write_kept(self) -> None:
+        """Write the kept records in one statement, each fenced by its claim's token (a stale
+        one writes nothing: its event's settlement finds the token stale too)."""
+        if not self._kept:
+            return
+        rows, self._kept = self._kept, []
+        self._check_open()
+        with self._store._mapped(f"record {len(rows)} deliveries", self._conn):
+            self._store._rows(
+                self._conn, "insert_records_fenced", self._store._records_params(rows)
+            )
 
     def _check_open(self) -> None:
         """Raise if the batch's transaction is no longer the one the store opened."""
@@ -303,6 +327,7 @@ class SQLBatch:
 
     def settle_many(self, items: Sequence[SettleItem], *, now: datetime | None) -> list[bool]:
         """``settle_many`` inside the batch's transaction: true once the batch commits."""
+        self.write_kept()
         if not items:
             return []
         self._check_open()

@@ -128,6 +128,23 @@ def record_params(
     }
 
 
+RECORD_COLUMNS = ("event_id", "token", "handler", "outcome", "attempt", "recorded_at", "reason")
+"""What ``insert_records_fenced`` writes per kept record (``record_row``), in this order."""
+
+
+def record_row(claim: Claim, params: Mapping[str, Any]) -> tuple[Any, ...]:
+    """A kept record (``record_params``) as a row of ``RECORD_COLUMNS``."""
+    return (
+        params["event_id"],
+        claim.token,
+        params["handler"],
+        params["outcome"],
+        params["attempt"],
+        params["now"],
+        params["reason"],
+    )
+
+
 SETTLE_COLUMNS = ("id", "token", "publish", "dead", "retry_after", "keeps_error", "error")
 """What ``settle_many`` writes per event (``settle_row``), in this order."""
 
