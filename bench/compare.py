@@ -435,7 +435,7 @@ def asyncpg_kwargs(url: str) -> dict[str, Any]:
 
 def _pgqueuer_worker(job: Job, barrier: Barrier) -> Drained:
     import asyncpg
-    from pgqueuer import AsyncpgDriver, QueueManager
+    from pgqueuer import AsyncpgDriver, Queries, QueueManager
     from pgqueuer.types import QueueExecutionMode
 
     calls = [0]
@@ -443,7 +443,7 @@ def _pgqueuer_worker(job: Job, barrier: Barrier) -> Drained:
     async def drain() -> tuple[float, float]:
         conn = await asyncpg.connect(**asyncpg_kwargs(job.target))
         try:
-            qm = QueueManager(AsyncpgDriver(conn))
+            qm = QueueManager(Queries(AsyncpgDriver(conn)))
 
             @qm.entrypoint(HANDLER)
             async def handle(job: Any) -> None:
@@ -500,7 +500,12 @@ def _worker(job: Job, barrier: Barrier, results: Any) -> None:
         run = _kit_async_worker
     else:
         run = _kit_worker
-    results.put(asdict(run(job, barrier)))
+    try:
+        results.put(asdict(run(job, barrier)))
+    except BaseException as exc:
+        results.put({"error": f"{c.name}: {type(exc).__name__}: {exc}"})
+        barrier.abort()
+        raise
 
 
 def run_processes(job: Job) -> tuple[float, int]:
@@ -513,7 +518,11 @@ def run_processes(job: Job) -> tuple[float, int]:
     for p in procs:
         p.start()
     try:
-        got = [Drained(**results.get(timeout=TIMEOUT)) for _ in procs]
+        raw = [results.get(timeout=TIMEOUT) for _ in procs]
+        errors = [r["error"] for r in raw if "error" in r]
+        if errors:
+            raise RuntimeError("; ".join(errors))
+        got = [Drained(**r) for r in raw]
     finally:
         for p in procs:
             p.join(timeout=60)
@@ -584,7 +593,7 @@ def run_pg(contender: Contender, url: str, events: int) -> Outcome:
                 conn.execute(_pg(PG_REF_FILL, schema), {"topic": TOPIC, "n": events})
                 conn.execute(_pg("VACUUM ANALYZE {s}.ref_events", schema))
             else:
-                with PostgresStore(url, schema=schema, notify=False) as store:
+                with contextlib.closing(PostgresStore(url, schema=schema, notify=False)) as store:
                     store.migrate()
                     _fill_kit(Outbox(store, EventBus(), load_entry_points=False), events)
                 conn.execute(_pg("VACUUM ANALYZE {s}.outbox_events", schema))
@@ -592,7 +601,10 @@ def run_pg(contender: Contender, url: str, events: int) -> Outcome:
         with psycopg.connect(url, autocommit=True) as conn:
             if contender.kind == "ref":
                 settled = _one(
-                    conn, _pg("SELECT count(*) FROM {s}.ref_events WHERE published_at IS NOT NULL", schema)
+                    conn,
+                    _pg(
+                        "SELECT count(*) FROM {s}.ref_events WHERE published_at IS NOT NULL", schema
+                    ),
                 )
                 records = _one(
                     conn, _pg("SELECT count(DISTINCT event_id) FROM {s}.ref_records", schema)
@@ -600,7 +612,10 @@ def run_pg(contender: Contender, url: str, events: int) -> Outcome:
             else:
                 settled = _one(
                     conn,
-                    _pg("SELECT count(*) FROM {s}.outbox_events WHERE published_at IS NOT NULL", schema),
+                    _pg(
+                        "SELECT count(*) FROM {s}.outbox_events WHERE published_at IS NOT NULL",
+                        schema,
+                    ),
                 )
                 records = _one(
                     conn,
@@ -635,7 +650,9 @@ def run_sqlite(contender: Contender, events: int) -> Outcome:
         seconds, handled = run_processes(Job(contender, str(path)))
         with contextlib.closing(sqlite3.connect(path)) as conn:
             if contender.kind == "ref":
-                settled = _one(conn, "SELECT count(*) FROM ref_events WHERE published_at IS NOT NULL")
+                settled = _one(
+                    conn, "SELECT count(*) FROM ref_events WHERE published_at IS NOT NULL"
+                )
                 records = _one(conn, "SELECT count(DISTINCT event_id) FROM ref_records")
             else:
                 settled = _one(
@@ -881,7 +898,14 @@ def count_statements(url: str, events: int) -> dict[str, dict[str, float]]:
     from outboxkit_pg import PostgresStore
 
     found: dict[str, dict[str, float]] = {}
-    for name in ("ref-tx-1", "kit-tx-1", "ref-nontx-1", "kit-nontx-1", "ref-batch-1", "kit-batch-1"):
+    for name in (
+        "ref-tx-1",
+        "kit-tx-1",
+        "ref-nontx-1",
+        "kit-nontx-1",
+        "ref-batch-1",
+        "kit-batch-1",
+    ):
         contender = CONTENDERS[name]
         with pg_schema(url, "outboxkit_compare") as schema:
             with psycopg.connect(url, autocommit=True) as conn:
@@ -889,7 +913,9 @@ def count_statements(url: str, events: int) -> dict[str, dict[str, float]]:
                     conn.execute(_pg(PG_REF_DDL, schema))
                     conn.execute(_pg(PG_REF_FILL, schema), {"topic": TOPIC, "n": events})
                 else:
-                    with PostgresStore(url, schema=schema, notify=False) as store:
+                    with contextlib.closing(
+                        PostgresStore(url, schema=schema, notify=False)
+                    ) as store:
                         store.migrate()
                         _fill_kit(Outbox(store, EventBus(), load_entry_points=False), events)
             with tempfile.TemporaryFile("w+") as trace:
@@ -993,7 +1019,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     else:
         print(table)
         for row in rows:
-            print(f"  {row.workload}: per-round ratios " + ", ".join(f"{r:.2f}" for r in row.rounds))
+            print(
+                f"  {row.workload}: per-round ratios " + ", ".join(f"{r:.2f}" for r in row.rounds)
+            )
         for problem in problems:
             print(f"WARNING: {problem}")
     if args.update_readme:
