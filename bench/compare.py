@@ -918,30 +918,43 @@ def count_statements(url: str, events: int) -> dict[str, dict[str, float]]:
                     ) as store:
                         store.migrate()
                         _fill_kit(Outbox(store, EventBus(), load_entry_points=False), events)
-            with tempfile.TemporaryFile("w+") as trace:
-                original = psycopg.Connection.connect.__func__  # type: ignore[attr-defined]
-
-                def traced(cls: Any, *a: Any, **k: Any) -> Any:
-                    conn = original(cls, *a, **k)
-                    conn.pgconn.trace(trace.fileno())
-                    conn.pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS)
-                    return conn
-
-                psycopg.Connection.connect = classmethod(traced)  # type: ignore[method-assign,assignment]
-                try:
-                    job = Job(contender, url, schema)
-                    barrier = _NoBarrier()
-                    if contender.kind == "ref":
-                        _pg_ref_worker(job, barrier)  # type: ignore[arg-type]
-                    else:
-                        _kit_worker(job, barrier)  # type: ignore[arg-type]
-                finally:
-                    psycopg.Connection.connect = classmethod(original)  # type: ignore[method-assign,assignment]
+            with tempfile.TemporaryFile("w+") as trace, _traced_connections(trace.fileno()):
+                job = Job(contender, url, schema)
+                if contender.kind == "ref":
+                    _pg_ref_worker(job, _NoBarrier())  # type: ignore[arg-type]
+                else:
+                    _kit_worker(job, _NoBarrier())  # type: ignore[arg-type]
                 trace.flush()
                 trace.seek(0)
-                counts = _trace_counts(trace.read())
+                text = trace.read()
+                if os.environ.get("COMPARE_TRACE_DIR"):
+                    Path(os.environ["COMPARE_TRACE_DIR"], f"{name}.trace").write_text(text)
+                counts = _trace_counts(text)
         found[name] = {k: v / events for k, v in counts.items()}
     return found
+
+
+@contextlib.contextmanager
+def _traced_connections(fileno: int) -> Iterator[None]:
+    """Every psycopg connection opened inside writes libpq's protocol trace to ``fileno``."""
+    import psycopg
+
+    original = psycopg.Connection.connect.__func__  # type: ignore[attr-defined]
+
+    def traced(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        conn = original(cls, *args, **kwargs)
+        conn.pgconn.trace(fileno)
+        conn.pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS)
+        return conn
+
+    saved = psycopg.connect
+    psycopg.Connection.connect = classmethod(traced)  # type: ignore[method-assign,assignment]
+    psycopg.connect = psycopg.Connection.connect
+    try:
+        yield
+    finally:
+        psycopg.Connection.connect = classmethod(original)  # type: ignore[method-assign,assignment]
+        psycopg.connect = saved
 
 
 class _NoBarrier:
