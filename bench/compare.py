@@ -93,6 +93,12 @@ CONTENDERS = {
         Contender("kit-async-1", "async_poller c=1", "pg", "async", "tx", 1, 1),
         Contender("kit-async-4", "async_poller c=4", "pg", "async", "tx", 1, 4),
         Contender("kit-async-16", "async_poller c=16", "pg", "async", "tx", 1, 16),
+        Contender("bare-tx-1", "outboxkit's statements, per event", "pg", "bare", "tx", 1),
+        Contender("bare-tx-2", "outboxkit's statements, per event, 2 procs", "pg", "bare", "tx", 2),
+        Contender("bare-batch-1", "outboxkit's statements, per batch", "pg", "bare", "batch", 1),
+        Contender(
+            "bare-batch-2", "outboxkit's statements, per batch, 2 procs", "pg", "bare", "batch", 2
+        ),
         Contender("pgqueuer-10", "pgqueuer, batch 10", "pgqueuer", "peer", batch_size=10),
         Contender("pgqueuer-100", "pgqueuer, batch 100", "pgqueuer", "peer", batch_size=100),
         Contender("procrastinate", "procrastinate worker", "procrastinate", "peer"),
@@ -105,11 +111,12 @@ CONTENDERS = {
 
 # Contenders that are compared with one another run next to one another.
 GROUPS: list[list[str]] = [
-    ["ref-tx-1", "kit-tx-1", "pgqueuer-10", "kit-async-1", "kit-async-4", "kit-async-16"],
+    ["ref-tx-1", "kit-tx-1", "bare-tx-1", "pgqueuer-10", "kit-async-1", "kit-async-4"]
+    + ["kit-async-16"],
     ["ref-nontx-1", "kit-nontx-1", "procrastinate"],
-    ["ref-tx-2", "kit-tx-2"],
-    ["ref-batch-1", "kit-batch-1", "pgqueuer-100"],
-    ["ref-batch-2", "kit-batch-2"],
+    ["ref-tx-2", "kit-tx-2", "bare-tx-2"],
+    ["ref-batch-1", "kit-batch-1", "bare-batch-1", "pgqueuer-100"],
+    ["ref-batch-2", "kit-batch-2", "bare-batch-2"],
     ["ref-sqlite-tx", "kit-sqlite-tx", "ref-sqlite-batch", "kit-sqlite-batch"],
 ]
 
@@ -145,7 +152,18 @@ WORKLOADS = [
     Workload("sqlite-event", "SQLite per event", "ref-sqlite-tx", ("kit-sqlite-tx",), 0.9),
     Workload("sqlite-batch", "SQLite per_batch", "ref-sqlite-batch", ("kit-sqlite-batch",), 0.8),
 ]
-WORKLOAD_NAMES = [w.name for w in WORKLOADS]
+# --bare: what the database itself gives for outboxkit's statements, against the same references.
+BARE_WORKLOADS = [
+    Workload("bare-tx-1", "PG transactional, 1 poller, bare", "ref-tx-1", ("bare-tx-1",), None),
+    Workload("bare-tx-2", "PG transactional, 2 pollers, bare", "ref-tx-2", ("bare-tx-2",), None),
+    Workload(
+        "bare-batch-1", "PG per_batch, 1 poller, bare", "ref-batch-1", ("bare-batch-1",), None
+    ),
+    Workload(
+        "bare-batch-2", "PG per_batch, 2 pollers, bare", "ref-batch-2", ("bare-batch-2",), None
+    ),
+]
+WORKLOAD_NAMES = [w.name for w in WORKLOADS + BARE_WORKLOADS]
 
 PEER_MODULES = {"pgqueuer": ("pgqueuer", "asyncpg"), "procrastinate": ("procrastinate",)}
 
@@ -335,6 +353,77 @@ def _sqlite_ref_worker(job: Job, barrier: Barrier) -> Drained:
     return Drained(started, ended, handled)
 
 
+def _bare_worker(job: Job, barrier: Barrier) -> Drained:
+    """outboxkit's own statements (its store's SQL, its pipeline syncs), sent by a plain loop:
+    no poller, no handler dispatch, no observers - what the database gives for its work."""
+    import psycopg
+    from psycopg.rows import tuple_row
+
+    from outboxkit_pg import PostgresStore
+
+    c = job.contender
+    store = PostgresStore(job.target, schema=job.schema, notify=False)
+    q = store._queries
+    claim_params = {"now": None, "batch_size": c.batch_size, "lease": "30 seconds"}
+    handled = 0
+    with psycopg.connect(job.target, autocommit=True) as conn:
+
+        def sync(*statements: tuple[Any, Any]) -> None:
+            with conn.pipeline():
+                for query, params in statements:
+                    conn.cursor(row_factory=tuple_row).execute(query, params)
+
+        barrier.wait()
+        started = time.monotonic()
+        while True:
+            rows = conn.execute(q["claim"], claim_params).fetchall()
+            if not rows:
+                break
+            batched = c.mode == "batch"
+            if batched:
+                conn.execute(b"BEGIN")
+                first = rows[0]
+                conn.execute(
+                    q["lock_for_delivery"], {"id": first[0], "token": first[12], "mark": False}
+                )
+            for row in rows:
+                event_id, attempt, token = row[0], row[7], row[12]
+                noop(event_id, json.loads(row[2]))
+                lock = {"id": event_id, "token": token, "mark": True}
+                record = {
+                    "event_id": event_id,
+                    "handler": HANDLER,
+                    "outcome": "succeeded",
+                    "attempt": attempt,
+                    "now": None,
+                    "reason": None,
+                }
+                if batched:
+                    sync((b"SAVEPOINT d", None), (q["lock_in_batch"], lock))
+                    sync((q["insert_record"], record), (b"RELEASE SAVEPOINT d", None))
+                else:
+                    sync((b"BEGIN", None), (q["lock_for_delivery"], lock))
+                    sync((q["insert_record"], record), (b"COMMIT", None))
+            n = len(rows)
+            settle = {
+                "now": None,
+                "ids": [row[0] for row in rows],
+                "tokens": [row[12] for row in rows],
+                "publish": [True] * n,
+                "dead": [False] * n,
+                "retry_after": [None] * n,
+                "keeps_error": [False] * n,
+                "errors": [None] * n,
+            }
+            conn.execute(q["settle_many"], settle)
+            if batched:
+                conn.execute(b"COMMIT")
+            handled += n
+        ended = time.monotonic()
+    store.close()
+    return Drained(started, ended, handled)
+
+
 def _kit_outbox(job: Job, asyncio_side: bool = False) -> tuple[Any, Any, list[int]]:
     """The store, the outbox and the handler's call counter of a poller process."""
     from outboxkit import EventBus, Outbox
@@ -498,6 +587,8 @@ def _worker(job: Job, barrier: Barrier, results: Any) -> None:
         run = _pg_ref_worker if c.backend == "pg" else _sqlite_ref_worker
     elif c.kind == "async":
         run = _kit_async_worker
+    elif c.kind == "bare":
+        run = _bare_worker
     else:
         run = _kit_worker
     try:
@@ -862,9 +953,11 @@ def compare(
     rounds: int,
     only: Sequence[str] = (),
     say: Callable[[str], None] = print,
+    bare: bool = False,
 ) -> tuple[list[Row], dict[str, list[Outcome]], list[str]]:
     """Run the rounds; the table's rows, every outcome by contender, and the problems seen."""
-    workloads = [w for w in WORKLOADS if not only or w.name in only]
+    candidates = WORKLOADS + BARE_WORKLOADS if bare or only else WORKLOADS
+    workloads = [w for w in candidates if not only or w.name in only]
     names = needed(workloads)
     for backend in PEER_MODULES:
         module = missing_peer(backend)
@@ -901,10 +994,12 @@ def count_statements(url: str, events: int) -> dict[str, dict[str, float]]:
     for name in (
         "ref-tx-1",
         "kit-tx-1",
+        "bare-tx-1",
         "ref-nontx-1",
         "kit-nontx-1",
         "ref-batch-1",
         "kit-batch-1",
+        "bare-batch-1",
     ):
         contender = CONTENDERS[name]
         with pg_schema(url, "outboxkit_compare") as schema:
@@ -920,10 +1015,10 @@ def count_statements(url: str, events: int) -> dict[str, dict[str, float]]:
                         _fill_kit(Outbox(store, EventBus(), load_entry_points=False), events)
             with tempfile.TemporaryFile("w+") as trace, _traced_connections(trace.fileno()):
                 job = Job(contender, url, schema)
-                if contender.kind == "ref":
-                    _pg_ref_worker(job, _NoBarrier())  # type: ignore[arg-type]
-                else:
-                    _kit_worker(job, _NoBarrier())  # type: ignore[arg-type]
+                worker = {"ref": _pg_ref_worker, "bare": _bare_worker}.get(
+                    contender.kind, _kit_worker
+                )
+                worker(job, _NoBarrier())  # type: ignore[arg-type]
                 trace.flush()
                 trace.seek(0)
                 text = trace.read()
@@ -991,6 +1086,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON document instead")
     parser.add_argument("--update-readme", action="store_true", help=f"rewrite {README.name}")
     parser.add_argument(
+        "--bare",
+        action="store_true",
+        help="add the bare database replaying outboxkit's PG statements (no outboxkit logic)",
+    )
+    parser.add_argument(
         "--statements", action="store_true", help="only count statements per event (PG)"
     )
     args = parser.parse_args(argv)
@@ -1015,7 +1115,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     where = machine(args.pg_url)
     say(f"compare: {args.events:,} events, {args.rounds} rounds, batch {BATCH}; {where}")
-    rows, outcomes, problems = compare(args.pg_url, args.events, args.rounds, args.only, say)
+    rows, outcomes, problems = compare(
+        args.pg_url, args.events, args.rounds, args.only, say, args.bare
+    )
     table = results_table(rows)
     if args.json:
         doc = {
