@@ -109,10 +109,10 @@ CONTENDERS = {
     ]
 }
 
+ASYNC = ["kit-async-1", "kit-async-4", "kit-async-16"]
 # Contenders that are compared with one another run next to one another.
 GROUPS: list[list[str]] = [
-    ["ref-tx-1", "kit-tx-1", "bare-tx-1", "pgqueuer-10", "kit-async-1", "kit-async-4"]
-    + ["kit-async-16"],
+    ["ref-tx-1", "kit-tx-1", "bare-tx-1", "pgqueuer-10", *ASYNC],
     ["ref-nontx-1", "kit-nontx-1", "procrastinate"],
     ["ref-tx-2", "kit-tx-2", "bare-tx-2"],
     ["ref-batch-1", "kit-batch-1", "bare-batch-1", "pgqueuer-100"],
@@ -667,7 +667,7 @@ def _fill_kit(outbox: Any, events: int) -> None:
 
 
 def _one(conn: Any, query: Any, params: Any = None) -> int:
-    row = conn.execute(query, params).fetchone()
+    row = conn.execute(query, params or ()).fetchone()
     return int(row[0]) if row else 0
 
 
@@ -1105,7 +1105,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"per event, {args.events} events, batch {BATCH} (libpq trace):")
         for name, counts in found.items():
             print(
-                f"  {name:<12} {CONTENDERS[name].label:<32} {counts['statements']:.2f} statements,"
+                f"  {name:<12} {CONTENDERS[name].label:<44} {counts['statements']:.2f} statements,"
                 f" {counts['round trips']:.2f} round trips"
             )
         return
