@@ -523,7 +523,7 @@ def asyncpg_kwargs(url: str) -> dict[str, Any]:
 
 
 def _pgqueuer_worker(job: Job, barrier: Barrier) -> Drained:
-    import asyncpg
+    import asyncpg  # type: ignore[import-untyped]
     from pgqueuer import AsyncpgDriver, Queries, QueueManager
     from pgqueuer.types import QueueExecutionMode
 
@@ -770,7 +770,7 @@ def fresh_database(url: str, prefix: str) -> Iterator[str]:
     info = conninfo_to_dict(url)
     info["dbname"] = name
     try:
-        yield make_conninfo(**info)
+        yield make_conninfo("", **info)
     finally:
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute(
