@@ -484,6 +484,8 @@ def _kit_async_worker(job: Job, barrier: Barrier) -> Drained:
 
     async def drain() -> tuple[float, float]:
         try:
+            async with poller.store.transaction():
+                pass  # a first connection, before the clock starts
             barrier.wait()
             started = time.monotonic()
             while await poller.run_once():
