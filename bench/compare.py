@@ -1,0 +1,1157 @@
+"""outboxkit against the minimal loop a user could write, and against pgqueuer and procrastinate.
+
+Every contender drains ``--events`` freshly enqueued events to a no-op handler, on a fresh
+schema (PostgreSQL), a fresh database (the peers) or a fresh file (SQLite), in spawned
+processes that connect first and wait at a start barrier; the time is from the first
+process's first claim to the last one's last settle (enqueue and setup excluded). Each round
+runs every contender once, the order rotating from round to round; the figures are each
+contender's median events/s and the ratio outboxkit / reference of the medians.
+
+    python bench/compare.py                        # everything, 10,000 events, 3 rounds
+    python bench/compare.py --events 2000 --rounds 1 --only pg-tx-1 --only sqlite-event
+    python bench/compare.py --json                 # machine-readable
+    python bench/compare.py --update-readme        # rewrite the table in bench/README.md
+    python bench/compare.py --statements           # statements and round trips per event
+
+The references (one table of events, one of delivery records, no token, no foreign key):
+
+- per event: claim 100 with ``FOR UPDATE SKIP LOCKED`` (lease, attempts + 1); per event
+  ``BEGIN``, the handler, ``INSERT`` a record, ``COMMIT`` (non-transactional: the record
+  ``INSERT`` in autocommit after the handler); then mark the batch published in one statement;
+- per batch: one transaction per batch: claim, the handlers, ``executemany`` of the records,
+  mark;
+- SQLite (WAL, ``synchronous=NORMAL``, as outboxkit's store): the same, with
+  ``BEGIN IMMEDIATE``.
+
+The peers: pgqueuer (asyncpg driver, ``QueueExecutionMode.drain``, batch 10 - its default - and
+100) and procrastinate (a worker with ``wait=False``, its defaults otherwise), each in a
+database of its own with its schema installed through its own API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import importlib.util
+import json
+import multiprocessing as mp
+import os
+import platform
+import re
+import secrets
+import sqlite3
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from multiprocessing.synchronize import Barrier
+from pathlib import Path
+from typing import Any
+
+from _common import median, pg_schema, pg_url_default
+
+TOPIC = "bench.compare"
+HANDLER = "noop"
+BATCH = 100
+TIMEOUT = 900.0  # seconds one contender's drain may take before it is abandoned
+README = Path(__file__).with_name("README.md")
+BEGIN_MARK = "<!-- compare:begin -->"
+END_MARK = "<!-- compare:end -->"
+
+
+# -- contenders -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Contender:
+    name: str
+    label: str
+    backend: str  # "pg" | "sqlite" | "pgqueuer" | "procrastinate"
+    kind: str  # "ref" | "kit" | "async" | "peer"
+    mode: str = "tx"  # "tx" | "nontx" | "batch"
+    processes: int = 1
+    concurrency: int = 1  # asyncio poller
+    batch_size: int = BATCH
+
+
+CONTENDERS = {
+    c.name: c
+    for c in [
+        Contender("ref-tx-1", "minimal loop, tx per event", "pg", "ref", "tx", 1),
+        Contender("ref-tx-2", "minimal loop, tx per event, 2 procs", "pg", "ref", "tx", 2),
+        Contender("ref-nontx-1", "minimal loop, autocommit record", "pg", "ref", "nontx", 1),
+        Contender("ref-batch-1", "minimal loop, tx per batch", "pg", "ref", "batch", 1),
+        Contender("ref-batch-2", "minimal loop, tx per batch, 2 procs", "pg", "ref", "batch", 2),
+        Contender("kit-tx-1", "poller, per_event", "pg", "kit", "tx", 1),
+        Contender("kit-tx-2", "poller, per_event, 2 procs", "pg", "kit", "tx", 2),
+        Contender("kit-nontx-1", "poller, non-transactional", "pg", "kit", "nontx", 1),
+        Contender("kit-batch-1", "poller, per_batch", "pg", "kit", "batch", 1),
+        Contender("kit-batch-2", "poller, per_batch, 2 procs", "pg", "kit", "batch", 2),
+        Contender("kit-async-1", "async_poller c=1", "pg", "async", "tx", 1, 1),
+        Contender("kit-async-4", "async_poller c=4", "pg", "async", "tx", 1, 4),
+        Contender("kit-async-16", "async_poller c=16", "pg", "async", "tx", 1, 16),
+        Contender("bare-tx-1", "outboxkit's statements, per event", "pg", "bare", "tx", 1),
+        Contender("bare-tx-2", "outboxkit's statements, per event, 2 procs", "pg", "bare", "tx", 2),
+        Contender("bare-batch-1", "outboxkit's statements, per batch", "pg", "bare", "batch", 1),
+        Contender(
+            "bare-batch-2", "outboxkit's statements, per batch, 2 procs", "pg", "bare", "batch", 2
+        ),
+        Contender("pgqueuer-10", "pgqueuer, batch 10", "pgqueuer", "peer", batch_size=10),
+        Contender("pgqueuer-100", "pgqueuer, batch 100", "pgqueuer", "peer", batch_size=100),
+        Contender("procrastinate", "procrastinate worker", "procrastinate", "peer"),
+        Contender("ref-sqlite-tx", "minimal loop, tx per event", "sqlite", "ref", "tx"),
+        Contender("ref-sqlite-batch", "minimal loop, tx per batch", "sqlite", "ref", "batch"),
+        Contender("kit-sqlite-tx", "poller, per_event", "sqlite", "kit", "tx"),
+        Contender("kit-sqlite-batch", "poller, per_batch", "sqlite", "kit", "batch"),
+    ]
+}
+
+ASYNC = ["kit-async-1", "kit-async-4", "kit-async-16"]
+# Contenders that are compared with one another run next to one another.
+GROUPS: list[list[str]] = [
+    ["ref-tx-1", "kit-tx-1", "bare-tx-1", "pgqueuer-10", *ASYNC],
+    ["ref-nontx-1", "kit-nontx-1", "procrastinate"],
+    ["ref-tx-2", "kit-tx-2", "bare-tx-2"],
+    ["ref-batch-1", "kit-batch-1", "bare-batch-1", "pgqueuer-100"],
+    ["ref-batch-2", "kit-batch-2", "bare-batch-2"],
+    ["ref-sqlite-tx", "kit-sqlite-tx", "ref-sqlite-batch", "kit-sqlite-batch"],
+]
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    label: str
+    reference: str
+    outboxkit: tuple[str, ...]  # the best of these is compared
+    target: float | None
+
+
+WORKLOADS = [
+    Workload("pg-tx-1", "PG transactional, 1 poller", "ref-tx-1", ("kit-tx-1",), 0.9),
+    Workload("pg-tx-2", "PG transactional, 2 pollers", "ref-tx-2", ("kit-tx-2",), 0.9),
+    Workload("pg-nontx-1", "PG non-transactional, 1 poller", "ref-nontx-1", ("kit-nontx-1",), 0.9),
+    Workload("pg-batch-1", "PG per_batch, 1 poller", "ref-batch-1", ("kit-batch-1",), 0.8),
+    Workload("pg-batch-2", "PG per_batch, 2 pollers", "ref-batch-2", ("kit-batch-2",), 0.8),
+    Workload(
+        "pgqueuer-default",
+        "best per-event vs pgqueuer (batch 10)",
+        "pgqueuer-10",
+        ("kit-tx-1", "kit-nontx-1", "kit-async-1", "kit-async-4", "kit-async-16"),
+        1.0,
+    ),
+    Workload(
+        "pgqueuer-batch", "per_batch vs pgqueuer (batch 100)", "pgqueuer-100", ("kit-batch-1",), 1.0
+    ),
+    Workload(
+        "procrastinate", "transactional vs procrastinate", "procrastinate", ("kit-tx-1",), None
+    ),
+    Workload("sqlite-event", "SQLite per event", "ref-sqlite-tx", ("kit-sqlite-tx",), 0.9),
+    Workload("sqlite-batch", "SQLite per_batch", "ref-sqlite-batch", ("kit-sqlite-batch",), 0.8),
+]
+# --bare: what the database itself gives for outboxkit's statements, against the same references.
+BARE_WORKLOADS = [
+    Workload("bare-tx-1", "PG transactional, 1 poller, bare", "ref-tx-1", ("bare-tx-1",), None),
+    Workload("bare-tx-2", "PG transactional, 2 pollers, bare", "ref-tx-2", ("bare-tx-2",), None),
+    Workload(
+        "bare-batch-1", "PG per_batch, 1 poller, bare", "ref-batch-1", ("bare-batch-1",), None
+    ),
+    Workload(
+        "bare-batch-2", "PG per_batch, 2 pollers, bare", "ref-batch-2", ("bare-batch-2",), None
+    ),
+]
+WORKLOAD_NAMES = [w.name for w in WORKLOADS + BARE_WORKLOADS]
+
+PEER_MODULES = {"pgqueuer": ("pgqueuer", "asyncpg"), "procrastinate": ("procrastinate",)}
+
+
+def missing_peer(backend: str) -> str | None:
+    """The first module a peer needs that is not installed, or None."""
+    for module in PEER_MODULES.get(backend, ()):
+        if importlib.util.find_spec(module) is None:
+            return module
+    return None
+
+
+# -- the references' tables and statements ----------------------------------------------------
+
+PG_REF_DDL = """
+CREATE TABLE {s}.ref_events (
+    id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    topic text NOT NULL,
+    payload jsonb NOT NULL,
+    attempts integer NOT NULL DEFAULT 0,
+    leased_until timestamptz,
+    published_at timestamptz
+);
+CREATE INDEX ON {s}.ref_events (id) WHERE published_at IS NULL;
+CREATE TABLE {s}.ref_records (
+    event_id bigint NOT NULL,
+    handler text NOT NULL,
+    recorded_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (event_id, handler)
+);
+"""
+PG_REF_FILL = """
+INSERT INTO {s}.ref_events (topic, payload)
+SELECT %(topic)s, jsonb_build_object('n', g) FROM generate_series(1, %(n)s) AS g
+"""
+PG_REF_CLAIM = """
+WITH due AS (
+    SELECT id FROM {s}.ref_events
+     WHERE published_at IS NULL AND (leased_until IS NULL OR leased_until < now())
+     ORDER BY id LIMIT %(batch)s
+       FOR UPDATE SKIP LOCKED
+)
+UPDATE {s}.ref_events AS e
+   SET leased_until = now() + interval '30 seconds', attempts = e.attempts + 1
+  FROM due WHERE e.id = due.id
+RETURNING e.id, e.topic, e.payload
+"""
+PG_REF_RECORD = "INSERT INTO {s}.ref_records (event_id, handler) VALUES (%s, %s)"
+PG_REF_MARK = """
+UPDATE {s}.ref_events SET published_at = now(), leased_until = NULL WHERE id = ANY(%s)
+"""
+
+SQLITE_REF_DDL = """
+CREATE TABLE ref_events (
+    id INTEGER PRIMARY KEY,
+    topic TEXT NOT NULL,
+    payload TEXT NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    leased_until REAL,
+    published_at REAL
+);
+CREATE INDEX ref_due ON ref_events (id) WHERE published_at IS NULL;
+CREATE TABLE ref_records (
+    event_id INTEGER NOT NULL,
+    handler TEXT NOT NULL,
+    recorded_at REAL NOT NULL,
+    PRIMARY KEY (event_id, handler)
+);
+"""
+SQLITE_REF_CLAIM = """
+UPDATE ref_events SET leased_until = :until, attempts = attempts + 1
+ WHERE id IN (SELECT id FROM ref_events
+               WHERE published_at IS NULL AND (leased_until IS NULL OR leased_until < :now)
+               ORDER BY id LIMIT :batch)
+RETURNING id, topic, payload
+"""
+SQLITE_REF_RECORD = "INSERT INTO ref_records (event_id, handler, recorded_at) VALUES (?, ?, ?)"
+SQLITE_REF_MARK = """
+UPDATE ref_events SET published_at = :now, leased_until = NULL
+ WHERE id IN (SELECT value FROM json_each(:ids))
+"""
+
+
+def _pg(statement: str, schema: str) -> Any:
+    """``statement`` with ``{s}`` filled in by the schema, quoted as an identifier."""
+    from psycopg import sql
+
+    return sql.SQL(statement).format(s=sql.Identifier(schema))
+
+
+# -- workers (spawned processes) ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Job:
+    contender: Contender
+    target: str  # PG URL, or SQLite file
+    schema: str = ""  # PG schema of the store and the reference tables
+
+
+@dataclass
+class Drained:
+    started: float
+    ended: float
+    handled: int  # handler calls in this process
+
+
+def noop(*_: object) -> None:
+    """The handler: it does nothing (the caller counts its calls)."""
+
+
+def _pg_ref_worker(job: Job, barrier: Barrier) -> Drained:
+    import psycopg
+
+    c = job.contender
+    claim, mark = _pg(PG_REF_CLAIM, job.schema), _pg(PG_REF_MARK, job.schema)
+    record = _pg(PG_REF_RECORD, job.schema)
+    handled = 0
+    with psycopg.connect(job.target, autocommit=True) as conn:
+        barrier.wait()
+        started = time.monotonic()
+        while True:
+            if c.mode == "batch":
+                with conn.transaction():
+                    rows = conn.execute(claim, {"batch": c.batch_size}).fetchall()
+                    for event_id, topic, payload in rows:
+                        noop(event_id, topic, payload)
+                    with conn.cursor() as cur:
+                        cur.executemany(record, [(row[0], HANDLER) for row in rows])
+                    conn.execute(mark, ([row[0] for row in rows],))
+            else:
+                rows = conn.execute(claim, {"batch": c.batch_size}).fetchall()
+                for event_id, topic, payload in rows:
+                    if c.mode == "tx":
+                        with conn.transaction():
+                            noop(event_id, topic, payload)
+                            conn.execute(record, (event_id, HANDLER))
+                    else:
+                        noop(event_id, topic, payload)
+                        conn.execute(record, (event_id, HANDLER))
+                if rows:
+                    conn.execute(mark, ([row[0] for row in rows],))
+            if not rows:
+                break
+            handled += len(rows)
+        ended = time.monotonic()
+    return Drained(started, ended, handled)
+
+
+def _sqlite_ref_worker(job: Job, barrier: Barrier) -> Drained:
+    c = job.contender
+    conn = sqlite3.connect(job.target, isolation_level=None, timeout=30)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    handled = 0
+    barrier.wait()
+    started = time.monotonic()
+    while True:
+        now = time.time()
+        claim = {"now": now, "until": now + 30, "batch": c.batch_size}
+        if c.mode == "batch":
+            conn.execute("BEGIN IMMEDIATE")
+            rows = conn.execute(SQLITE_REF_CLAIM, claim).fetchall()
+            for event_id, topic, payload in rows:
+                noop(event_id, topic, json.loads(payload))
+            conn.executemany(SQLITE_REF_RECORD, [(row[0], HANDLER, now) for row in rows])
+            ids = json.dumps([row[0] for row in rows])
+            conn.execute(SQLITE_REF_MARK, {"now": time.time(), "ids": ids})
+            conn.execute("COMMIT")
+        else:
+            conn.execute("BEGIN IMMEDIATE")
+            rows = conn.execute(SQLITE_REF_CLAIM, claim).fetchall()
+            conn.execute("COMMIT")
+            for event_id, topic, payload in rows:
+                conn.execute("BEGIN IMMEDIATE")
+                noop(event_id, topic, json.loads(payload))
+                conn.execute(SQLITE_REF_RECORD, (event_id, HANDLER, time.time()))
+                conn.execute("COMMIT")
+            if rows:
+                ids = json.dumps([row[0] for row in rows])
+                conn.execute(SQLITE_REF_MARK, {"now": time.time(), "ids": ids})
+        if not rows:
+            break
+        handled += len(rows)
+    ended = time.monotonic()
+    conn.close()
+    return Drained(started, ended, handled)
+
+
+def _bare_worker(job: Job, barrier: Barrier) -> Drained:
+    """outboxkit's own statements (its store's SQL, its pipeline syncs), sent by a plain loop:
+    no poller, no handler dispatch, no observers - what the database gives for its work."""
+    import psycopg
+    from psycopg.rows import tuple_row
+
+    from outboxkit_pg import PostgresStore
+
+    c = job.contender
+    store = PostgresStore(job.target, schema=job.schema, notify=False)
+    q = store._queries
+    claim_params = {"now": None, "batch_size": c.batch_size, "lease": "30 seconds"}
+    handled = 0
+    with psycopg.connect(job.target, autocommit=True) as conn:
+
+        def sync(*statements: tuple[Any, Any]) -> None:
+            with conn.pipeline():
+                for query, params in statements:
+                    conn.cursor(row_factory=tuple_row).execute(query, params)
+
+        barrier.wait()
+        started = time.monotonic()
+        while True:
+            rows = conn.execute(q["claim"], claim_params).fetchall()
+            if not rows:
+                break
+            batched = c.mode == "batch"
+            if batched:
+                conn.execute(b"BEGIN")
+                first = rows[0]
+                conn.execute(
+                    q["lock_for_delivery"], {"id": first[0], "token": first[12], "mark": False}
+                )
+            for row in rows:
+                event_id, attempt, token = row[0], row[7], row[12]
+                noop(event_id, json.loads(row[2]))
+                lock = {"id": event_id, "token": token, "mark": True}
+                record = {
+                    "event_id": event_id,
+                    "handler": HANDLER,
+                    "outcome": "succeeded",
+                    "attempt": attempt,
+                    "now": None,
+                    "reason": None,
+                }
+                if batched:
+                    sync((b"SAVEPOINT d", None), (q["lock_in_batch"], lock))
+                    sync((q["insert_record"], record), (b"RELEASE SAVEPOINT d", None))
+                else:
+                    sync((b"BEGIN", None), (q["lock_for_delivery"], lock))
+                    sync((q["insert_record"], record), (b"COMMIT", None))
+            n = len(rows)
+            settle = {
+                "now": None,
+                "ids": [row[0] for row in rows],
+                "tokens": [row[12] for row in rows],
+                "publish": [True] * n,
+                "dead": [False] * n,
+                "retry_after": [None] * n,
+                "keeps_error": [False] * n,
+                "errors": [None] * n,
+            }
+            conn.execute(q["settle_many"], settle)
+            if batched:
+                conn.execute(b"COMMIT")
+            handled += n
+        ended = time.monotonic()
+    store.close()
+    return Drained(started, ended, handled)
+
+
+def _kit_outbox(job: Job, asyncio_side: bool = False) -> tuple[Any, Any, list[int]]:
+    """The store, the outbox and the handler's call counter of a poller process."""
+    from outboxkit import EventBus, Outbox
+
+    c = job.contender
+    calls = [0]
+    bus = EventBus()
+    if asyncio_side:
+
+        async def handle_async(event: Any, ctx: Any) -> None:
+            calls[0] += 1
+
+        bus.subscribe(TOPIC, handle_async, name=HANDLER)
+    else:
+
+        def handle(event: Any, ctx: Any) -> None:
+            calls[0] += 1
+
+        bus.subscribe(TOPIC, handle, name=HANDLER, transactional=c.mode != "nontx")
+    if c.backend == "pg":
+        from outboxkit_pg import PostgresStore
+
+        store: Any = PostgresStore(job.target, schema=job.schema, notify=False)
+    else:
+        from outboxkit_sqlite import SQLiteStore
+
+        store = SQLiteStore(job.target, migrate=False)
+    return store, Outbox(store, bus, load_entry_points=False), calls
+
+
+def _kit_worker(job: Job, barrier: Barrier) -> Drained:
+    from outboxkit.poller import ThreadWaiter
+
+    store, outbox, calls = _kit_outbox(job)
+    transaction = "per_batch" if job.contender.mode == "batch" else "per_event"
+    poller = outbox.poller(
+        batch_size=job.contender.batch_size, waiter=ThreadWaiter(), transaction=transaction
+    )
+    store.stats(now=None)  # connect (and check the schema) before the clock starts
+    barrier.wait()
+    started = time.monotonic()
+    while poller.run_once():
+        pass
+    ended = time.monotonic()
+    store.close()
+    return Drained(started, ended, calls[0])
+
+
+def _kit_async_worker(job: Job, barrier: Barrier) -> Drained:
+    from outboxkit.waiter import LoopWaiter
+
+    store, outbox, calls = _kit_outbox(job, asyncio_side=True)
+    poller = outbox.async_poller(
+        concurrency=job.contender.concurrency,
+        batch_size=job.contender.batch_size,
+        waiter=LoopWaiter(),
+    )
+
+    async def drain() -> tuple[float, float]:
+        try:
+            async with poller.store.transaction():
+                pass  # a first connection, before the clock starts
+            barrier.wait()
+            started = time.monotonic()
+            while await poller.run_once():
+                pass
+            return started, time.monotonic()
+        finally:
+            await poller.store.close()
+
+    started, ended = asyncio.run(drain())
+    store.close()
+    return Drained(started, ended, calls[0])
+
+
+def asyncpg_kwargs(url: str) -> dict[str, Any]:
+    """``asyncpg.connect`` arguments for a libpq URL or conninfo (options ``-c k=v`` too)."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    info = conninfo_to_dict(url)
+    kwargs: dict[str, Any] = {
+        key: info[name]
+        for key, name in [
+            ("host", "host"),
+            ("port", "port"),
+            ("user", "user"),
+            ("password", "password"),
+            ("database", "dbname"),
+        ]
+        if info.get(name)
+    }
+    if "port" in kwargs:
+        kwargs["port"] = int(kwargs["port"])
+    options = str(info.get("options") or "")
+    settings = dict(re.findall(r"-c\s*([\w.]+)=(\S+)", options))
+    if settings:
+        kwargs["server_settings"] = settings
+    return kwargs
+
+
+def _pgqueuer_worker(job: Job, barrier: Barrier) -> Drained:
+    import asyncpg  # type: ignore[import-untyped]
+    from pgqueuer import AsyncpgDriver, Queries, QueueManager
+    from pgqueuer.types import QueueExecutionMode
+
+    calls = [0]
+
+    async def drain() -> tuple[float, float]:
+        conn = await asyncpg.connect(**asyncpg_kwargs(job.target))
+        try:
+            qm = QueueManager(Queries(AsyncpgDriver(conn)))
+
+            @qm.entrypoint(HANDLER)
+            async def handle(job: Any) -> None:
+                calls[0] += 1
+
+            barrier.wait()
+            started = time.monotonic()
+            await qm.run(batch_size=job.contender.batch_size, mode=QueueExecutionMode.drain)
+            return started, time.monotonic()
+        finally:
+            await conn.close()
+
+    started, ended = asyncio.run(drain())
+    return Drained(started, ended, calls[0])
+
+
+def _procrastinate_app(url: str) -> tuple[Any, Any, list[int]]:
+    import procrastinate
+
+    calls = [0]
+    app = procrastinate.App(connector=procrastinate.PsycopgConnector(conninfo=url))
+
+    @app.task(name=HANDLER)
+    def handle() -> None:
+        calls[0] += 1
+
+    return app, handle, calls
+
+
+def _procrastinate_worker(job: Job, barrier: Barrier) -> Drained:
+    app, _, calls = _procrastinate_app(job.target)
+
+    async def drain() -> tuple[float, float]:
+        async with app.open_async():
+            barrier.wait()
+            started = time.monotonic()
+            await app.run_worker_async(wait=False, install_signal_handlers=False)
+            return started, time.monotonic()
+
+    started, ended = asyncio.run(drain())
+    return Drained(started, ended, calls[0])
+
+
+def _worker(job: Job, barrier: Barrier, results: Any) -> None:
+    c = job.contender
+    run: Callable[[Job, Barrier], Drained]
+    if c.backend == "pgqueuer":
+        run = _pgqueuer_worker
+    elif c.backend == "procrastinate":
+        run = _procrastinate_worker
+    elif c.kind == "ref":
+        run = _pg_ref_worker if c.backend == "pg" else _sqlite_ref_worker
+    elif c.kind == "async":
+        run = _kit_async_worker
+    elif c.kind == "bare":
+        run = _bare_worker
+    else:
+        run = _kit_worker
+    try:
+        results.put(asdict(run(job, barrier)))
+    except BaseException as exc:
+        results.put({"error": f"{c.name}: {type(exc).__name__}: {exc}"})
+        barrier.abort()
+        raise
+
+
+def run_processes(job: Job) -> tuple[float, int]:
+    """Run the contender's processes together: (seconds first start to last end, handled)."""
+    n = job.contender.processes
+    ctx = mp.get_context("spawn")
+    barrier = ctx.Barrier(n, timeout=120)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(job, barrier, results)) for _ in range(n)]
+    for p in procs:
+        p.start()
+    try:
+        raw = [results.get(timeout=TIMEOUT) for _ in procs]
+        errors = [r["error"] for r in raw if "error" in r]
+        if errors:
+            raise RuntimeError("; ".join(errors))
+        got = [Drained(**r) for r in raw]
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+    if any(p.exitcode != 0 for p in procs):
+        raise RuntimeError(f"{job.contender.name}: exit codes {[p.exitcode for p in procs]}")
+    started = min(g.started for g in got)
+    ended = max(g.ended for g in got)
+    return ended - started, sum(g.handled for g in got)
+
+
+# -- setup and checks (in the parent) -------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    """One contender's drain: its time, its handler calls, and what the database holds after."""
+
+    name: str
+    seconds: float
+    handled: int
+    settled: int  # events marked done
+    records: int  # distinct events with a delivery record (peers: their own count of done jobs)
+
+    @property
+    def rate(self) -> float:
+        return self.handled / self.seconds if self.seconds > 0 else float("nan")
+
+    def problems(self, events: int) -> list[str]:
+        wrong = [
+            f"{what} {got}"
+            for what, got in [
+                ("handler calls", self.handled),
+                ("settled", self.settled),
+                ("recorded", self.records),
+            ]
+            if got != events
+        ]
+        return [f"{self.name}: expected {events} each, got " + ", ".join(wrong)] if wrong else []
+
+
+def _fill_kit(outbox: Any, events: int) -> None:
+    store = outbox.store
+    for start in range(0, events, 1000):
+        with store.transaction() as tx:
+            outbox.enqueue_many(
+                tx, [(TOPIC, {"n": n}) for n in range(start, min(events, start + 1000))]
+            )
+
+
+def _one(conn: Any, query: Any, params: Any = None) -> int:
+    row = conn.execute(query, params or ()).fetchone()
+    return int(row[0]) if row else 0
+
+
+def run_pg(contender: Contender, url: str, events: int) -> Outcome:
+    import psycopg
+
+    from outboxkit import EventBus, Outbox
+    from outboxkit_pg import PostgresStore
+
+    with pg_schema(url, "outboxkit_compare") as schema:
+        with psycopg.connect(url, autocommit=True) as conn:
+            if contender.kind == "ref":
+                conn.execute(_pg(PG_REF_DDL, schema))
+                conn.execute(_pg(PG_REF_FILL, schema), {"topic": TOPIC, "n": events})
+                conn.execute(_pg("VACUUM ANALYZE {s}.ref_events", schema))
+            else:
+                with contextlib.closing(PostgresStore(url, schema=schema, notify=False)) as store:
+                    store.migrate()
+                    _fill_kit(Outbox(store, EventBus(), load_entry_points=False), events)
+                conn.execute(_pg("VACUUM ANALYZE {s}.outbox_events", schema))
+        seconds, handled = run_processes(Job(contender, url, schema))
+        with psycopg.connect(url, autocommit=True) as conn:
+            if contender.kind == "ref":
+                settled = _one(
+                    conn,
+                    _pg(
+                        "SELECT count(*) FROM {s}.ref_events WHERE published_at IS NOT NULL", schema
+                    ),
+                )
+                records = _one(
+                    conn, _pg("SELECT count(DISTINCT event_id) FROM {s}.ref_records", schema)
+                )
+            else:
+                settled = _one(
+                    conn,
+                    _pg(
+                        "SELECT count(*) FROM {s}.outbox_events WHERE published_at IS NOT NULL",
+                        schema,
+                    ),
+                )
+                records = _one(
+                    conn,
+                    _pg(
+                        "SELECT count(DISTINCT event_id) FROM {s}.outbox_deliveries"
+                        " WHERE outcome = 'succeeded'",
+                        schema,
+                    ),
+                )
+    return Outcome(contender.name, seconds, handled, settled, records)
+
+
+def run_sqlite(contender: Contender, events: int) -> Outcome:
+    from outboxkit import EventBus, Outbox
+    from outboxkit_sqlite import SQLiteStore
+
+    with tempfile.TemporaryDirectory(prefix="outboxkit-compare-") as tmp:
+        path = Path(tmp) / "bench.db"
+        if contender.kind == "ref":
+            with contextlib.closing(sqlite3.connect(path, isolation_level=None)) as conn:
+                conn.execute("PRAGMA journal_mode=WAL")
+                conn.executescript(SQLITE_REF_DDL)
+                conn.execute("BEGIN")
+                conn.executemany(
+                    "INSERT INTO ref_events (topic, payload) VALUES (?, ?)",
+                    [(TOPIC, json.dumps({"n": n})) for n in range(events)],
+                )
+                conn.execute("COMMIT")
+        else:
+            with SQLiteStore(path) as store:
+                _fill_kit(Outbox(store, EventBus(), load_entry_points=False), events)
+        seconds, handled = run_processes(Job(contender, str(path)))
+        with contextlib.closing(sqlite3.connect(path)) as conn:
+            if contender.kind == "ref":
+                settled = _one(
+                    conn, "SELECT count(*) FROM ref_events WHERE published_at IS NOT NULL"
+                )
+                records = _one(conn, "SELECT count(DISTINCT event_id) FROM ref_records")
+            else:
+                settled = _one(
+                    conn, "SELECT count(*) FROM outbox_events WHERE published_at IS NOT NULL"
+                )
+                records = _one(
+                    conn,
+                    "SELECT count(DISTINCT event_id) FROM outbox_deliveries"
+                    " WHERE outcome = 'succeeded'",
+                )
+    return Outcome(contender.name, seconds, handled, settled, records)
+
+
+@contextlib.contextmanager
+def fresh_database(url: str, prefix: str) -> Iterator[str]:
+    """A fresh, empty database on the server of ``url`` (its URL), dropped afterwards."""
+    import psycopg
+    from psycopg import sql
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    name = f"{prefix}_{os.getpid()}_{secrets.token_hex(3)}"
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    info = conninfo_to_dict(url)
+    info["dbname"] = name
+    try:
+        yield make_conninfo("", **info)
+    finally:
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+            )
+
+
+def run_pgqueuer(contender: Contender, url: str, events: int) -> Outcome:
+    import asyncpg
+    import psycopg
+    from pgqueuer import AsyncpgDriver, Queries
+
+    with fresh_database(url, "outboxkit_compare_pgq") as db:
+
+        async def setup() -> None:
+            conn = await asyncpg.connect(**asyncpg_kwargs(db))
+            try:
+                queries = Queries(AsyncpgDriver(conn))
+                await queries.install()
+                for start in range(0, events, 1000):
+                    n = min(events, start + 1000) - start
+                    await queries.enqueue([HANDLER] * n, [None] * n, [0] * n)
+            finally:
+                await conn.close()
+
+        asyncio.run(setup())
+        with psycopg.connect(db, autocommit=True) as conn:
+            conn.execute("VACUUM ANALYZE")
+        seconds, handled = run_processes(Job(contender, db))
+        with psycopg.connect(db, autocommit=True) as conn:
+            left = _one(conn, "SELECT count(*) FROM pgqueuer")
+            done = _one(
+                conn,
+                "SELECT count(DISTINCT job_id) FROM pgqueuer_log WHERE status = 'successful'",
+            )
+    return Outcome(contender.name, seconds, handled, events - left, done)
+
+
+def run_procrastinate(contender: Contender, url: str, events: int) -> Outcome:
+    import psycopg
+
+    with fresh_database(url, "outboxkit_compare_procr") as db:
+        app, task, _ = _procrastinate_app(db)
+
+        async def setup() -> None:
+            async with app.open_async():
+                await app.schema_manager.apply_schema_async()
+                for start in range(0, events, 1000):
+                    n = min(events, start + 1000) - start
+                    await task.batch_defer_async(*([{}] * n))
+
+        asyncio.run(setup())
+        with psycopg.connect(db, autocommit=True) as conn:
+            conn.execute("VACUUM ANALYZE")
+        seconds, handled = run_processes(Job(contender, db))
+        with psycopg.connect(db, autocommit=True) as conn:
+            done = _one(conn, "SELECT count(*) FROM procrastinate_jobs WHERE status = 'succeeded'")
+    return Outcome(contender.name, seconds, handled, done, done)
+
+
+def run_contender(contender: Contender, url: str, events: int) -> Outcome:
+    if contender.backend == "pg":
+        return run_pg(contender, url, events)
+    if contender.backend == "sqlite":
+        return run_sqlite(contender, events)
+    if contender.backend == "pgqueuer":
+        return run_pgqueuer(contender, url, events)
+    return run_procrastinate(contender, url, events)
+
+
+# -- rounds, results --------------------------------------------------------------------------
+
+
+def needed(workloads: Sequence[Workload]) -> set[str]:
+    return {name for w in workloads for name in (w.reference, *w.outboxkit)}
+
+
+def schedule(names: set[str], round_: int) -> list[str]:
+    """This round's order: the groups rotated, and the contenders within each group."""
+    groups = [[n for n in g if n in names] for g in GROUPS]
+    groups = [g for g in groups if g]
+    if groups:
+        shift = round_ % len(groups)
+        groups = groups[shift:] + groups[:shift]
+    order: list[str] = []
+    for g in groups:
+        shift = round_ % len(g)
+        order += g[shift:] + g[:shift]
+    return order
+
+
+@dataclass
+class Row:
+    workload: str
+    label: str
+    reference: str
+    ref_rate: float
+    outboxkit: str
+    kit_rate: float
+    ratio: float
+    target: float | None
+    met: bool | None
+    rounds: list[float] = field(default_factory=list)  # per-round ratios
+
+    def cells(self) -> list[str]:
+        return [
+            self.label,
+            CONTENDERS[self.reference].label,
+            f"{self.ref_rate:,.0f}",
+            f"{self.kit_rate:,.0f} ({CONTENDERS[self.outboxkit].label})",
+            f"{self.ratio:.2f}",
+            "—" if self.target is None else f"≥ {self.target:g}",
+            "—" if self.met is None else ("met" if self.met else "unmet"),
+        ]
+
+
+HEADER = ["workload", "reference", "ref ev/s", "outboxkit ev/s", "ratio", "target", "met"]
+
+
+def results_table(rows: Sequence[Row]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(row.cells()) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def summarize(workloads: Sequence[Workload], rates: dict[str, list[float]]) -> list[Row]:
+    rows = []
+    for w in workloads:
+        ref = rates.get(w.reference) or []
+        kits = {k: rates[k] for k in w.outboxkit if rates.get(k)}
+        if not ref or not kits:
+            continue
+        best = max(kits, key=lambda k: median(kits[k]))
+        ratio = median(kits[best]) / median(ref)
+        rows.append(
+            Row(
+                w.name,
+                w.label,
+                w.reference,
+                median(ref),
+                best,
+                median(kits[best]),
+                ratio,
+                w.target,
+                None if w.target is None else ratio >= w.target,
+                [k / r for k, r in zip(kits[best], ref, strict=True)],
+            )
+        )
+    return rows
+
+
+def machine(url: str) -> str:
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        version = conn.execute("SHOW server_version").fetchone()
+        sync = conn.execute("SHOW synchronous_commit").fetchone()
+    pg = version[0].split()[0] if version else "?"
+    return (
+        f"{os.cpu_count()} cores, PostgreSQL {pg} (synchronous_commit={sync[0] if sync else '?'}),"
+        f" Python {platform.python_version()}, SQLite {sqlite3.sqlite_version}"
+    )
+
+
+def update_readme(table: str, header: str) -> None:
+    text = README.read_text()
+    block = f"{BEGIN_MARK}\n{header}\n\n{table}\n{END_MARK}"
+    if BEGIN_MARK in text and END_MARK in text:
+        before, rest = text.split(BEGIN_MARK, 1)
+        after = rest.split(END_MARK, 1)[1]
+        text = before + block + after
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    README.write_text(text)
+
+
+def compare(
+    url: str,
+    events: int,
+    rounds: int,
+    only: Sequence[str] = (),
+    say: Callable[[str], None] = print,
+    bare: bool = False,
+) -> tuple[list[Row], dict[str, list[Outcome]], list[str]]:
+    """Run the rounds; the table's rows, every outcome by contender, and the problems seen."""
+    candidates = WORKLOADS + BARE_WORKLOADS if bare or only else WORKLOADS
+    workloads = [w for w in candidates if not only or w.name in only]
+    names = needed(workloads)
+    for backend in PEER_MODULES:
+        module = missing_peer(backend)
+        if module is not None and any(CONTENDERS[n].backend == backend for n in names):
+            say(f"skipped: {backend} ({module} is not installed; pip install -e '.[bench]')")
+            names = {n for n in names if CONTENDERS[n].backend != backend}
+    outcomes: dict[str, list[Outcome]] = {}
+    problems: list[str] = []
+    for round_ in range(rounds):
+        for name in schedule(names, round_):
+            outcome = run_contender(CONTENDERS[name], url, events)
+            outcomes.setdefault(name, []).append(outcome)
+            problems += outcome.problems(events)
+            say(
+                f"  round {round_ + 1}: {name:<17} {outcome.rate:>9,.0f} ev/s"
+                f" ({outcome.handled} in {outcome.seconds:.2f} s)"
+            )
+    rates = {n: [o.rate for o in got] for n, got in outcomes.items()}
+    return summarize(workloads, rates), outcomes, problems
+
+
+# -- statements per event ---------------------------------------------------------------------
+
+
+def count_statements(url: str, events: int) -> dict[str, dict[str, float]]:
+    """Statements and round trips (syncs) per event, from libpq's protocol trace, of the PG
+    per-event and per-batch drains, outboxkit's and the references', in this process."""
+    import psycopg
+
+    from outboxkit import EventBus, Outbox
+    from outboxkit_pg import PostgresStore
+
+    found: dict[str, dict[str, float]] = {}
+    for name in (
+        "ref-tx-1",
+        "kit-tx-1",
+        "bare-tx-1",
+        "ref-nontx-1",
+        "kit-nontx-1",
+        "ref-batch-1",
+        "kit-batch-1",
+        "bare-batch-1",
+    ):
+        contender = CONTENDERS[name]
+        with pg_schema(url, "outboxkit_compare") as schema:
+            with psycopg.connect(url, autocommit=True) as conn:
+                if contender.kind == "ref":
+                    conn.execute(_pg(PG_REF_DDL, schema))
+                    conn.execute(_pg(PG_REF_FILL, schema), {"topic": TOPIC, "n": events})
+                else:
+                    with contextlib.closing(
+                        PostgresStore(url, schema=schema, notify=False)
+                    ) as store:
+                        store.migrate()
+                        _fill_kit(Outbox(store, EventBus(), load_entry_points=False), events)
+            with tempfile.TemporaryFile("w+") as trace, _traced_connections(trace.fileno()):
+                job = Job(contender, url, schema)
+                worker = {"ref": _pg_ref_worker, "bare": _bare_worker}.get(
+                    contender.kind, _kit_worker
+                )
+                worker(job, _NoBarrier())  # type: ignore[arg-type]
+                trace.flush()
+                trace.seek(0)
+                text = trace.read()
+                if os.environ.get("COMPARE_TRACE_DIR"):
+                    Path(os.environ["COMPARE_TRACE_DIR"], f"{name}.trace").write_text(text)
+                counts = _trace_counts(text)
+        found[name] = {k: v / events for k, v in counts.items()}
+    return found
+
+
+@contextlib.contextmanager
+def _traced_connections(fileno: int) -> Iterator[None]:
+    """Every psycopg connection opened inside writes libpq's protocol trace to ``fileno``."""
+    import psycopg
+
+    original = psycopg.Connection.connect.__func__  # type: ignore[attr-defined]
+
+    def traced(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        conn = original(cls, *args, **kwargs)
+        conn.pgconn.trace(fileno)
+        conn.pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS)
+        return conn
+
+    saved = psycopg.connect
+    psycopg.Connection.connect = classmethod(traced)  # type: ignore[method-assign,assignment]
+    psycopg.connect = psycopg.Connection.connect
+    try:
+        yield
+    finally:
+        psycopg.Connection.connect = classmethod(original)  # type: ignore[method-assign,assignment]
+        psycopg.connect = saved
+
+
+class _NoBarrier:
+    def wait(self) -> None:
+        pass
+
+
+def _trace_counts(text: str) -> dict[str, int]:
+    """Frontend messages in a libpq trace: statements (Query, Execute) and syncs."""
+    counts = {"statements": 0, "round trips": 0}
+    for line in text.splitlines():
+        parts = line.split("\t") if "\t" in line else line.split()
+        if len(parts) < 3 or parts[0] != "F":
+            continue
+        message = parts[2]
+        if message in ("Query", "Execute"):
+            counts["statements"] += 1
+        if message in ("Query", "Sync"):
+            counts["round trips"] += 1
+    return counts
+
+
+# -- main -------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--events", type=int, default=10_000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--only", action="append", choices=WORKLOAD_NAMES, default=[], help="repeatable"
+    )
+    parser.add_argument("--pg-url", default=pg_url_default())
+    parser.add_argument("--json", action="store_true", help="print one JSON document instead")
+    parser.add_argument("--update-readme", action="store_true", help=f"rewrite {README.name}")
+    parser.add_argument(
+        "--bare",
+        action="store_true",
+        help="add the bare database replaying outboxkit's PG statements (no outboxkit logic)",
+    )
+    parser.add_argument(
+        "--statements", action="store_true", help="only count statements per event (PG)"
+    )
+    args = parser.parse_args(argv)
+    if args.events < 1 or args.rounds < 1:
+        parser.error("--events and --rounds must be at least 1")
+
+    if args.statements:
+        found = count_statements(args.pg_url, args.events)
+        if args.json:
+            print(json.dumps(found, indent=2))
+            return
+        print(f"per event, {args.events} events, batch {BATCH} (libpq trace):")
+        for name, counts in found.items():
+            print(
+                f"  {name:<12} {CONTENDERS[name].label:<44} {counts['statements']:.2f} statements,"
+                f" {counts['round trips']:.2f} round trips"
+            )
+        return
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
+
+    where = machine(args.pg_url)
+    say(f"compare: {args.events:,} events, {args.rounds} rounds, batch {BATCH}; {where}")
+    rows, outcomes, problems = compare(
+        args.pg_url, args.events, args.rounds, args.only, say, args.bare
+    )
+    table = results_table(rows)
+    if args.json:
+        doc = {
+            "events": args.events,
+            "rounds": args.rounds,
+            "machine": where,
+            "rows": [asdict(r) for r in rows],
+            "contenders": {
+                n: [asdict(o) | {"rate": o.rate} for o in got] for n, got in outcomes.items()
+            },
+            "problems": problems,
+        }
+        print(json.dumps(doc, indent=2))
+    else:
+        print(table)
+        for row in rows:
+            print(
+                f"  {row.workload}: per-round ratios " + ", ".join(f"{r:.2f}" for r in row.rounds)
+            )
+        for problem in problems:
+            print(f"WARNING: {problem}")
+    if args.update_readme:
+        today = datetime.date.today().isoformat()
+        header = (
+            f"`python bench/compare.py` on {today}: {where}; {args.events:,} events,"
+            f" {args.rounds} rounds (medians; ratio = outboxkit / reference)."
+        )
+        update_readme(table, header)
+        say(f"updated {README}")
+    if problems:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

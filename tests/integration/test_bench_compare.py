@@ -1,0 +1,93 @@
+"""A smoke test of ``bench/compare.py``: every contender it measures (the minimal loops,
+outboxkit's pollers, outboxkit's statements replayed bare; not the peers) drains a few hundred
+events, each handled, settled and recorded exactly once. A correctness check of the harness,
+never a timing one."""
+
+from __future__ import annotations
+
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+EVENTS = 150  # two claims of 100: a full batch, then a partial one
+
+PG_CONTENDERS = [
+    "ref-tx-1",
+    "kit-tx-1",
+    "ref-tx-2",
+    "kit-tx-2",
+    "ref-nontx-1",
+    "kit-nontx-1",
+    "ref-batch-1",
+    "kit-batch-1",
+    "kit-async-4",
+    "bare-tx-1",
+    "bare-batch-1",
+]
+SQLITE_CONTENDERS = ["ref-sqlite-tx", "kit-sqlite-tx", "ref-sqlite-batch", "kit-sqlite-batch"]
+
+
+@pytest.fixture(scope="module")
+def compare():
+    sys.path.insert(0, str(BENCH))  # the scripts import _common; spawned children inherit it
+    try:
+        import compare as module
+
+        yield module
+    finally:
+        sys.path.remove(str(BENCH))
+        sys.modules.pop("compare", None)
+        sys.modules.pop("_common", None)
+
+
+def test_every_contender_is_known(compare):
+    assert set(PG_CONTENDERS + SQLITE_CONTENDERS) <= set(compare.CONTENDERS)
+    for group in compare.GROUPS:
+        assert set(group) <= set(compare.CONTENDERS)
+    for workload in compare.WORKLOADS + compare.BARE_WORKLOADS:
+        assert {workload.reference, *workload.outboxkit} <= set(compare.CONTENDERS)
+
+
+def _drain_all(compare, names, url):
+    """Every contender's outcome; they run side by side (each in its own schema or file)."""
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        outcomes = list(
+            pool.map(lambda n: compare.run_contender(compare.CONTENDERS[n], url, EVENTS), names)
+        )
+    for name, outcome in zip(names, outcomes, strict=True):
+        assert outcome.name == name
+        assert outcome.problems(EVENTS) == []
+        assert (outcome.handled, outcome.settled, outcome.records) == (EVENTS,) * 3, name
+        assert outcome.seconds > 0
+
+
+@pytest.mark.pg
+def test_pg_contenders_drain_every_event_once(compare):
+    from tests.integration.pg import conftest as pg
+
+    url = pg.test_url(pg.pg_url_from_env())
+    pg.require_server(url)
+    _drain_all(compare, PG_CONTENDERS, url)
+
+
+def test_sqlite_contenders_drain_every_event_once(compare):
+    _drain_all(compare, SQLITE_CONTENDERS, "")
+
+
+def test_the_table_and_the_readme_block(compare, tmp_path, monkeypatch):
+    rates = {"ref-tx-1": [100.0, 120.0], "kit-tx-1": [95.0, 90.0]}
+    rows = compare.summarize(compare.WORKLOADS, rates)
+    assert [r.workload for r in rows] == ["pg-tx-1"]
+    assert rows[0].ratio == pytest.approx(92.5 / 110)
+    assert rows[0].met is False
+    table = compare.results_table(rows)
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Benchmarks\n\n{compare.BEGIN_MARK}\nold\n{compare.END_MARK}\n\ntail\n")
+    monkeypatch.setattr(compare, "README", readme)
+    compare.update_readme(table, "header")
+    text = readme.read_text()
+    assert "old" not in text
+    assert text.endswith(f"{table}\n{compare.END_MARK}\n\ntail\n")
