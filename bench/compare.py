@@ -357,7 +357,6 @@ def _bare_worker(job: Job, barrier: Barrier) -> Drained:
     """outboxkit's own statements (its store's SQL, its pipeline syncs), sent by a plain loop:
     no poller, no handler dispatch, no observers - what the database gives for its work."""
     import psycopg
-    from psycopg.rows import tuple_row
 
     from outboxkit_pg import PostgresStore
 
@@ -367,12 +366,6 @@ def _bare_worker(job: Job, barrier: Barrier) -> Drained:
     claim_params = {"now": None, "batch_size": c.batch_size, "lease": "30 seconds"}
     handled = 0
     with psycopg.connect(job.target, autocommit=True) as conn:
-
-        def sync(*statements: tuple[Any, Any]) -> None:
-            with conn.pipeline():
-                for query, params in statements:
-                    conn.cursor(row_factory=tuple_row).execute(query, params)
-
         barrier.wait()
         started = time.monotonic()
         while True:
@@ -382,28 +375,29 @@ def _bare_worker(job: Job, barrier: Barrier) -> Drained:
             batched = c.mode == "batch"
             if batched:
                 conn.execute(b"BEGIN")
-                first = rows[0]
-                conn.execute(
-                    q["lock_for_delivery"], {"id": first[0], "token": first[12], "mark": False}
-                )
+            kept: list[tuple[Any, ...]] = []
             for row in rows:
                 event_id, attempt, token = row[0], row[7], row[12]
                 noop(event_id, json.loads(row[2]))
-                lock = {"id": event_id, "token": token, "mark": True}
-                record = {
-                    "event_id": event_id,
-                    "handler": HANDLER,
-                    "outcome": "succeeded",
-                    "attempt": attempt,
-                    "now": None,
-                    "reason": None,
-                }
+                # The handler never takes the connection: its record is one statement that
+                # checks the token (insert_record_fenced), or kept for the batch's end.
                 if batched:
-                    sync((b"SAVEPOINT d", None), (q["lock_in_batch"], lock))
-                    sync((q["insert_record"], record), (b"RELEASE SAVEPOINT d", None))
+                    kept.append((event_id, token, HANDLER, "succeeded", attempt, None, None))
                 else:
-                    sync((b"BEGIN", None), (q["lock_for_delivery"], lock))
-                    sync((q["insert_record"], record), (b"COMMIT", None))
+                    record = {
+                        "event_id": event_id,
+                        "token": token,
+                        "handler": HANDLER,
+                        "outcome": "succeeded",
+                        "attempt": attempt,
+                        "now": None,
+                        "reason": None,
+                    }
+                    conn.execute(q["insert_record_fenced"], record)
+            if kept:
+                columns = [list(column) for column in zip(*kept, strict=True)]
+                names = ("ids", "tokens", "handlers", "outcomes", "attempts", "ats", "reasons")
+                conn.execute(q["insert_records_fenced"], dict(zip(names, columns, strict=True)))
             n = len(rows)
             settle = {
                 "now": None,
