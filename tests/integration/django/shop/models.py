@@ -1,0 +1,10 @@
+from django.db import models
+
+
+class Order(models.Model):
+    item = models.CharField(max_length=100)
+
+
+class LedgerLine(models.Model):
+    order_id = models.BigIntegerField()
+    line = models.CharField(max_length=100)
