@@ -1,6 +1,6 @@
 """The shop's outbox: a handler that writes through the ORM in the delivery transaction."""
 
-from django.db import transaction
+from django.db import connection, transaction
 
 from outboxkit import EventBus, Outbox, Reject
 from outboxkit.contrib.django import store
@@ -26,3 +26,11 @@ def ledger(event, ctx):
 @bus.handler("tick", name="tick-line")
 def tick_line(event, ctx):
     LedgerLine.objects.create(order_id=event.payload["n"], line="tick")
+
+
+connections_seen = []  # (ctx.connection, Django's raw connection) in the "probe" handler
+
+
+@bus.handler("probe", name="probe")
+def probe(event, ctx):
+    connections_seen.append((ctx.connection, connection.connection))

@@ -1,0 +1,19 @@
+"""The Django tests run in a pytest of their own, configured by ``project.settings``
+(``test_django_project.py`` starts it, once per backend): pytest-django stays inactive in the
+rest of the suite. Without ``DJANGO_SETTINGS_MODULE``, the suite here is not collected."""
+
+import os
+
+import pytest
+
+DJANGO = os.environ.get("DJANGO_SETTINGS_MODULE") == "project.settings"
+collect_ignore = [] if DJANGO else ["suite", "shop", "project", "manage.py"]
+
+if DJANGO:
+    from outboxkit.contrib.django.testing import outbox_store  # noqa: F401
+
+    @pytest.fixture
+    def outbox(outbox_store, outbox_clock):  # the shop's outbox on the test database
+        from shop.events import outbox as app
+
+        return app.rebind(store=outbox_store, clock=outbox_clock)
