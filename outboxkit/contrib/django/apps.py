@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.apps import AppConfig
 
 
-class OutboxkitConfig(AppConfig):
+class OutboxkitConfig(AppConfig):  # type: ignore[misc]  # Django has no type hints
     name = "outboxkit.contrib.django"
     label = "outboxkit"
     verbose_name = "outboxkit"

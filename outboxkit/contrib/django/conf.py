@@ -40,9 +40,7 @@ def config() -> Config:
 
     raw = getattr(settings, "OUTBOXKIT", {})
     if not isinstance(raw, dict):
-        raise ConfigurationError(
-            f"settings.OUTBOXKIT must be a dict, got {type(raw).__name__}"
-        )
+        raise ConfigurationError(f"settings.OUTBOXKIT must be a dict, got {type(raw).__name__}")
     unknown = sorted(str(k) for k in raw if k not in _KEYS)
     if unknown:
         raise ConfigurationError(

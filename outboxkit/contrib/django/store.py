@@ -29,7 +29,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from outboxkit.core.model import Claim, DeadLetter, DeliveryRecord, Event, NewEvent, Stats
-from outboxkit.errors import ConfigurationError, LeaseLostError, StoreError
+from outboxkit.errors import ConfigurationError, LeaseLostError
 from outboxkit.store import Capabilities, SettleItem
 from outboxkit.waiter import ClosingWaiter
 from outboxkit_sqlite.connections import retry_busy
@@ -91,7 +91,9 @@ class DjangoStore:
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return f"DjangoStore(using={self._using or '<settings>'!r})"
+        if self._inner is not None:
+            return repr(self._inner)
+        return f"DjangoStore(using={self._using or 'settings.OUTBOXKIT'!r})"
 
     @property
     def alias(self) -> str:
@@ -315,7 +317,7 @@ class _DjangoSQLite(SQLiteStore):
         return super().claim(batch_size=batch_size, lease=lease, now=now)
 
     @contextmanager
-    def delivery(self, claim: Claim, *, now: datetime | None) -> Iterator[SQLiteDelivery]:  # type: ignore[override]
+    def delivery(self, claim: Claim, *, now: datetime | None) -> Iterator[SQLiteDelivery]:
         with (
             self._atomic(f"deliver event {claim.event.id}", lock=True) as raw,
             _delivering(self, raw, claim, now) as tx,
@@ -409,7 +411,7 @@ except ImportError:  # pragma: no cover - psycopg is not installed: SQLite only
     _PostgresStore = object  # type: ignore[assignment,misc]
 
 
-class _DjangoPostgres(_PostgresStore):  # type: ignore[misc,valid-type]
+class _DjangoPostgres(_PostgresStore):
     """The PostgreSQL store on Django's psycopg 3 connection (its pool is never opened)."""
 
     def __init__(self, alias: str, **options: Any) -> None:

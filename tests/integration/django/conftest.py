@@ -13,7 +13,7 @@ if DJANGO:
     from outboxkit.contrib.django.testing import outbox_store  # noqa: F401
 
     @pytest.fixture
-    def outbox(outbox_store, outbox_clock):  # the shop's outbox on the test database
+    def outbox(outbox_store, outbox_clock):  # noqa: F811  # the shop's outbox on the test database
         from shop.events import outbox as app
 
         return app.rebind(store=outbox_store, clock=outbox_clock)

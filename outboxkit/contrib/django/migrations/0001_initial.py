@@ -24,7 +24,7 @@ def create_outbox_tables(apps: Any, schema_editor: Any) -> None:
         store.close()
 
 
-class Migration(migrations.Migration):
+class Migration(migrations.Migration):  # type: ignore[misc]  # Django has no type hints
     initial = True
     dependencies: list[tuple[str, str]] = []
     operations = [

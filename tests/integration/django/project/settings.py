@@ -12,7 +12,7 @@ from urllib.parse import unquote, urlsplit
 BACKEND = os.environ.get("OUTBOXKIT_DJANGO_BACKEND", "sqlite")
 NAME = os.environ.get("OUTBOXKIT_DJANGO_NAME", "outboxkit-django.db")
 
-SECRET_KEY = "tests-only"  # noqa: S105
+SECRET_KEY = "tests-only"
 USE_TZ = True
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 INSTALLED_APPS = ["outboxkit.contrib.django", "shop"]
@@ -27,7 +27,9 @@ if BACKEND == "sqlite":
         }
     }
 elif BACKEND == "postgresql":
-    server = urlsplit(os.environ.get("OUTBOXKIT_TEST_PG") or "postgresql://postgres@127.0.0.1:5432/postgres")
+    server = urlsplit(
+        os.environ.get("OUTBOXKIT_TEST_PG") or "postgresql://postgres@127.0.0.1:5432/postgres"
+    )
     DATABASES = {
         "default": {
             "ENGINE": "django.db.backends.postgresql",

@@ -44,7 +44,15 @@ def enqueue_ticks(count):
 
 def test_two_poller_processes_deliver_200_events_without_database_is_locked(outbox_store):
     enqueue_ticks(200)
-    command = [sys.executable, "manage.py", "outboxkit", "run", "--until-idle", "--batch-size", "10"]
+    command = [
+        sys.executable,
+        "manage.py",
+        "outboxkit",
+        "run",
+        "--until-idle",
+        "--batch-size",
+        "10",
+    ]
     started = time.monotonic()
     children = [
         subprocess.Popen(
@@ -69,8 +77,16 @@ def test_two_poller_processes_deliver_200_events_without_database_is_locked(outb
     rows = LedgerLine.objects.filter(line="tick").count()
     assert (rows, records, stats.published, stats.dead) == (200, 200, 200, 0)
     assert outbox_store.dead_letters() == []
-    shares = [line.split("drained: ", 1)[1].split(" claimed")[0] for o in outputs for line in o.splitlines() if "drained:" in line]
-    print(f"\n2 processes, {connection.vendor}: {wall:.2f}s wall, claimed {shares}, {rows} rows, {records} records, {stats.dead} dead")
+    claimed = [
+        line.split("drained: ", 1)[1].split(" claimed")[0]
+        for output in outputs
+        for line in output.splitlines()
+        if "drained:" in line
+    ]
+    print(
+        f"\n2 processes on {connection.vendor}: {wall:.2f}s wall, claimed {claimed}, "
+        f"{rows} rows, {records} records, {stats.dead} dead"
+    )
 
 
 def test_status_json_counts_what_the_app_enqueued(outbox_store):

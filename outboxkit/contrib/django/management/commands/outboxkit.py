@@ -46,7 +46,7 @@ def outboxkit_argv(args: list[str], app: str) -> list[str]:
     return [command, "--app", app, *rest]
 
 
-class Command(BaseCommand):
+class Command(BaseCommand):  # type: ignore[misc]  # Django has no type hints
     help = "outboxkit: run pollers and operate the outbox (run, status, dead, purge, migrate)."
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
@@ -61,7 +61,6 @@ class Command(BaseCommand):
 
     def execute_outboxkit(self, args: list[str]) -> None:
         from outboxkit.cli import main
-
         from outboxkit.contrib.django.conf import config
         from outboxkit.contrib.django.store import DjangoStore
 
