@@ -1,8 +1,10 @@
+# shop/models.py
 from django.db import models
 
 
 class Order(models.Model):
     item = models.CharField(max_length=100)
+    quantity = models.IntegerField(default=1)
 
 
 class LedgerLine(models.Model):

@@ -3,6 +3,7 @@ the delivery transaction, on the backend project.settings names (SQLite file or 
 
 import pytest
 from django.db import connection, connections, transaction
+from shop.extra import audit_order
 from shop.models import LedgerLine, Order
 from shop.services import place_order
 
@@ -61,31 +62,32 @@ def test_async_enqueue_is_refused_naming_sync_to_async(outbox):
 def test_a_failed_attempt_rolls_back_the_orm_writes_then_the_retry_commits_them(
     outbox, outbox_drain
 ):
-    order = place_order("book", fail_first=True)
+    order = audit_order(outbox, fail_first=True)
     first = outbox.poller().run_once()
     assert [d.outcome for d in first.deliveries] == [Outcome.FAILED]
     assert LedgerLine.objects.count() == 0  # written, then rolled back with the attempt
-    with outbox_drain.expect_failures("ledger"):
-        outbox_drain().assert_delivered("order.placed", handler="ledger")
-    assert sorted(LedgerLine.objects.values_list("line", flat=True)) == ["credit", "debit"]
+    with outbox_drain.expect_failures("audit"):
+        outbox_drain().assert_delivered("order.audit", handler="audit")
+    lines = sorted(LedgerLine.objects.values_list("line", flat=True))
+    assert lines == ["audit-credit", "audit-debit"]
     assert all(line.order_id == order.id for line in LedgerLine.objects.all())
-    (event,) = outbox_drain.enqueued("order.placed")
+    (event,) = outbox_drain.enqueued("order.audit")
     records = outbox.store.records(event.id)
-    assert [(r.handler, r.outcome) for r in records] == [("ledger", Outcome.SUCCEEDED)]
+    assert [(r.handler, r.outcome) for r in records] == [("audit", Outcome.SUCCEEDED)]
 
 
 def test_a_rejection_rolls_back_the_orm_writes_and_is_recorded(outbox, outbox_drain):
-    place_order("book", reject=True)
+    audit_order(outbox, reject=True)
     report = outbox_drain()
-    report.assert_rejected("order.placed", handler="ledger")
+    report.assert_rejected("order.audit", handler="audit")
     assert LedgerLine.objects.count() == 0
-    (event,) = outbox_drain.enqueued("order.placed")
+    (event,) = outbox_drain.enqueued("order.audit")
     (record,) = outbox.store.records(event.id)
     assert (record.outcome, record.reason) == (Outcome.REJECTED, "refused after writing")
 
 
 def test_per_batch_deliveries_are_savepoints_of_one_django_transaction(outbox, outbox_drain):
-    place_order("book", fail_first=True)
+    audit_order(outbox, fail_first=True)
     place_order("pen")
     report = outbox.poller(transaction="per_batch").run_once()
     assert sorted(d.outcome.value for d in report.deliveries) == ["failed", "succeeded"]
@@ -93,7 +95,7 @@ def test_per_batch_deliveries_are_savepoints_of_one_django_transaction(outbox, o
 
 
 def test_ctx_connection_is_the_raw_db_api_connection(outbox, outbox_drain):
-    from shop.events import connections_seen
+    from shop.extra import connections_seen
 
     connections_seen.clear()
     with transaction.atomic():
@@ -102,3 +104,9 @@ def test_ctx_connection_is_the_raw_db_api_connection(outbox, outbox_drain):
     ((given, djangos),) = connections_seen
     assert given is djangos  # the delivery transaction is on Django's connection
     assert type(given).__module__.split(".")[0] in ("sqlite3", "psycopg")
+
+
+def test_the_readme_handler_rejects_an_empty_order_before_writing(outbox, outbox_drain):
+    place_order("nothing", quantity=0)
+    outbox_drain().assert_rejected("order.placed", handler="ledger")
+    assert LedgerLine.objects.count() == 0

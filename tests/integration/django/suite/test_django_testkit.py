@@ -2,6 +2,7 @@
 fixtures."""
 
 from django.db import connection, transaction
+from shop.extra import audit_order
 from shop.models import LedgerLine, Order
 from shop.services import place_order
 
@@ -17,10 +18,10 @@ def test_db_fixture_drains_inside_the_tests_transaction(db, outbox, outbox_drain
 
 
 def test_db_fixture_retries_roll_back_to_their_savepoint(db, outbox, outbox_drain):
-    place_order("book", fail_first=True)
-    with outbox_drain.expect_failures("ledger"):
+    audit_order(outbox, fail_first=True)
+    with outbox_drain.expect_failures("audit"):
         report = outbox_drain()
-    assert [d.outcome.value for d in report.deliveries_to(handler="ledger")] == [
+    assert [d.outcome.value for d in report.deliveries_to(handler="audit")] == [
         "failed",
         "succeeded",
     ]

@@ -11,6 +11,7 @@ class Migration(migrations.Migration):
             fields=[
                 ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False)),
                 ("item", models.CharField(max_length=100)),
+                ("quantity", models.IntegerField(default=1)),
             ],
         ),
         migrations.CreateModel(
