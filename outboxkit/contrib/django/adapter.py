@@ -51,14 +51,14 @@ class DjangoAdapter:
         """
         from django.db import transaction
 
-        from .store import DjangoStore
-
         wrapper = wrapper_of(conn)
         alias = wrapper.alias
-        if isinstance(store, DjangoStore) and store.alias != alias:
+        # A DjangoStore (known by its django_alias; importing it here would be a cycle).
+        store_alias = getattr(store, "django_alias", None)
+        if store_alias is not None and store_alias != alias:
             raise ConfigurationError(
                 f"enqueue got Django's connection for database {alias!r}, but the outbox's "
-                f"store is on database {store.alias!r}: pass connections[{store.alias!r}]. "
+                f"store is on database {store_alias!r}: pass connections[{store_alias!r}]. "
                 "Nothing was written."
             )
         if not wrapper.in_atomic_block:
@@ -75,7 +75,7 @@ class DjangoAdapter:
             )
         if not events:
             return []
-        target = store.inner if isinstance(store, DjangoStore) else store
+        target: Store = store if store_alias is None else getattr(store, "inner")  # noqa: B009
         wrapper.ensure_connection()
         try:
             return target.enqueue(wrapper.connection, events, now=now)

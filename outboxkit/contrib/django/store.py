@@ -101,6 +101,11 @@ class DjangoStore:
         return self._using if self._using is not None else config().database
 
     @property
+    def django_alias(self) -> str:
+        """The alias, under the name the enqueue adapter knows a Django store by."""
+        return self.alias
+
+    @property
     def inner(self) -> _DjangoSQLite | _DjangoPostgres:
         """The SQLite or PostgreSQL store on Django's connection, made on first use."""
         if self._inner is None:
