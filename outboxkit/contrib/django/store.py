@@ -414,6 +414,7 @@ try:
     from outboxkit_pg.store import PostgresStore as _PostgresStore
 except ImportError:  # pragma: no cover - psycopg is not installed: SQLite only
     _PostgresStore = object  # type: ignore[assignment,misc]
+    _PGBatch = object  # type: ignore[assignment,misc]
 
 
 class _DjangoPostgres(_PostgresStore):
@@ -498,18 +499,19 @@ class _DjangoPostgres(_PostgresStore):
         # and a delivery inside a test's transaction never commits that.
         with (
             self._atomic(f"deliver event {claim.event.id}") as raw,
-            _pg_delivering(self, raw, claim, now, _PGBatch(self, raw)) as tx,
+            _pg_delivering(self, raw, claim, now, _DjangoPGBatch(self, raw)) as tx,
         ):
+            _ = tx.connection  # opened (row locked, token checked) before the handler runs
             yield tx
 
     @contextmanager
-    def batch(self, *, now: datetime | None) -> Iterator[_PGBatch]:
+    def batch(self, *, now: datetime | None) -> Iterator[_DjangoPGBatch]:
         from psycopg.pq import TransactionStatus
 
         with self._atomic("run a batch") as raw:
             if raw.info.transaction_status == TransactionStatus.IDLE:
                 raw.execute("SELECT 1")  # psycopg begins Django's transaction
-            yield _PGBatch(self, raw)
+            yield _DjangoPGBatch(self, raw)
             _pg_check_usable(raw, self.where, "the batch")
 
     def clear(self) -> None:
@@ -522,3 +524,15 @@ class _DjangoPostgres(_PostgresStore):
                         sql.Identifier(self.names.schema), sql.Identifier(table)
                     )
                 )
+
+
+class _DjangoPGBatch(_PGBatch):
+    """The PostgreSQL batch whose deliveries open their savepoint before the handler runs,
+    whatever it touches: the ORM writes on Django's connection, never through
+    ``ctx.connection``, and they must be inside the delivery's savepoint."""
+
+    @contextmanager
+    def delivery(self, claim: Claim, *, now: datetime | None) -> Iterator[_PGDelivery]:
+        with super().delivery(claim, now=now) as tx:
+            _ = tx.connection
+            yield tx
