@@ -1,0 +1,538 @@
+"""The Django store: outboxkit's SQLite or PostgreSQL store, run on Django's own connection.
+
+``DjangoStore(using)`` picks the store for the alias's backend when first used (so an app may
+build its ``Outbox`` at import time, before settings are ready) and feeds it the connection
+Django holds for that alias in the calling thread: no second set of credentials, no
+connection of outboxkit's own. Every step runs there, in a ``transaction.atomic(using=...)``
+block of Django's:
+
+- outside any atomic block (a poller's thread) that block is the transaction: the delivery
+  transaction is Django's, so a handler's ORM writes and its ``transaction.atomic()`` blocks
+  (savepoints) commit or roll back with the delivery record;
+- inside one (a test under pytest-django's ``db`` fixture, a Django migration) it is a
+  savepoint of it, so the test's own uncommitted rows and events are what the drain sees.
+
+The SQL, the token checks, the commit guard (PostgreSQL) and the error mapping are the stores'
+own: ``_DjangoSQLite`` and ``_DjangoPostgres`` only say where their connection comes from and
+how a transaction begins. On SQLite a transaction's first statement takes the write lock (a
+no-op ``UPDATE``), so it waits for the lock (the connection's ``timeout``) instead of failing
+with "database is locked" when a read snapshot would have to be upgraded.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from datetime import datetime, timedelta
+from typing import TYPE_CHECKING, Any
+
+from outboxkit.core.model import Claim, DeadLetter, DeliveryRecord, Event, NewEvent, Stats
+from outboxkit.errors import ConfigurationError, LeaseLostError
+from outboxkit.store import Capabilities, SettleItem
+from outboxkit.waiter import ClosingWaiter
+from outboxkit_sqlite.connections import retry_busy
+from outboxkit_sqlite.delivery import Delivery as SQLiteDelivery
+from outboxkit_sqlite.delivery import handler_failure
+from outboxkit_sqlite.errors import map_error as map_sqlite_error
+from outboxkit_sqlite.store import SQLiteStore
+
+from .conf import config
+
+if TYPE_CHECKING:
+    from outboxkit.store import AsyncStore, BatchTransaction, DeliveryTransaction
+
+__all__ = ["DjangoStore", "store"]
+
+CAPABILITIES = Capabilities(
+    batches=True,
+    transactional_handlers=True,
+    concurrent_claimers=True,  # each thread on its own Django connection
+)
+
+
+def store(using: str | None = None, **options: Any) -> DjangoStore:
+    """The store for an app's ``Outbox``, on Django's connection for ``using`` (default:
+    ``settings.OUTBOXKIT["DATABASE"]``, else ``"default"``). Nothing is read or connected until
+    first use: build the ``Outbox`` at import time.
+
+    Args:
+        using: the database alias.
+        **options: store options (``table_prefix``; on PostgreSQL ``schema``...); default:
+            ``settings.OUTBOXKIT["STORE_OPTIONS"]``.
+    """
+    return DjangoStore(using, **options)
+
+
+def _django_connection(alias: str) -> Any:
+    """This thread's ``DatabaseWrapper`` for ``alias``, connected."""
+    from django.db import connections
+
+    wrapper = connections[alias]
+    wrapper.ensure_connection()
+    return wrapper
+
+
+class DjangoStore:
+    """A ``Store`` on Django's connection for one database alias (see the module docstring).
+
+    Raises (on first use):
+        ConfigurationError: the alias is unknown, its backend is neither SQLite nor PostgreSQL
+            on psycopg 3, or a store option is wrong.
+    """
+
+    def __init__(self, using: str | None = None, **options: Any) -> None:
+        if using is not None and not isinstance(using, str):
+            raise ConfigurationError(f"using must be a database alias (str), got {using!r}")
+        self._using = using
+        self._options = options
+        self._inner: _DjangoSQLite | _DjangoPostgres | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        if self._inner is not None:
+            return repr(self._inner)
+        return f"DjangoStore(using={self._using or 'settings.OUTBOXKIT'!r})"
+
+    @property
+    def alias(self) -> str:
+        """The database alias (``using``, else ``settings.OUTBOXKIT["DATABASE"]``)."""
+        return self._using if self._using is not None else config().database
+
+    @property
+    def django_alias(self) -> str:
+        """The alias, under the name the enqueue adapter knows a Django store by."""
+        return self.alias
+
+    @property
+    def inner(self) -> _DjangoSQLite | _DjangoPostgres:
+        """The SQLite or PostgreSQL store on Django's connection, made on first use."""
+        if self._inner is None:
+            with self._lock:
+                if self._inner is None:
+                    self._inner = _open(self.alias, self._options)
+        return self._inner
+
+    # -- what describes the store (read without touching Django) --------------------------------
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return CAPABILITIES
+
+    @property
+    def url(self) -> str | None:
+        return None  # other processes open it through their own Django settings
+
+    @property
+    def options(self) -> Mapping[str, Any]:
+        return dict(self._options)
+
+    # -- the Store protocol, on the inner store --------------------------------------------------
+
+    def migrate(self) -> None:
+        self.inner.migrate()
+
+    def close(self) -> None:
+        if self._inner is not None:
+            self._inner.close()
+
+    def now(self) -> datetime:
+        return self.inner.now()
+
+    def transaction(self) -> AbstractContextManager[Any]:
+        """Django's raw connection inside ``transaction.atomic(using=alias)``."""
+        return self.inner.transaction()
+
+    def enqueue(self, conn: Any, events: Sequence[NewEvent], *, now: datetime | None) -> list[int]:
+        """Through Django's connection (``connection``, ``connections[alias]``) inside
+        ``transaction.atomic()``, or the raw connection ``transaction()`` yields."""
+        if type(conn).__module__.partition(".")[0] == "django":
+            from .adapter import ADAPTER
+
+            return ADAPTER.enqueue(self, conn, events, now=now)
+        return self.inner.enqueue(conn, events, now=now)
+
+    def claim(self, *, batch_size: int, lease: timedelta, now: datetime | None) -> list[Claim]:
+        return self.inner.claim(batch_size=batch_size, lease=lease, now=now)
+
+    def delivery(
+        self, claim: Claim, *, now: datetime | None
+    ) -> AbstractContextManager[DeliveryTransaction]:
+        return self.inner.delivery(claim, now=now)
+
+    def extend(
+        self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None
+    ) -> list[Claim]:
+        return self.inner.extend(claims, lease=lease, now=now)
+
+    def settle_many(self, items: Sequence[SettleItem], *, now: datetime | None) -> list[bool]:
+        return self.inner.settle_many(items, now=now)
+
+    def batch(self, *, now: datetime | None) -> AbstractContextManager[BatchTransaction]:
+        return self.inner.batch(now=now)
+
+    def release(self, claims: Sequence[Claim], *, now: datetime | None) -> int:
+        return self.inner.release(claims, now=now)
+
+    def make_waiter(self) -> ClosingWaiter | None:
+        return None  # pollers poll every interval; an enqueue in the same process wakes them
+
+    def async_store(self) -> AsyncStore:
+        raise ConfigurationError(
+            "the Django store has no asyncio side: Django's connections are blocking; enqueue "
+            "with outbox.enqueue() inside transaction.atomic() (from async code, in a function "
+            "run by asgiref's sync_to_async) and run the blocking poller"
+        )
+
+    def requeue(self, ids: Iterable[int], *, now: datetime | None) -> int:
+        return self.inner.requeue(ids, now=now)
+
+    def dead_letters(
+        self, *, topic: str | None = None, since: datetime | None = None, limit: int = 100
+    ) -> list[DeadLetter]:
+        return self.inner.dead_letters(topic=topic, since=since, limit=limit)
+
+    def get(self, event_id: int) -> Event | None:
+        return self.inner.get(event_id)
+
+    def events(
+        self, *, after_id: int = 0, topic: str | None = None, limit: int = 1000
+    ) -> list[Event]:
+        return self.inner.events(after_id=after_id, topic=topic, limit=limit)
+
+    def records(self, event_id: int) -> list[DeliveryRecord]:
+        return self.inner.records(event_id)
+
+    def purge_published(self, *, before: datetime, limit: int) -> int:
+        return self.inner.purge_published(before=before, limit=limit)
+
+    def purge_dead(
+        self, *, ids: Iterable[int] | None = None, before: datetime | None = None, limit: int
+    ) -> int:
+        return self.inner.purge_dead(ids=ids, before=before, limit=limit)
+
+    def stats(self, *, now: datetime | None) -> Stats:
+        return self.inner.stats(now=now)
+
+    def clear(self) -> None:
+        """Delete every event and delivery record (the test kit, after a ``transactional_db``
+        test: the outbox tables are not Django models, so Django's flush leaves them)."""
+        self.inner.clear()
+
+
+def _open(alias: str, options: Mapping[str, Any]) -> _DjangoSQLite | _DjangoPostgres:
+    from django.db import connections
+
+    if alias not in connections.settings:
+        raise ConfigurationError(
+            f"the Django store's database alias {alias!r} is not in settings.DATABASES "
+            f"({sorted(connections.settings)})"
+        )
+    given = dict(options) if options else dict(config().store_options)
+    vendor = connections[alias].vendor
+    if vendor == "sqlite":
+        return _DjangoSQLite(alias, **given)
+    if vendor == "postgresql":
+        from django.db.backends.postgresql.psycopg_any import is_psycopg3
+
+        if not is_psycopg3:
+            raise ConfigurationError(
+                f"database {alias!r}: Django runs PostgreSQL on psycopg2 here; outboxkit needs "
+                "psycopg 3 (pip install 'psycopg[binary]'; Django 4.2+ uses it when installed)"
+            )
+        return _DjangoPostgres(alias, **given)
+    raise ConfigurationError(
+        f"database {alias!r} uses Django's {vendor!r} backend; outboxkit's Django store runs "
+        "on SQLite and PostgreSQL"
+    )
+
+
+# -- SQLite -------------------------------------------------------------------------------------
+
+
+class _DjangoSQLite(SQLiteStore):
+    """The SQLite store on Django's connection (its own connections are never used)."""
+
+    def __init__(self, alias: str, **options: Any) -> None:
+        self.alias = alias
+        wrapper = _django_connection(alias)
+        self._name = str(wrapper.settings_dict["NAME"])
+        if not wrapper.is_in_memory_db() and not wrapper.in_atomic_block:
+            # As the SQLite store does to its file: readers never block the writer.
+            wrapper.connection.execute("PRAGMA journal_mode=WAL")
+        options.setdefault("migrate", False)  # the Django migration (or `outboxkit migrate`)
+        super().__init__(":memory:", **options)
+        self._connections.close()  # the placeholder's one in-memory connection
+        self.memory = False
+        self.url = None
+        self.capabilities = CAPABILITIES
+        events = self.tables.events.replace('"', '""')
+        # A write that changes nothing: the transaction's first statement takes the lock.
+        self._take_lock = f'UPDATE "{events}" SET id = id WHERE 0'  # noqa: S608
+
+    def __repr__(self) -> str:
+        return f"DjangoStore(using={self.alias!r}, sqlite={self._name!r})"
+
+    @property
+    def _where(self) -> str:
+        return f"{self._name} (Django database {self.alias!r})"
+
+    def _raw(self) -> sqlite3.Connection:
+        raw: sqlite3.Connection = _django_connection(self.alias).connection
+        return raw
+
+    def _lock(self, raw: sqlite3.Connection) -> None:
+        try:
+            retry_busy(raw.execute, self._take_lock, busy_timeout=self.busy_timeout)
+        except sqlite3.OperationalError as exc:
+            if "no such table" not in str(exc):  # before the first migration: nothing to lock
+                raise
+
+    @contextmanager
+    def _atomic(self, doing: str, *, lock: bool) -> Iterator[sqlite3.Connection]:
+        """Django's atomic block on the alias (a savepoint inside one), errors mapped."""
+        from django.db import Error as DjangoError
+        from django.db import transaction
+
+        try:
+            with self._mapped(doing), transaction.atomic(using=self.alias):
+                raw = self._raw()
+                if lock:
+                    self._lock(raw)
+                yield raw
+        except DjangoError as exc:  # Django's commit or rollback failed
+            if isinstance(exc.__cause__, sqlite3.Error):
+                raise map_sqlite_error(exc.__cause__, self._where, doing) from exc
+            raise
+
+    def _write(self, doing: str) -> AbstractContextManager[sqlite3.Connection]:  # type: ignore[override]
+        return self._atomic(doing, lock=True)
+
+    def _read(self, doing: str) -> AbstractContextManager[sqlite3.Connection]:  # type: ignore[override]
+        return self._atomic(doing, lock=False)
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        with self._atomic("run a transaction", lock=True) as raw:
+            yield raw
+
+    def claim(self, *, batch_size: int, lease: timedelta, now: datetime | None) -> list[Claim]:
+        _close_if_stale(self.alias)
+        return super().claim(batch_size=batch_size, lease=lease, now=now)
+
+    @contextmanager
+    def delivery(self, claim: Claim, *, now: datetime | None) -> Iterator[SQLiteDelivery]:
+        with (
+            self._atomic(f"deliver event {claim.event.id}", lock=True) as raw,
+            _delivering(self, raw, claim, now) as tx,
+        ):
+            yield tx
+
+    @contextmanager
+    def batch(self, *, now: datetime | None) -> Iterator[_SQLiteBatch]:  # type: ignore[override]
+        with self._atomic("run a batch", lock=True) as raw:
+            yield _SQLiteBatch(self, raw)
+
+    def clear(self) -> None:
+        with self._write("clear the outbox tables") as raw:
+            for table in (self.tables.deliveries, self.tables.events):
+                raw.execute('DELETE FROM "{}"'.format(table.replace('"', '""')))  # noqa: S608
+
+
+class _SQLiteBatch:
+    """A batch on Django's connection: each delivery in a savepoint (a nested atomic)."""
+
+    def __init__(self, store: _DjangoSQLite, conn: sqlite3.Connection) -> None:
+        self._store = store
+        self._conn = conn
+
+    @contextmanager
+    def delivery(self, claim: Claim, *, now: datetime | None) -> Iterator[SQLiteDelivery]:
+        with (
+            self._store._atomic(f"deliver event {claim.event.id}", lock=False) as raw,
+            _delivering(self._store, raw, claim, now) as tx,
+        ):
+            yield tx
+
+    def extend(
+        self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None
+    ) -> list[Claim]:
+        if not claims:
+            return []
+        with self._store._mapped(f"extend {len(claims)} lease(s)"):
+            return self._store._extend_on(self._conn, claims, lease, now)
+
+    def settle_many(self, items: Sequence[SettleItem], *, now: datetime | None) -> list[bool]:
+        if not items:
+            return []
+        with self._store._mapped(f"settle {len(items)} event(s)"):
+            return self._store._settle_many_on(self._conn, items, now)
+
+
+@contextmanager
+def _delivering(
+    store: _DjangoSQLite, conn: sqlite3.Connection, claim: Claim, now: datetime | None
+) -> Iterator[SQLiteDelivery]:
+    """The SQLite store's delivery inside Django's open transaction: the token check, the
+    delivery, the check that the handler left the transaction open. Commits nothing."""
+    at = store._instant(now)
+    with store._mapped(f"check the claim on event {claim.event.id}"):
+        owned = conn.execute(
+            store._queries["owned"], {"id": claim.event.id, "token": claim.token}
+        ).fetchone()
+    if owned is None:
+        raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
+    tx = SQLiteDelivery(store, conn, claim, at)
+    try:
+        yield tx
+        tx.check_open()
+    except Exception as exc:
+        instead = handler_failure(store, tx, claim, exc)
+        if instead is None:
+            raise
+        raise instead from exc
+
+
+def _close_if_stale(alias: str) -> None:
+    """Between batches, what Django does between requests (``close_old_connections``): drop
+    this thread's connection if it is broken or past ``CONN_MAX_AGE``."""
+    from django.db import connections
+
+    wrapper = connections[alias]
+    if not wrapper.in_atomic_block:
+        wrapper.close_if_unusable_or_obsolete()
+
+
+# -- PostgreSQL ---------------------------------------------------------------------------------
+
+try:
+    from outboxkit_pg.delivery import Batch as _PGBatch
+    from outboxkit_pg.delivery import Delivery as _PGDelivery
+    from outboxkit_pg.delivery import delivering as _pg_delivering
+    from outboxkit_pg.flow import check_usable as _pg_check_usable
+    from outboxkit_pg.store import PostgresStore as _PostgresStore
+except ImportError:  # pragma: no cover - psycopg is not installed: SQLite only
+    _PostgresStore = object  # type: ignore[assignment,misc]
+    _PGBatch = object  # type: ignore[assignment,misc]
+
+
+class _DjangoPostgres(_PostgresStore):
+    """The PostgreSQL store on Django's psycopg 3 connection (its pool is never opened)."""
+
+    def __init__(self, alias: str, **options: Any) -> None:
+        from psycopg.conninfo import make_conninfo
+
+        self.alias = alias
+        settings = _django_connection(alias).settings_dict
+        # For messages only (host, port, database, user; never the password): nothing connects.
+        described = {
+            "host": settings.get("HOST") or None,
+            "port": str(settings["PORT"]) if settings.get("PORT") else None,
+            "dbname": settings.get("NAME") or None,
+            "user": settings.get("USER") or None,
+        }
+        conninfo = make_conninfo(**{k: v for k, v in described.items() if v is not None})
+        options.setdefault("pool_min_size", 1)
+        super().__init__(conninfo, **options)
+        self.url = None
+
+    def __repr__(self) -> str:
+        return f"DjangoStore(using={self.alias!r}, postgresql={self.where}, schema={self.names.schema!r})"
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return CAPABILITIES
+
+    def _raw(self) -> Any:
+        return _django_connection(self.alias).connection
+
+    @contextmanager
+    def _connection(self, doing: str, *, check_schema: bool = True) -> Iterator[Any]:
+        """Django's connection: autocommit outside an atomic block (one statement, one
+        transaction, as the store's own pool connections), the caller's transaction inside."""
+        raw = self._raw()
+        if check_schema and not self._schema_checked:
+            self._check_schema(raw)
+        yield raw
+
+    @contextmanager
+    def _atomic(self, doing: str) -> Iterator[Any]:
+        import psycopg
+        from django.db import Error as DjangoError
+        from django.db import transaction
+
+        try:
+            with self._mapped(doing), transaction.atomic(using=self.alias):
+                yield self._raw()
+        except DjangoError as exc:  # Django's commit or rollback failed
+            if isinstance(exc.__cause__, psycopg.Error):
+                raise self._error(exc.__cause__, doing) from exc
+            raise
+
+    def migrate(self) -> None:
+        from django.db import connections
+        from psycopg.pq import TransactionStatus
+
+        if connections[self.alias].in_atomic_block:
+            # psycopg's transaction() must nest (a savepoint), not begin and commit on its own.
+            with self._atomic("migrate the schema") as raw:
+                if raw.info.transaction_status == TransactionStatus.IDLE:
+                    raw.execute("SELECT 1")
+                super().migrate()
+            return
+        super().migrate()
+
+    @contextmanager
+    def transaction(self) -> Iterator[Any]:
+        with self._atomic("run a transaction") as raw:
+            yield raw
+
+    def claim(self, *, batch_size: int, lease: timedelta, now: datetime | None) -> list[Claim]:
+        _close_if_stale(self.alias)
+        claims: list[Claim] = super().claim(batch_size=batch_size, lease=lease, now=now)
+        return claims
+
+    @contextmanager
+    def delivery(self, claim: Claim, *, now: datetime | None) -> Iterator[_PGDelivery]:
+        # A savepoint frame inside Django's transaction: Django commits (or rolls back) it,
+        # and a delivery inside a test's transaction never commits that.
+        with (
+            self._atomic(f"deliver event {claim.event.id}") as raw,
+            _pg_delivering(self, raw, claim, now, _DjangoPGBatch(self, raw)) as tx,
+        ):
+            _ = tx.connection  # opened (row locked, token checked) before the handler runs
+            yield tx
+
+    @contextmanager
+    def batch(self, *, now: datetime | None) -> Iterator[_DjangoPGBatch]:
+        from psycopg.pq import TransactionStatus
+
+        with self._atomic("run a batch") as raw:
+            if raw.info.transaction_status == TransactionStatus.IDLE:
+                raw.execute("SELECT 1")  # psycopg begins Django's transaction
+            yield _DjangoPGBatch(self, raw)
+            _pg_check_usable(raw, self.where, "the batch")
+
+    def clear(self) -> None:
+        from psycopg import sql
+
+        with self._atomic("clear the outbox tables") as raw:
+            for table in (self.names.deliveries, self.names.events):
+                raw.execute(
+                    sql.SQL("DELETE FROM {}.{}").format(
+                        sql.Identifier(self.names.schema), sql.Identifier(table)
+                    )
+                )
+
+
+class _DjangoPGBatch(_PGBatch):
+    """The PostgreSQL batch whose deliveries open their savepoint before the handler runs,
+    whatever it touches: the ORM writes on Django's connection, never through
+    ``ctx.connection``, and they must be inside the delivery's savepoint."""
+
+    @contextmanager
+    def delivery(self, claim: Claim, *, now: datetime | None) -> Iterator[_PGDelivery]:
+        with super().delivery(claim, now=now) as tx:
+            _ = tx.connection
+            yield tx

@@ -1,0 +1,40 @@
+"""Handlers the tests use besides the README's ``ledger``, on the shop's bus."""
+
+from django.db import connection, transaction
+
+from outboxkit import Reject
+
+from .events import bus
+from .models import LedgerLine, Order
+
+connections_seen = []  # (ctx.connection, Django's raw connection) in the "probe" handler
+
+
+@bus.handler("order.audit", name="audit")
+def audit(event, ctx):
+    """Writes two ORM rows, then rejects or (on the first attempt) fails, as the payload says."""
+    order_id = event.payload["order_id"]
+    LedgerLine.objects.create(order_id=order_id, line="audit-debit")
+    LedgerLine.objects.create(order_id=order_id, line="audit-credit")
+    if event.payload.get("reject"):
+        raise Reject("refused after writing")
+    if event.payload.get("fail_first") and ctx.attempt == 1:
+        raise RuntimeError("failed after writing")
+
+
+@bus.handler("tick", name="tick-line")
+def tick_line(event, ctx):
+    LedgerLine.objects.create(order_id=event.payload["n"], line="tick")
+
+
+@bus.handler("probe", name="probe")
+def probe(event, ctx):
+    connections_seen.append((ctx.connection, connection.connection))
+
+
+def audit_order(outbox, **flags):
+    """An order and its "order.audit" event, committed together."""
+    with transaction.atomic():
+        order = Order.objects.create(item="audited")
+        outbox.enqueue(connection, "order.audit", {"order_id": order.id, **flags})
+    return order
