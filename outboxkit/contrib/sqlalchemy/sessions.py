@@ -25,6 +25,7 @@ import contextvars
 import sqlite3
 import threading
 import weakref
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import create_engine, event
@@ -141,9 +142,11 @@ def _kind(connection: Any) -> tuple[str, bool]:
     """
     if isinstance(connection, sqlite3.Connection):
         return "sqlite+pysqlite://", False
-    package = type(connection).__module__.partition(".")[0]
-    if package == "aiosqlite":
+    import aiosqlite
+
+    if isinstance(connection, aiosqlite.Connection):
         return "sqlite+aiosqlite://", True
+    package = type(connection).__module__.partition(".")[0]
     if package == "psycopg":
         import psycopg
 
@@ -166,12 +169,16 @@ class SessionFactory:
             delivery connection); default: plain ``Session``.
         async_sessions: an ``async_sessionmaker`` for ``async def`` handlers; default: plain
             ``AsyncSession``.
+        execution_options: the app engine's execution options the sessions need too (e.g.
+            ``schema_translate_map``), as ``engine.get_execution_options()`` gives them.
     """
 
     def __init__(
         self,
         sessions: sessionmaker[Any] | None = None,
         async_sessions: async_sessionmaker[Any] | None = None,
+        *,
+        execution_options: Mapping[str, Any] | None = None,
     ) -> None:
         if sessions is not None and not isinstance(sessions, sessionmaker):
             raise ConfigurationError(
@@ -184,6 +191,7 @@ class SessionFactory:
             )
         self.sessions = sessions if sessions is not None else sessionmaker()
         self.async_sessions = async_sessions if async_sessions is not None else async_sessionmaker()
+        self.execution_options = dict(execution_options or {})
         self._engines: dict[tuple[str, bool], Engine | AsyncEngine] = {}
         self._lock = threading.Lock()
 
@@ -195,6 +203,10 @@ class SessionFactory:
             engine = self._engines.get((url, asyncio))
             if engine is None:
                 options: dict[str, Any] = {"poolclass": NullPool, "pool_reset_on_return": None}
+                if url.startswith("postgresql"):
+                    # psycopg's hstore lookup wants the connection itself, not a stand-in; an
+                    # HSTORE column still works, through SQLAlchemy's own conversion.
+                    options["use_native_hstore"] = False
                 if asyncio:
                     engine = create_async_engine(url, async_creator=_lend_async, **options)
                     pool = engine.sync_engine.pool
@@ -202,6 +214,8 @@ class SessionFactory:
                     engine = create_engine(url, creator=_lend, **options)
                     pool = engine.pool
                 event.listen(pool, "checkout", _connected)
+                if self.execution_options:
+                    engine = engine.execution_options(**self.execution_options)
                 self._engines[(url, asyncio)] = engine
             return engine
 
@@ -293,6 +307,7 @@ def use_sessions(
     sessions: sessionmaker[Any] | None = None,
     *,
     async_sessions: async_sessionmaker[Any] | None = None,
+    execution_options: Mapping[str, Any] | None = None,
 ) -> SessionFactory:
     """Give the handlers of ``outbox`` a ``ctx.session``: a ``Session`` made by ``sessions``
     (an ``AsyncSession`` by ``async_sessions`` for ``async def`` handlers) in the delivery
@@ -300,12 +315,19 @@ def use_sessions(
     ``Reject``; ``session.commit()`` in a handler fails the delivery. Copies of the outbox
     (``rebind``, the test kit's) keep it.
 
+    Args:
+        outbox: the outbox whose handlers get sessions.
+        sessions: a ``sessionmaker`` (its options; its bind is replaced by the delivery
+            connection).
+        async_sessions: an ``async_sessionmaker``, for ``async def`` handlers.
+        execution_options: engine execution options the sessions need (``schema_translate_map``).
+
     Returns:
         The ``SessionFactory`` now set as ``outbox.sessions``.
 
     Raises:
         ConfigurationError: ``sessions`` or ``async_sessions`` is not a session maker.
     """
-    factory = SessionFactory(sessions, async_sessions)
+    factory = SessionFactory(sessions, async_sessions, execution_options=execution_options)
     outbox.sessions = factory
     return factory

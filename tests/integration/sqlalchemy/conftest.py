@@ -105,6 +105,23 @@ class Database:
             assert row is not None
             return int(row[0])
 
+    def lines(self, event_id: int) -> int:
+        """The ``sqla_lines`` rows a handler wrote for one event."""
+        if self.schema is None:
+            path = make_url(self.url).database
+            assert path is not None
+            with sqlite3.connect(path) as conn:
+                query = "SELECT count(*) FROM sqla_lines WHERE event_id = ?"
+                (n,) = conn.execute(query, (event_id,)).fetchone()
+            return int(n)
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            query = sql.SQL("SELECT count(*) FROM {} WHERE event_id = %s").format(
+                sql.Identifier(self.schema, "sqla_lines")
+            )
+            row = conn.execute(query, (event_id,)).fetchone()
+            assert row is not None
+            return int(row[0])
+
     def events(self) -> int:
         return len(self.store.events())
 

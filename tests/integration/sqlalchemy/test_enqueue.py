@@ -34,11 +34,10 @@ def _sync_cases(db: Database, outbox: Outbox) -> list[tuple[int, int]]:
             outbox.enqueue(session, "order.placed", {"item": "rollback"})
             session.rollback()
         seen.append((db.events(), db.count("sqla_orders")))
-        with Session(engine) as session, pytest.raises(Boom):  # raise in begin()
-            with session.begin():
-                session.add(Order(item="raise"))
-                outbox.enqueue_many(session, [("order.placed", {"n": 1}), ("order.placed", {})])
-                raise Boom
+        with Session(engine) as session, pytest.raises(Boom), session.begin():  # a raise
+            session.add(Order(item="raise"))
+            outbox.enqueue_many(session, [("order.placed", {"n": 1}), ("order.placed", {})])
+            raise Boom
         seen.append((db.events(), db.count("sqla_orders")))
         with engine.connect() as conn:  # a Connection, commit as you go
             outbox.enqueue(conn, "order.placed", {"via": "connection"})
