@@ -187,14 +187,18 @@ def test_ctx_session_without_use_sessions_or_a_transaction_is_refused(
     with database.store.transaction() as conn:
         outbox.enqueue(conn, "shipment", {})
 
-    @outbox.bus.handler("shipment", name="not_transactional", transactional=False)
+    Drain(outbox, clock)()
+    use_sessions(outbox, execution_options=database.options)
+
+    @outbox.bus.handler("note", name="not_transactional", transactional=False)
     def not_transactional(event: Event, ctx: Any) -> None:
-        use_sessions(outbox, execution_options=database.options)  # no transaction, though
         try:
             ctx.session  # noqa: B018
         except ConfigurationError as exc:
             errors.append(str(exc))
 
+    with database.store.transaction() as conn:
+        outbox.enqueue(conn, "note", {})
     Drain(outbox, clock)()
     assert len(errors) == 2
     assert "no session provider; call outboxkit.contrib.sqlalchemy.use_sessions" in errors[0]
