@@ -1,5 +1,5 @@
-"""The README's SQLAlchemy section runs as written: its app (``shop.py``) and its tests
-(``test_shop.py``) pass on a SQLite file of their own, warnings made errors."""
+"""The README's SQLAlchemy section runs as written: its app (``bookshop.py``) and its tests
+(``test_bookshop.py``) pass on a SQLite file of their own, warnings made errors."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ BLOCKS = {block.splitlines()[0].split()[1]: block for block in python_blocks(SEC
 
 
 def test_every_python_block_of_the_section_is_run_here() -> None:
-    assert list(BLOCKS) == ["shop.py", "test_shop.py"]
+    assert list(BLOCKS) == ["bookshop.py", "test_bookshop.py"]
 
 
 def test_the_sections_tests_pass(
     pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    pytester.makepyfile(shop=BLOCKS["shop.py"], test_shop=BLOCKS["test_shop.py"])
+    pytester.makepyfile(bookshop=BLOCKS["bookshop.py"], test_bookshop=BLOCKS["test_bookshop.py"])
     pytester.makeini(
         "[pytest]\nasyncio_default_fixture_loop_scope = function\nfilterwarnings = error\n"
     )
