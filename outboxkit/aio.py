@@ -245,7 +245,7 @@ class AsyncPoller(handling.Shell):
     ) -> Delivery:
         """Run one handler for one claimed event, with its record (R6, R7)."""
         outbox = self.outbox
-        ctx = handling.Context(spec.name, claim.attempt, outbox.max_payload_bytes)
+        ctx = handling.Context(spec.name, claim.attempt, outbox.max_payload_bytes, outbox.sessions)
         at = outbox.clock.now()
         try:
             if spec.transactional:
@@ -346,7 +346,18 @@ async def _call(spec: HandlerSpec, event: Event, ctx: handling.Context) -> None:
             result = await asyncio.to_thread(spec.fn, event, ctx)
             if inspect.isawaitable(result):
                 await result  # a plain function that returns an awaitable: awaited too
+        if ctx.scope is not None:
+            await _settled(ctx.scope.finish())  # the session's pending writes, first
     except Reject:
         raise
     except Exception as exc:
         raise handling.HandlerError(exc) from exc
+    finally:
+        if ctx.scope is not None:
+            await _settled(ctx.scope.close())
+
+
+async def _settled(result: object) -> None:
+    """Await what a session scope returned, if it is awaitable (an asyncio session's)."""
+    if inspect.isawaitable(result):
+        await result

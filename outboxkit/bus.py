@@ -25,6 +25,8 @@ class DeliveryContext(Protocol):
             handlers); ``None`` for non-transactional handlers.
         attempt: which attempt this is, counting from 1.
         handler: the handler's stable name.
+        session: an ORM session in the delivery transaction, made on first use by the
+            outbox's session provider (``outboxkit.contrib.sqlalchemy.use_sessions``).
     """
 
     @property
@@ -35,6 +37,9 @@ class DeliveryContext(Protocol):
 
     @property
     def handler(self) -> str: ...
+
+    @property
+    def session(self) -> Any: ...
 
     def enqueue(
         self,

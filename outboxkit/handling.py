@@ -13,7 +13,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .bus import HandlerSpec
 from .core.batch import EventRun, Settled
@@ -44,6 +44,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Context",
+    "SessionProvider",
+    "SessionScope",
     "Shell",
     "HandlerError",
     "announce",
@@ -108,6 +110,38 @@ class Shell:
         self.waiter.wake()
 
 
+class SessionScope(Protocol):
+    """One delivery's ``ctx.session``, made on the handler's first use of it (an ORM
+    integration's; see ``outboxkit.contrib.sqlalchemy.use_sessions``)."""
+
+    @property
+    def session(self) -> Any:
+        """What ``ctx.session`` is."""
+        ...
+
+    def finish(self) -> Any:
+        """After the handler returned, before the delivery record: write what the session
+        holds (a flush). An awaitable for an asyncio delivery, else None."""
+        ...
+
+    def close(self) -> Any:
+        """After ``finish`` or a failure: let go of the session, never ending the delivery
+        transaction. An awaitable for an asyncio delivery, else None."""
+        ...
+
+
+class SessionProvider(Protocol):
+    """What ``Outbox.sessions`` holds: makes the ``ctx.session`` of one delivery."""
+
+    def open(self, connection: Any) -> SessionScope:
+        """A scope bound to ``connection``, the delivery transaction's connection.
+
+        Raises:
+            ConfigurationError: ``connection`` is not one the provider can bind a session to.
+        """
+        ...
+
+
 class Context:
     """The ``ctx`` a handler receives (see ``outboxkit.bus.DeliveryContext``).
 
@@ -117,6 +151,11 @@ class Context:
     it costs no round trip). A follow-up ``enqueue`` is written at once through ``write`` when
     the shell gives one (a blocking transactional delivery), else kept in ``buffer`` and written
     by the shell with the delivery record, in the same transaction.
+
+    ``session`` is made on first use by the outbox's ``SessionProvider`` (``sessions``), bound
+    to ``connection`` (taking it, so opening the delivery transaction); ``scope`` is then set,
+    and the shell finishes and closes it around the record. A handler that never touches
+    ``session`` costs nothing more.
     """
 
     __slots__ = (
@@ -126,10 +165,18 @@ class Context:
         "attempt",
         "buffer",
         "handler",
+        "scope",
+        "sessions",
         "write",
     )
 
-    def __init__(self, handler: str, attempt: int, max_payload_bytes: int) -> None:
+    def __init__(
+        self,
+        handler: str,
+        attempt: int,
+        max_payload_bytes: int,
+        sessions: SessionProvider | None = None,
+    ) -> None:
         self.handler = handler
         self.attempt = attempt
         self._max_payload_bytes = max_payload_bytes
@@ -137,6 +184,34 @@ class Context:
         self._tx: DeliveryTransaction | None = None
         self.write: Callable[[Sequence[NewEvent]], object] | None = None
         self.buffer: list[NewEvent] = []
+        self.sessions = sessions
+        self.scope: SessionScope | None = None
+
+    @property
+    def session(self) -> Any:
+        """An ORM session in the delivery transaction (see ``SessionProvider``): its writes
+        commit with the delivery record and roll back with a failure or a ``Reject``.
+
+        Raises:
+            ConfigurationError: the outbox has no session provider, or the handler is not
+                transactional (it has no delivery transaction to bind a session to).
+        """
+        scope = self.scope
+        if scope is None:
+            if self.sessions is None:
+                raise ConfigurationError(
+                    f"ctx.session in handler {self.handler!r}: this outbox has no session "
+                    "provider; call outboxkit.contrib.sqlalchemy.use_sessions(outbox, "
+                    "sessionmaker) first"
+                )
+            if self.connection is None:
+                raise ConfigurationError(
+                    f"ctx.session in handler {self.handler!r}: a non-transactional handler "
+                    "has no delivery transaction to write in; subscribe it with "
+                    "transactional=True"
+                )
+            scope = self.scope = self.sessions.open(self.connection)
+        return scope.session
 
     @property
     def connection(self) -> Any:

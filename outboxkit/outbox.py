@@ -25,6 +25,7 @@ from .store import AsyncStore, Store
 
 if TYPE_CHECKING:
     from .aio import AsyncPoller
+    from .handling import SessionProvider
     from .poller import Poller
     from .waiter import AsyncWaiter, Waiter, Wakeable
 
@@ -136,6 +137,9 @@ class Outbox:
         )
         self._waiters: list[Wakeable] = []
         self._waiters_lock = threading.Lock()
+        self.sessions: SessionProvider | None = None
+        """What makes a handler's ``ctx.session`` (set by an ORM integration, e.g.
+        ``outboxkit.contrib.sqlalchemy.use_sessions``); None: ``ctx.session`` is refused."""
 
     def __repr__(self) -> str:
         return f"Outbox({self.store!r}, {self.bus!r}, clock={self.clock!r})"

@@ -80,14 +80,17 @@ def registered_stores(pm: pluggy.PluginManager) -> dict[str, StoreEntry]:
     return by_scheme
 
 
-def open_store(url: str, *, plugins: Iterable[object] = (), **options: Any) -> Any:
+def open_store(url: Any, *, plugins: Iterable[object] = (), **options: Any) -> Any:
     """Open the store for ``url``, chosen by its scheme among the registered store plugins.
 
     ``sqlite:///path/app.db``, ``postgresql://user@host/db``, ``memory://`` ship with outboxkit;
-    third-party stores register more schemes through the ``outboxkit`` entry-point group.
+    third-party stores register more schemes through the ``outboxkit`` entry-point group. A
+    SQLAlchemy URL (``postgresql+psycopg://...``, ``sqlite+pysqlite:///...``) opens the store of
+    its database (the store connects with its own driver), and a SQLAlchemy ``Engine`` opens
+    a store on the engine's connections (``outboxkit.contrib.sqlalchemy.open_store``).
 
     Args:
-        url: the store URL.
+        url: the store URL, or a framework's engine (a SQLAlchemy ``Engine``).
         plugins: extra plugin objects to consult besides the installed entry points.
         **options: passed to the store's factory (e.g. table names).
 
@@ -96,6 +99,13 @@ def open_store(url: str, *, plugins: Iterable[object] = (), **options: Any) -> A
         ConfigurationError: the URL is malformed or a scheme is registered twice.
         MissingDependency: the store's driver is not installed.
     """
+    if not isinstance(url, str):
+        from .contrib import integration_for
+
+        integration = integration_for(url)
+        if integration is not None and hasattr(integration, "open_store"):
+            # A framework's engine (SQLAlchemy's): its integration opens the store on it.
+            return integration.open_store(url, **options)
     if not isinstance(url, str) or "://" not in url:
         raise ConfigurationError(
             f"a store URL looks like 'scheme://...', got {redact_url(url)[:200]!r}"
@@ -103,6 +113,11 @@ def open_store(url: str, *, plugins: Iterable[object] = (), **options: Any) -> A
     scheme = url.split("://", 1)[0].lower()
     stores = registered_stores(make_plugin_manager(plugins))
     entry = stores.get(scheme)
+    base, plus, _driver = scheme.partition("+")
+    if entry is None and plus and base in stores:
+        # A SQLAlchemy-style URL (postgresql+psycopg://, sqlite+pysqlite:///): the store
+        # connects with its own driver, so the driver part is dropped.
+        entry, url = stores[base], base + url[len(scheme) :]
     if entry is None:
         known = ", ".join(f"{s}://" for s in sorted(stores)) or "none"
         raise UnknownStore(f"no store is registered for {scheme[:40] + '://'!r}; known: {known}")

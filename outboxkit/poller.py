@@ -190,7 +190,7 @@ class Poller(handling.Shell):
     def _deliver(self, deliveries: Deliveries, claim: Claim, spec: HandlerSpec) -> Delivery:
         """Run one handler for one claimed event, with its record (R6, R7)."""
         outbox = self.outbox
-        ctx = handling.Context(spec.name, claim.attempt, outbox.max_payload_bytes)
+        ctx = handling.Context(spec.name, claim.attempt, outbox.max_payload_bytes, outbox.sessions)
         at = outbox.clock.now()
         try:
             if spec.transactional:
@@ -294,9 +294,14 @@ class Poller(handling.Shell):
 def _call(spec: HandlerSpec, event: Event, ctx: handling.Context) -> None:
     try:
         result = spec.fn(event, ctx)
+        if ctx.scope is not None and not (result is not None and inspect.isawaitable(result)):
+            ctx.scope.finish()  # the session's pending writes, before the record
     except Reject:
         raise
     except Exception as exc:
         raise handling.HandlerError(exc) from exc
+    finally:
+        if ctx.scope is not None:
+            ctx.scope.close()
     if result is not None and inspect.isawaitable(result):
         raise handling.awaitable_returned(spec, result)

@@ -24,7 +24,7 @@ import threading
 import weakref
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
@@ -38,6 +38,7 @@ from .loops import close_from_blocking, finish
 
 __all__ = [
     "AnyConnection",
+    "Lender",
     "AsyncConnection",
     "AsyncPool",
     "Connection",
@@ -91,12 +92,37 @@ def describe(conninfo: str) -> tuple[str, tuple[str, ...], dict[str, Any]]:
     return scrub(where, ordered), ordered, params
 
 
+@runtime_checkable
+class Lender(Protocol):
+    """A pool of the app's that lends psycopg connections, as ``psycopg_pool.ConnectionPool``
+    does (``outboxkit.contrib.sqlalchemy.EnginePool``: a SQLAlchemy engine's pool)."""
+
+    @property
+    def conninfo(self) -> str | None:
+        """The connection string for what a pool cannot lend (``LISTEN``, the asyncio side),
+        or None (then the store has neither)."""
+        ...
+
+    @property
+    def kwargs(self) -> Mapping[str, Any]:
+        """Connection keyword arguments for those connections."""
+        ...
+
+    def getconn(self) -> Connection:
+        """A connection (raising ``PoolTimeout`` or a ``psycopg.Error`` when there is none)."""
+        ...
+
+    def putconn(self, conn: Connection) -> None:
+        """Give ``conn`` back."""
+        ...
+
+
 class Pool:
     """Where the store's connections come from.
 
     Args:
         conninfo: a URL or libpq string (the store opens a pool of its own on first use), or a
-            ``psycopg_pool.ConnectionPool`` of the app's (borrowed, never closed).
+            ``psycopg_pool.ConnectionPool`` or ``Lender`` of the app's (borrowed, never closed).
         kwargs: connection keyword arguments (``prepare_threshold``...).
         min_size, max_size, timeout: the store's own pool (and the asyncio side's).
         name: the pool's name (in psycopg_pool's logs).
@@ -104,7 +130,7 @@ class Pool:
 
     def __init__(
         self,
-        conninfo: str | ConnectionPool[Any],
+        conninfo: str | ConnectionPool[Any] | Lender,
         *,
         kwargs: Mapping[str, Any],
         min_size: int,
@@ -117,8 +143,8 @@ class Pool:
         self.min_size, self.max_size, self.timeout, self.name = min_size, max_size, timeout, name
         self.secrets: tuple[str, ...] = ()
         self.where = "the pool's server"
-        if isinstance(conninfo, ConnectionPool):
-            self._pool: ConnectionPool[Any] | None = conninfo
+        if isinstance(conninfo, ConnectionPool | Lender):
+            self._pool: ConnectionPool[Any] | Lender | None = conninfo
             self.owned = False
             given = conninfo.conninfo
             self.conninfo: str | None = given if isinstance(given, str) else None
@@ -162,7 +188,7 @@ class Pool:
             return dict(self.kwargs)
         return {k: v for k, v in self.kwargs.items() if k != "cursor_factory"}
 
-    def _get(self) -> ConnectionPool[Any]:
+    def _get(self) -> ConnectionPool[Any] | Lender:
         pool = self._pool
         if pool is not None and not self._closed:
             return pool
@@ -202,7 +228,7 @@ class Pool:
         finally:
             pool.putconn(conn)
 
-    def _getconn(self, pool: ConnectionPool[Any], doing: str) -> Connection:
+    def _getconn(self, pool: ConnectionPool[Any] | Lender, doing: str) -> Connection:
         for _ in self.attempts():
             try:
                 conn: Connection = pool.getconn()
@@ -269,7 +295,7 @@ class Pool:
         with self._lock:
             self._closed = True
             pool, self._pool = self._pool, None
-        if pool is not None and self.owned:
+        if isinstance(pool, ConnectionPool) and self.owned:
             pool.close()
 
 

@@ -135,6 +135,20 @@ SELECT n.e ->> 0, n.e -> 1, n.e -> 2, n.e ->> 3,
  ORDER BY n.position
 RETURNING id, (SELECT pg_notify(%(channel)s, '') WHERE %(notify)s::boolean)
 
+-- name: enqueue_portable
+-- `enqueue` through a connection another library drives (SQLAlchemy's, on psycopg 3, psycopg2 or
+-- asyncpg): the same rows and notification, with named parameters (:name) and casts spelt
+-- CAST(... AS ...), and the notification's void result counted, so that every driver reads it.
+INSERT INTO {events} (topic, payload, headers, key, created_at, available_at)
+SELECT n.e ->> 0, n.e -> 1, n.e -> 2, n.e ->> 3,
+       coalesce(CAST(:now AS timestamptz), now()),
+       coalesce(CAST(:now AS timestamptz), now())
+         + CAST(n.e ->> 4 AS bigint) * interval '1 microsecond'
+  FROM jsonb_array_elements(CAST(:events AS jsonb)) WITH ORDINALITY AS n (e, position)
+ ORDER BY n.position
+RETURNING id,
+          (SELECT count(*) FROM (SELECT pg_notify(:channel, '') WHERE CAST(:notify AS boolean)) AS n)
+
 -- name: enqueue_one
 -- R1 for a single event (Outbox.enqueue): the same row and notification as `enqueue`, as a plain
 -- VALUES insert; the unnest plan costs a fifth of a millisecond more on every call.

@@ -58,7 +58,7 @@ from .errors import map_error
 from .flow import check_usable
 from .listen import NotifyWaiter
 from .names import Names, Queries, validate_schema
-from .pool import AnyConnection, Connection, Pool, is_url, scheme_of
+from .pool import AnyConnection, Connection, Lender, Pool, is_url, scheme_of
 
 if TYPE_CHECKING:
     from .aio import AsyncPostgresStore
@@ -105,8 +105,8 @@ class PostgresStore(SQLStore):
 
     Args:
         conninfo: a ``postgresql://`` URL or a libpq ``key=value`` string, or a
-            ``psycopg_pool.ConnectionPool`` of your own (the store borrows its connections and
-            never closes it).
+            ``psycopg_pool.ConnectionPool`` of your own, or a ``Lender`` (a SQLAlchemy engine's
+            pool: ``open_store(engine)``); the store borrows its connections and never closes it.
         schema: the PostgreSQL schema holding the tables (default ``public``; created by
             ``migrate()`` when missing).
         table_prefix: prefix of the three table names: ``{prefix}events``,
@@ -127,9 +127,12 @@ class PostgresStore(SQLStore):
             option or connection string. Nothing connects before the first use.
     """
 
+    sql_dialect = "postgresql"
+    """The SQL dialect of the store's database, by SQLAlchemy's name for it."""
+
     def __init__(
         self,
-        conninfo: str | ConnectionPool[Any],
+        conninfo: str | ConnectionPool[Any] | Lender,
         *,
         schema: str = "public",
         table_prefix: str = "outbox_",
@@ -165,10 +168,11 @@ class PostgresStore(SQLStore):
                 f"pool_max_size ({pool_max_size}) must be >= pool_min_size ({pool_min_size})"
             )
         timeout = check_seconds("pool_timeout", pool_timeout, allow_zero=False)
-        if not isinstance(conninfo, str | ConnectionPool):
+        if not isinstance(conninfo, str | ConnectionPool | Lender):
             raise ConfigurationError(
-                "PostgresStore takes a postgresql:// URL, a libpq conninfo string or a "
-                f"psycopg_pool.ConnectionPool, got {type(conninfo).__name__}"
+                "PostgresStore takes a postgresql:// URL, a libpq conninfo string, a "
+                "psycopg_pool.ConnectionPool or a Lender (open_store(engine) on SQLAlchemy), "
+                f"got {type(conninfo).__name__}"
             )
         self._pool = Pool(
             conninfo,
@@ -560,6 +564,27 @@ class PostgresStore(SQLStore):
                 **channel,
             }
         return "enqueue", {"now": now, "events": _batch_document(events), **channel}
+
+    def portable_enqueue(
+        self, events: Sequence[NewEvent], now: datetime | None
+    ) -> list[tuple[str, dict[str, Any]]]:
+        """The statements that insert ``events`` through a connection another library drives
+        (SQLAlchemy's, on any PostgreSQL driver), as ``(sql, params)`` with ``:name``
+        parameters; each returns the new ids as its rows' first column (in batch order once
+        sorted). The identifiers are the store's validated names; every value is a parameter.
+
+        Raises:
+            ConfigurationError: ``now`` is naive.
+        """
+        params = self._params(
+            {
+                "now": now,
+                "events": _batch_document(events),
+                "channel": self.names.channel,
+                "notify": self._notify,
+            }
+        )
+        return [(self._queries.text("enqueue_portable"), dict(params))]
 
     @staticmethod
     def _inserted(name: str, rows: Sequence[Row]) -> list[int]:

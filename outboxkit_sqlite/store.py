@@ -139,6 +139,9 @@ class SQLiteStore(SQLStore):
         StoreError: SQLite failed otherwise while opening.
     """
 
+    sql_dialect = "sqlite"
+    """The SQL dialect of the store's database, by SQLAlchemy's name for it."""
+
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -445,6 +448,31 @@ class SQLiteStore(SQLStore):
                 ids.extend(sorted(row[0] for row in returned.fetchall()))
         return ids
 
+    def portable_enqueue(
+        self, events: Sequence[NewEvent], now: datetime | None
+    ) -> list[tuple[str, dict[str, Any]]]:
+        """The statements that insert ``events`` through a connection another library drives
+        (SQLAlchemy's, on pysqlite or aiosqlite), as ``(sql, params)`` with ``:name``
+        parameters; each returns the new ids as its rows' first column (in order once sorted).
+        The identifiers are the store's validated table names; every value is a parameter.
+
+        Raises:
+            ConfigurationError: ``now`` is naive.
+        """
+        created = self._instant(now)
+        head = self._queries["insert_events_head"]
+        statements: list[tuple[str, dict[str, Any]]] = []
+        for start in range(0, len(events), _PORTABLE_ROWS):
+            chunk = events[start : start + _PORTABLE_ROWS]
+            params: dict[str, Any] = {}
+            values = []
+            for i, event in enumerate(chunk):
+                names = [f"{column}{i}" for column in _PORTABLE_COLUMNS]
+                params.update(zip(names, _row(event, created), strict=True))
+                values.append("(" + ", ".join(f":{name}" for name in names) + ")")
+            statements.append((f"{head} {', '.join(values)} RETURNING id", params))
+        return statements
+
     def claim(self, *, batch_size: int, lease: timedelta, now: datetime | None) -> list[Claim]:
         self._check_schema()
         return super().claim(batch_size=batch_size, lease=lease, now=now)
@@ -550,6 +578,10 @@ class SQLiteStore(SQLStore):
         except BaseException:
             conn.rollback_quietly()
             raise
+
+
+_PORTABLE_COLUMNS = ("topic", "payload", "headers", "key", "created", "available")
+_PORTABLE_ROWS = 999 // len(_PORTABLE_COLUMNS)  # within SQLite's oldest parameter limit
 
 
 def _row(event: NewEvent, created: int) -> tuple[Any, ...]:

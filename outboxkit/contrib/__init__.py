@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from ..core.model import NewEvent
     from ..store import Store
 
-__all__ = ["ADAPTERS", "ConnectionAdapter", "adapter_for"]
+__all__ = ["ADAPTERS", "ConnectionAdapter", "adapter_for", "integration_for"]
 
 
 class ConnectionAdapter(Protocol):
@@ -60,3 +60,10 @@ def adapter_for(conn: object) -> ConnectionAdapter | None:
         return None
     adapter: ConnectionAdapter = importlib.import_module(module).ADAPTER
     return adapter
+
+
+def integration_for(obj: object) -> Any:
+    """The integration module for a framework's object (a SQLAlchemy ``Engine``...), imported
+    now, or None when its class comes from no framework outboxkit integrates with."""
+    module = ADAPTERS.get(type(obj).__module__.partition(".")[0])
+    return None if module is None else importlib.import_module(module)
