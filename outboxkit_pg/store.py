@@ -277,34 +277,12 @@ class PostgresStore(SQLStore):
         return pairs
 
     def _records_params(self, rows: Sequence[tuple[Any, ...]]) -> dict[str, Any]:
-        ids, tokens, handlers, outcomes, attempts, ats, reasons = (
-            list(column) for column in zip(*rows, strict=True)
-        )
-        return {
-            "ids": ids,
-            "tokens": tokens,
-            "handlers": handlers,
-            "outcomes": outcomes,
-            "attempts": attempts,
-            "ats": ats,
-            "reasons": reasons,
-        }
+        names = ("ids", "tokens", "handlers", "outcomes", "attempts", "ats", "reasons")
+        return _arrays(names, rows)
 
     def _settle_params(self, rows: Sequence[tuple[Any, ...]]) -> dict[str, Any]:
-        # One binary array per column of SETTLE_COLUMNS (psycopg's text format would escape
-        # every element through a regular expression: milliseconds per hundred).
-        ids, tokens, publish, dead, retry_after, keeps_error, errors = (
-            list(column) for column in zip(*rows, strict=True)
-        )
-        return {
-            "ids": ids,
-            "tokens": tokens,
-            "publish": publish,
-            "dead": dead,
-            "retry_after": retry_after,
-            "keeps_error": keeps_error,
-            "errors": errors,
-        }
+        names = ("ids", "tokens", "publish", "dead", "retry_after", "keeps_error", "errors")
+        return _arrays(names, rows)
 
     @staticmethod
     def _params(params: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -708,3 +686,10 @@ def _batch_document(events: Sequence[NewEvent]) -> str:
             for e in events
         )
     )
+
+
+def _arrays(names: Sequence[str], rows: Sequence[tuple[Any, ...]]) -> dict[str, list[Any]]:
+    """One array parameter per column of ``rows``, named by ``names`` (bound as binary arrays
+    where the statement says ``%(name)b``: psycopg's text format would escape every element
+    through a regular expression, milliseconds per hundred)."""
+    return {name: list(column) for name, column in zip(names, zip(*rows, strict=True), strict=True)}

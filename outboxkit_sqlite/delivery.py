@@ -31,7 +31,15 @@ from .errors import database_failure, map_error
 if TYPE_CHECKING:
     from .store import SQLiteStore
 
-__all__ = ["Batch", "Delivery", "delivering", "handler_failure", "in_savepoint", "lazily"]
+__all__ = [
+    "Batch",
+    "Delivery",
+    "check_owned",
+    "delivering",
+    "handler_failure",
+    "in_savepoint",
+    "lazily",
+]
 
 
 class Delivery:
@@ -254,6 +262,21 @@ def in_savepoint(
         conn.execute(RELEASE_SAVEPOINT)
 
 
+def check_owned(store: SQLiteStore, conn: sqlite3.Connection, claim: Claim) -> None:
+    """R6's token check, inside the delivery's open transaction (it holds the write lock).
+
+    Raises:
+        LeaseLostError: the token is stale.
+        StoreError: SQLite failed.
+    """
+    with store._mapped(f"check the claim on event {claim.event.id}"):
+        owned = conn.execute(
+            store._queries["owned"], {"id": claim.event.id, "token": claim.token}
+        ).fetchone()
+    if owned is None:
+        raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
+
+
 @contextmanager
 def delivering(
     store: SQLiteStore,
@@ -271,12 +294,7 @@ def delivering(
             ``handler_failure`` decides.
     """
     at = store._instant(now)
-    with store._mapped(f"check the claim on event {claim.event.id}"):
-        owned = conn.execute(
-            store._queries["owned"], {"id": claim.event.id, "token": claim.token}
-        ).fetchone()
-    if owned is None:
-        raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
+    check_owned(store, conn, claim)
     if tx is None:
         tx = Delivery(store, conn, claim, at)
     conn.delivery = tx

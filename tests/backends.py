@@ -76,3 +76,15 @@ def open_target(backend: str, tmp_path: Path) -> Iterator[Target]:
             yield Target("pg", url, {"schema": schema})
     else:  # pragma: no cover
         raise ValueError(backend)
+
+
+@contextmanager
+def migrated_store(backend: str, tmp_path: Path) -> Iterator[Store]:
+    """An opened, migrated store of ``backend`` (``open_target``), closed afterwards."""
+    with open_target(backend, tmp_path) as target:
+        store = target.open()
+        try:
+            store.migrate()
+            yield store
+        finally:
+            store.close()

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from outboxkit import EventBus, FrozenClock, LeaseLostError, Outbox, Outcome, Reject, Store
-from tests.backends import ALL_BACKENDS, open_target
+from tests.backends import ALL_BACKENDS, migrated_store
 
 START = datetime(2030, 6, 1, tzinfo=UTC)
 LEASE = timedelta(seconds=30)
@@ -22,13 +22,8 @@ MODES = ["per_event", "per_batch"]
 
 @pytest.fixture(params=ALL_BACKENDS)
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    with open_target(request.param, tmp_path) as target:
-        opened = target.open()
-        try:
-            opened.migrate()
-            yield opened
-        finally:
-            opened.close()
+    with migrated_store(request.param, tmp_path) as opened:
+        yield opened
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -81,13 +76,8 @@ TAKEOVERS = [
 def test_a_taken_over_claim_gives_no_connection_even_if_the_handler_swallows_it(
     backend: str, mode: str, tmp_path: Path
 ) -> None:
-    with open_target(backend, tmp_path) as target:
-        store = target.open()
-        try:
-            store.migrate()
-            check_takeover(store, mode)
-        finally:
-            store.close()
+    with migrated_store(backend, tmp_path) as store:
+        check_takeover(store, mode)
 
 
 def check_takeover(store: Store, mode: str) -> None:

@@ -24,20 +24,15 @@ from outboxkit import (
     StoreUnavailable,
 )
 from outboxkit.outbox import DEFAULT_RETAIN_PUBLISHED, PRUNE_EVERY, PURGE_PAGE_SIZE
-from tests.backends import ALL_BACKENDS, open_target
+from tests.backends import ALL_BACKENDS, migrated_store
 
 START = datetime(2030, 6, 1, tzinfo=UTC)
 
 
 @pytest.fixture(params=ALL_BACKENDS)
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    with open_target(request.param, tmp_path) as target:
-        opened = target.open()
-        try:
-            opened.migrate()
-            yield opened
-        finally:
-            opened.close()
+    with migrated_store(request.param, tmp_path) as opened:
+        yield opened
 
 
 def make_bus() -> EventBus:

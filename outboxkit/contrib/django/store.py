@@ -29,12 +29,12 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from outboxkit.core.model import Claim, DeadLetter, DeliveryRecord, Event, NewEvent, Stats
-from outboxkit.errors import ConfigurationError, LeaseLostError
+from outboxkit.errors import ConfigurationError
 from outboxkit.store import Capabilities, SettleItem
 from outboxkit.waiter import ClosingWaiter
 from outboxkit_sqlite.connections import retry_busy
 from outboxkit_sqlite.delivery import Delivery as SQLiteDelivery
-from outboxkit_sqlite.delivery import handler_failure
+from outboxkit_sqlite.delivery import check_owned, handler_failure
 from outboxkit_sqlite.errors import map_error as map_sqlite_error
 from outboxkit_sqlite.store import SQLiteStore
 
@@ -377,12 +377,7 @@ def _delivering(
     """The SQLite store's delivery inside Django's open transaction: the token check, the
     delivery, the check that the handler left the transaction open. Commits nothing."""
     at = store._instant(now)
-    with store._mapped(f"check the claim on event {claim.event.id}"):
-        owned = conn.execute(
-            store._queries["owned"], {"id": claim.event.id, "token": claim.token}
-        ).fetchone()
-    if owned is None:
-        raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
+    check_owned(store, conn, claim)
     tx = SQLiteDelivery(store, conn, claim, at)
     try:
         yield tx
