@@ -17,7 +17,7 @@ def test_the_readme_starts_with_the_two_commands_of_a_new_user() -> None:
     assert lines[4] == "```bash" and lines[7] == "```", lines[:8]
     demo, tests = lines[5], lines[6]
     assert "pip install ." in demo and demo.endswith("outboxkit demo"), demo
-    assert 'pip install -e ".[dev]"' in tests and tests.endswith("python -m pytest -q"), tests
+    assert 'pip install -e ".[dev]"' in tests and tests.endswith("python -m pytest -q -n 2"), tests
 
 
 def test_ci_runs_the_first_command_as_written() -> None:
