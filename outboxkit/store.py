@@ -150,12 +150,18 @@ class Deliveries(Protocol):
     def delivery(
         self, claim: Claim, *, now: datetime | None
     ) -> AbstractContextManager[DeliveryTransaction]:
-        """Open a delivery transaction (a savepoint, in a batch) after checking that
+        """A delivery transaction (a savepoint, in a batch) in which nothing commits unless
         ``claim.token`` still owns the event. Commits (releases) on a normal exit, rolls back
         and re-raises on an exception.
 
+        The token may be checked on entry, or when ``tx.connection`` is first taken (a store
+        that opens the transaction lazily); a block that never took it may end with its record
+        fenced by the token in one statement, or, in a batch, kept and written before the
+        batch settles (then a stale token shows as a refused settlement).
+
         Raises:
-            LeaseLostError: on entry if the token is stale (nothing is run or written).
+            LeaseLostError: the token is stale (on entry, when the connection is taken, or at
+                the exit of a block that only recorded); nothing is written.
             StoreUnavailable: the database failed under the handler, whatever it raised.
         """
         ...

@@ -575,13 +575,15 @@ class PostgresStore(SQLStore):
 
     @contextmanager
     def delivery(self, claim: Claim, *, now: datetime | None) -> Iterator[Delivery]:
-        """A delivery transaction on a pooled connection, the event row locked.
+        """A delivery transaction on a pooled connection, opened (the event row locked, the
+        token checked) when ``tx.connection`` is first taken; a block that never takes it ends
+        with its record in one fenced statement (``delivery.delivering``).
 
         ``tx.connection`` is that ``psycopg.Connection`` in the open transaction: the handler
         reads and writes through it, but must not commit, roll back or close it.
 
         Raises:
-            LeaseLostError: the token is stale (nothing runs, nothing is written).
+            LeaseLostError: the token is stale (nothing is written).
             HandlerCrashed: the handler ended, broke or closed the transaction it was given.
             StoreUnavailable / StoreError: the database failed (never blamed on the handler).
         """

@@ -487,13 +487,15 @@ class SQLiteStore(SQLStore):
 
     @contextmanager
     def delivery(self, claim: Claim, *, now: datetime | None) -> Iterator[Delivery]:
-        """Open a delivery transaction (``BEGIN IMMEDIATE``) after checking the claim's token.
+        """A delivery transaction (``BEGIN IMMEDIATE``, the claim's token checked), opened when
+        ``tx.connection`` is first taken; a block that never takes it ends with its record in
+        one fenced, autocommitted statement (``_lazily``).
 
         ``tx.connection`` is the store's ``sqlite3.Connection`` inside that transaction; the
         handler may read and write through it but not commit, roll back or close it.
 
         Raises:
-            LeaseLostError: the token is stale (nothing runs, nothing is written).
+            LeaseLostError: the token is stale (nothing is written).
             HandlerCrashed: the handler ended or closed the transaction it was given.
             StoreUnavailable: the database failed under the handler.
             StoreError: SQLite failed.
