@@ -24,7 +24,7 @@ from . import handling
 from .bus import HandlerSpec
 from .core.batch import ClaimedBatch, EventRun
 from .core.machine import LeaseCheck, outage_delay
-from .core.model import Claim, Claimed, Delivery, Event, Outcome, PollReport
+from .core.model import Claim, Delivery, Event, Outcome, PollReport
 from .core.options import PollerOptions
 from .errors import (
     ConfigurationError,
@@ -123,19 +123,10 @@ class AsyncPoller(handling.Shell):
 
     async def process(self, claims: Sequence[Claim], *, claimed_at: datetime) -> PollReport:
         """Deliver and settle claims this poller just made (``run_once`` without the claim)."""
-        options = self.options
-        batch = ClaimedBatch(
-            claims,
-            claimed_at=claimed_at,
-            lease=options.lease,
-            max_retries=options.max_retries,
-            backoff=options.backoff,
-        )
+        batch = self._claimed(claims, claimed_at)
         if not claims:
             return batch.report
         outbox = self.outbox
-        for claim in claims:
-            outbox.emit(Claimed(claim.event.id, claim.event.topic, claim.attempt))
         try:
             async with self._deliveries() as deliveries:
                 try:

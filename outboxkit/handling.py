@@ -16,10 +16,11 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .bus import HandlerSpec
-from .core.batch import EventRun, Settled
+from .core.batch import ClaimedBatch, EventRun, Settled
 from .core.machine import DeadLetter, Publish, Retry, SettleNow, outcome_of
 from .core.model import (
     Claim,
+    Claimed,
     DeadLettered,
     Delivery,
     HandlerFailed,
@@ -87,6 +88,20 @@ class Shell:
                 f"{sorted(capabilities.names())}"
             )
         self._stop = threading.Event()
+
+    def _claimed(self, claims: Sequence[Claim], claimed_at: datetime) -> ClaimedBatch:
+        """The bookkeeping of a round's fresh claims (``Claimed`` emitted for each)."""
+        options = self.options
+        batch = ClaimedBatch(
+            claims,
+            claimed_at=claimed_at,
+            lease=options.lease,
+            max_retries=options.max_retries,
+            backoff=options.backoff,
+        )
+        for claim in claims:
+            self.outbox.emit(Claimed(claim.event.id, claim.event.topic, claim.attempt))
+        return batch
 
     def __repr__(self) -> str:
         o = self.options

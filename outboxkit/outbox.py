@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -238,12 +238,7 @@ class Outbox:
             delay=delay,
             max_payload_bytes=self.max_payload_bytes,
         )
-        adapter = adapter_for(conn)
-        if adapter is None:
-            (event_id,) = self.store.enqueue(conn, [event], now=self.store_now())
-        else:
-            (event_id,) = adapter.enqueue(self.store, conn, [event], now=self.store_now())
-        self.wake()
+        (event_id,) = self._write(conn, [event])
         return event_id
 
     def enqueue_many(self, conn: Any, events: Iterable[Message | tuple[str, Any]]) -> list[int]:
@@ -263,15 +258,7 @@ class Outbox:
             StoreError: the store failed to write.
         """
         built = self._build_many(events)
-        if not built:
-            return []
-        adapter = adapter_for(conn)
-        if adapter is None:
-            ids = self.store.enqueue(conn, built, now=self.store_now())
-        else:
-            ids = adapter.enqueue(self.store, conn, built, now=self.store_now())
-        self.wake()
-        return ids
+        return self._write(conn, built) if built else []
 
     async def enqueue_async(
         self,
@@ -305,14 +292,7 @@ class Outbox:
             delay=delay,
             max_payload_bytes=self.max_payload_bytes,
         )
-        adapter = adapter_for(conn)
-        if adapter is None:
-            (event_id,) = await self._async_store().enqueue(conn, [event], now=self.store_now())
-        else:
-            (event_id,) = await adapter.enqueue_async(
-                self.store, conn, [event], now=self.store_now()
-            )
-        self.wake()
+        (event_id,) = await self._write_async(conn, [event])
         return event_id
 
     async def enqueue_many_async(
@@ -326,13 +306,26 @@ class Outbox:
             StoreError: the store failed to write.
         """
         built = self._build_many(events)
-        if not built:
-            return []
+        return await self._write_async(conn, built) if built else []
+
+    def _write(self, conn: Any, events: Sequence[NewEvent]) -> list[int]:
+        """Checked ``events`` through ``conn``: the store takes a driver's connection itself,
+        a framework's connection or session goes through its integration (``contrib``)."""
         adapter = adapter_for(conn)
         if adapter is None:
-            ids = await self._async_store().enqueue(conn, built, now=self.store_now())
+            ids = self.store.enqueue(conn, events, now=self.store_now())
         else:
-            ids = await adapter.enqueue_async(self.store, conn, built, now=self.store_now())
+            ids = adapter.enqueue(self.store, conn, events, now=self.store_now())
+        self.wake()
+        return ids
+
+    async def _write_async(self, conn: Any, events: Sequence[NewEvent]) -> list[int]:
+        """``_write`` through an async connection or session."""
+        adapter = adapter_for(conn)
+        if adapter is None:
+            ids = await self._async_store().enqueue(conn, events, now=self.store_now())
+        else:
+            ids = await adapter.enqueue_async(self.store, conn, events, now=self.store_now())
         self.wake()
         return ids
 

@@ -19,7 +19,7 @@ from . import handling
 from .bus import HandlerSpec
 from .core.batch import ClaimedBatch, EventRun
 from .core.machine import MAX_OUTAGE_WAIT, LeaseCheck, outage_delay
-from .core.model import Claim, Claimed, Delivery, Event, Outcome, PollReport
+from .core.model import Claim, Delivery, Event, Outcome, PollReport
 from .core.options import PollerOptions
 from .errors import (
     HandlerCrashed,
@@ -97,19 +97,10 @@ class Poller(handling.Shell):
             claimed_at: the outbox's ``local_clock`` instant just before the claim (lease
                 deadlines count from it).
         """
-        options = self.options
-        batch = ClaimedBatch(
-            claims,
-            claimed_at=claimed_at,
-            lease=options.lease,
-            max_retries=options.max_retries,
-            backoff=options.backoff,
-        )
+        batch = self._claimed(claims, claimed_at)
         if not claims:
             return batch.report
         outbox = self.outbox
-        for claim in claims:
-            outbox.emit(Claimed(claim.event.id, claim.event.topic, claim.attempt))
         try:
             with self._deliveries() as deliveries:
                 try:
