@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager, suppress
+from contextlib import AbstractContextManager, ExitStack, contextmanager, suppress
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -204,37 +204,32 @@ def lazily(
     did and ends with exactly one record is ended by ``single(tx)`` instead (the record fenced
     by the token in one statement, or kept by the batch). A failure of the opening is the
     delivery's error, whatever the handler made of it."""
-    opened: list[AbstractContextManager[Delivery]] = []
-    failed: list[BaseException] = []
+    with ExitStack() as stack:
+        opened: list[Delivery] = []
+        failed: list[BaseException] = []
 
-    def open_now() -> None:
-        tx.opener = None
-        cm = opening(tx)
+        def open_now() -> None:
+            tx.opener = None
+            try:
+                opened.append(stack.enter_context(opening(tx)))
+            except BaseException as exc:
+                failed.append(exc)
+                raise
+
+        tx = Delivery(store, conn, claim, store._instant(now), open_now)
         try:
-            cm.__enter__()
+            yield tx
         except BaseException as exc:
-            failed.append(exc)
-            raise
-        opened.append(cm)
-
-    tx = Delivery(store, conn, claim, store._instant(now), open_now)
-    try:
-        yield tx
-    except BaseException as exc:
-        if failed and failed[0] is not exc:
-            raise failed[0] from exc
-        if opened and opened[0].__exit__(type(exc), exc, exc.__traceback__):
-            return  # pragma: no cover - the openings never swallow an exception
-        raise
-    if failed:
-        raise failed[0]  # the handler swallowed it: the delivery fails all the same
-    if not opened and tx.single_record:
-        tx.opener = None
-        single(tx)
-        return
-    if not opened:
-        open_now()
-    opened[0].__exit__(None, None, None)
+            if failed and failed[0] is not exc:
+                raise failed[0] from exc
+            raise  # into the opened transaction (the stack), which rolls back
+        if failed:
+            raise failed[0]  # the handler swallowed it: the delivery fails all the same
+        if not opened and tx.single_record:
+            tx.opener = None
+            single(tx)
+        elif not opened:
+            open_now()
 
 
 @contextmanager
