@@ -2,7 +2,7 @@
 
 Enqueues ``--events`` events into a fresh schema (dropped afterwards), then drains them in this
 process with ``Poller.run_once`` under cProfile (one transactional handler doing one ledger
-insert through ``ctx.connection``, as in ``drain_throughput.py``) and prints the top
+insert through ``ctx.connection``) and prints the top
 ``--top`` functions by own time (tottime), plus the events/s seen under the profiler.
 
     python bench/profile_hot_path.py
