@@ -6,12 +6,20 @@
 -- {due_index} and friends (index names) and {channel}; outboxkit_pg fills them with
 -- psycopg.sql.Identifier, after validate_identifier. Values are always bound parameters,
 -- %(name)s; arrays as %(name)b, in binary (psycopg's text format escapes every element of
--- a text array through a regular expression: milliseconds per hundred). Comment lines (starting with two dashes) are dropped by the loader, so they may
--- say anything.
+-- a text array through a regular expression: milliseconds per hundred). Comment lines
+-- (starting with two dashes) are dropped by the loader, so they may say anything.
 --
 -- Time: every statement that needs "now" takes it as %(now)s and falls back to the database
 -- clock, coalesce(%(now)s::timestamptz, now()) (River style): NULL means the server's clock, so
 -- pollers on many machines never disagree; a test clock's instant is bound instead.
+--
+-- Fences: every statement that acts on claimed rows by id (lock_for_delivery, lock_in_batch,
+-- the fenced records, extend, settle_many, release) says "not published, not dead" as
+-- coalesce(published_at, failed_at) IS NULL, not as the two IS NULL tests of the due index's
+-- predicate. With the two tests the planner may prove that partial index usable and walk all
+-- of it, (available_at, id), for one id: on a freshly filled table, before autovacuum has
+-- analyzed it, it does (0.95 -> 0.71 ms per fenced record at 10,000 due events, measured);
+-- written this way only the primary key reaches a row by id.
 
 
 -- name: clock
@@ -201,8 +209,7 @@ UPDATE {events}
    SET claim_token = claim_token
  WHERE id = %(id)s
    AND claim_token = %(token)s::uuid
-   AND published_at IS NULL
-   AND failed_at IS NULL
+   AND coalesce(published_at, failed_at) IS NULL
 RETURNING id,
           CASE WHEN %(mark)s::boolean
                THEN set_config('outboxkit.open_delivery', id::text, true) END
@@ -215,8 +222,7 @@ SELECT id, set_config('outboxkit.open_delivery', id::text, true)
   FROM {events}
  WHERE id = %(id)s
    AND claim_token = %(token)s::uuid
-   AND published_at IS NULL
-   AND failed_at IS NULL
+   AND coalesce(published_at, failed_at) IS NULL
    FOR UPDATE
 
 -- name: insert_record
@@ -238,8 +244,7 @@ SELECT e.id, %(handler)s, %(outcome)s, %(attempt)s, coalesce(%(now)s::timestampt
   FROM {events} AS e
  WHERE e.id = %(event_id)s
    AND e.claim_token = %(token)s::uuid
-   AND e.published_at IS NULL
-   AND e.failed_at IS NULL
+   AND coalesce(e.published_at, e.failed_at) IS NULL
    FOR UPDATE
 RETURNING event_id
 
@@ -255,8 +260,7 @@ SELECT e.id, r.handler, r.outcome, r.attempt, coalesce(r.at, now()), r.reason
        WITH ORDINALITY AS r (id, token, handler, outcome, attempt, at, reason, ord)
   JOIN {events} AS e ON e.id = r.id AND e.claim_token = r.token
  WHERE e.id = ANY(%(ids)b::bigint[])
-   AND e.published_at IS NULL
-   AND e.failed_at IS NULL
+   AND coalesce(e.published_at, e.failed_at) IS NULL
  ORDER BY r.ord
    FOR UPDATE OF e
 RETURNING event_id
@@ -269,8 +273,7 @@ UPDATE {events} AS e
  WHERE e.id = ANY(%(ids)b::bigint[])
    AND e.id = c.id
    AND e.claim_token = c.token
-   AND e.published_at IS NULL
-   AND e.failed_at IS NULL
+   AND coalesce(e.published_at, e.failed_at) IS NULL
 RETURNING e.claim_token::text, e.locked_until
 
 -- name: settle_many
@@ -296,9 +299,46 @@ UPDATE {events} AS e
  WHERE e.id = ANY(%(ids)b::bigint[])
    AND e.id = s.id
    AND e.claim_token = s.token
-   AND e.published_at IS NULL
-   AND e.failed_at IS NULL
+   AND coalesce(e.published_at, e.failed_at) IS NULL
 RETURNING e.id
+
+-- name: settle_many_recording
+-- A batch's settle_many and its kept records (insert_records_fenced) in one statement: the
+-- UPDATE settles each event fenced by its token and locks its row; the INSERT writes the kept
+-- records of the events it settled, in delivery order. The fence of the records is the
+-- settlement's own (a stale token settles nothing and records nothing), so the rows are
+-- locked and checked once instead of twice. Returns the ids settled, as settle_many.
+WITH settled AS (
+    UPDATE {events} AS e
+       SET published_at = CASE WHEN s.publish
+                               THEN coalesce(%(now)s::timestamptz, now()) ELSE e.published_at END,
+           failed_at = CASE WHEN s.dead
+                            THEN coalesce(%(now)s::timestamptz, now()) ELSE e.failed_at END,
+           available_at = CASE WHEN s.retry_after IS NULL THEN e.available_at
+                               ELSE coalesce(%(now)s::timestamptz, now()) + s.retry_after
+                          END,
+           last_error = CASE WHEN s.keeps_error THEN s.error ELSE e.last_error END,
+           locked_until = NULL,
+           claim_token = NULL
+      FROM unnest(%(ids)b::bigint[], %(tokens)b::uuid[], %(publish)b::boolean[],
+                  %(dead)b::boolean[], %(retry_after)b::interval[], %(keeps_error)b::boolean[],
+                  %(errors)b::text[])
+           AS s (id, token, publish, dead, retry_after, keeps_error, error)
+     WHERE e.id = ANY(%(ids)b::bigint[])
+       AND e.id = s.id
+       AND e.claim_token = s.token
+       AND coalesce(e.published_at, e.failed_at) IS NULL
+    RETURNING e.id
+), recorded AS (
+    INSERT INTO {deliveries} (event_id, handler, outcome, attempt, recorded_at, reason)
+    SELECT r.id, r.handler, r.outcome, r.attempt, coalesce(r.at, now()), r.reason
+      FROM unnest(%(record_ids)b::bigint[], %(handlers)b::text[], %(outcomes)b::text[],
+                  %(attempts)b::integer[], %(ats)s::timestamptz[], %(reasons)b::text[])
+           WITH ORDINALITY AS r (id, handler, outcome, attempt, at, reason, ord)
+      JOIN settled AS s ON s.id = r.id
+     ORDER BY r.ord
+)
+SELECT id FROM settled
 
 -- name: release
 -- Unstarted claims handed back: lease cleared and the attempt refunded, fenced by token.
@@ -310,8 +350,7 @@ UPDATE {events} AS e
  WHERE e.id = ANY(%(ids)b::bigint[])
    AND e.id = c.id
    AND e.claim_token = c.token
-   AND e.published_at IS NULL
-   AND e.failed_at IS NULL
+   AND coalesce(e.published_at, e.failed_at) IS NULL
 RETURNING e.id
 
 -- name: requeue

@@ -127,6 +127,8 @@ class PostgresStore(SQLStore):
             option or connection string. Nothing connects before the first use.
     """
 
+    settles_recording = True  # a batch's settlement and kept records: one statement
+
     sql_dialect = "postgresql"
     """The SQL dialect of the store's database, by SQLAlchemy's name for it."""
 

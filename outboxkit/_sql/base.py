@@ -23,6 +23,10 @@ purge_dead      ids, before, limit                           id (records go alon
 stats           now                                          topic, state, count, oldest
 =============== ============================================ ============================
 
+A store whose ``settles_recording`` is true also has ``settle_many_recording``: settle_many's
+parameters plus insert_records_fenced's (``ids`` renamed ``record_ids``, no ``tokens``),
+returning the ids settled.
+
 Each write is one of the machine's transitions (``outboxkit.core.machine.TRANSITIONS``):
 ``claim`` is CLAIM, ``release`` RELEASE, ``requeue`` REQUEUE, and ``settle_many`` writes the
 state ``settlement.state`` gives from the table (PUBLISH, RETRY or DEAD_LETTER, see
@@ -57,6 +61,10 @@ Row = Sequence[Any]
 
 class SQLStore(ABC):
     """The operations of a SQL store; see the module docstring for the dialect seam."""
+
+    settles_recording = False
+    """Whether ``queries.sql`` has ``settle_many_recording`` (a batch's settlement and kept
+    records in one statement; PostgreSQL's data-modifying CTE)."""
 
     # -- the dialect seam -------------------------------------------------------------------------
 
@@ -148,6 +156,22 @@ class SQLStore(ABC):
         self, conn: Any, items: Sequence[SettleItem], now: datetime | None
     ) -> list[bool]:
         return self._settled(items, self._rows(conn, *self._settle_many_query(items, now)))
+
+    def _settle_recording_on(
+        self,
+        conn: Any,
+        items: Sequence[SettleItem],
+        kept: Sequence[tuple[Any, ...]],
+        now: datetime | None,
+    ) -> list[bool]:
+        """``settle_many_recording``: the settlement and the kept records (rows of
+        ``RECORD_COLUMNS``, each one of ``items``' events) in one statement."""
+        _, params = self._settle_many_query(items, now)
+        records = self._records_params(kept)
+        del records["tokens"]  # fenced by the settlement's own token check
+        params["record_ids"] = records.pop("ids")
+        params.update(records)
+        return self._settled(items, self._rows(conn, "settle_many_recording", params))
 
     def _claim_query(
         self, batch_size: int, lease: timedelta, now: datetime | None
@@ -326,10 +350,21 @@ class SQLBatch:
             return self._store._extend_on(self._conn, claims, lease, now)
 
     def settle_many(self, items: Sequence[SettleItem], *, now: datetime | None) -> list[bool]:
-        """``settle_many`` inside the batch's transaction: true once the batch commits."""
-        self.write_kept()
+        """``settle_many`` inside the batch's transaction: true once the batch commits.
+
+        The kept records go first (``write_kept``) or, on a store with ``settle_many_recording``
+        and when every kept record is one of these events' (the usual round), with the
+        settlement in one statement."""
         if not items:
+            self.write_kept()
             return []
         self._check_open()
-        with self._store._mapped(f"settle {len(items)} event(s)", self._conn):
-            return self._store._settle_many_on(self._conn, items, now)
+        store = self._store
+        kept, settling = self._kept, {(c.event.id, c.token) for c, _, _ in items}
+        if kept and store.settles_recording and all((r[0], r[1]) in settling for r in kept):
+            self._kept = []
+            with store._mapped(f"settle and record {len(items)} event(s)", self._conn):
+                return store._settle_recording_on(self._conn, items, kept, now)
+        self.write_kept()
+        with store._mapped(f"settle {len(items)} event(s)", self._conn):
+            return store._settle_many_on(self._conn, items, now)
