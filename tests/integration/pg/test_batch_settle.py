@@ -1,0 +1,116 @@
+"""A PostgreSQL batch's settlement: the records its deliveries kept (handlers that never took
+the connection) are written with the settlement in one statement when every kept record is one
+of the events being settled, by ``insert_records_fenced`` before the settlement otherwise; a
+stale token settles nothing and records nothing either way."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from outboxkit import EventBus, Outbox, Outcome
+from outboxkit.core.machine import Publish
+from outboxkit.core.model import Claim
+from outboxkit_pg import PostgresStore
+
+pytestmark = pytest.mark.pg
+
+LEASE = timedelta(seconds=30)
+
+
+@pytest.fixture
+def store(pg_url: str, pg_schema: str) -> Iterator[PostgresStore]:
+    opened = PostgresStore(pg_url, schema=pg_schema, notify=False)
+    try:
+        opened.migrate()
+        yield opened
+    finally:
+        opened.close()
+
+
+@pytest.fixture
+def statements(store: PostgresStore, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the statements the store runs, in order."""
+    names: list[str] = []
+    run = store._rows
+
+    def spy(conn: Any, name: str, params: Any) -> Any:
+        names.append(name)
+        return run(conn, name, params)
+
+    monkeypatch.setattr(store, "_rows", spy)
+    return names
+
+
+def claimed(store: PostgresStore, events: int) -> list[Claim]:
+    outbox = Outbox(store, EventBus(), load_entry_points=False)
+    with store.transaction() as tx:
+        outbox.enqueue_many(tx, [("t", {"n": n}) for n in range(events)])
+    claims = store.claim(batch_size=events, lease=LEASE, now=None)
+    assert len(claims) == events
+    return claims
+
+
+def kept_batch(store: PostgresStore, claims: list[Claim], settle: list[Claim]) -> list[bool]:
+    """Deliver ``claims`` in one batch, none taking the connection, and settle ``settle``."""
+    with store.batch(now=None) as batch:
+        for claim in claims:
+            with batch.delivery(claim, now=None) as tx:
+                tx.record("h", Outcome.SUCCEEDED)
+        return batch.settle_many([(c, Publish(), None) for c in settle], now=None)
+
+
+def recorded(store: PostgresStore, claims: list[Claim]) -> list[int]:
+    """The ids of ``claims``' events that have a record, in record order."""
+    return [c.event.id for c in claims for _ in store.records(c.event.id)]
+
+
+def published(store: PostgresStore, claims: list[Claim]) -> list[bool]:
+    events = [store.get(c.event.id) for c in claims]
+    return [event is not None and event.published_at is not None for event in events]
+
+
+def test_kept_records_of_the_settled_events_go_with_the_settlement(
+    store: PostgresStore, statements: list[str]
+) -> None:
+    claims = claimed(store, 3)
+    statements.clear()
+    assert kept_batch(store, claims, claims) == [True, True, True]
+    assert statements == ["settle_many_recording"]
+    assert recorded(store, claims) == [c.event.id for c in claims]
+    assert published(store, claims) == [True, True, True]
+
+
+def test_a_kept_record_of_an_event_not_settled_is_written_on_its_own(
+    store: PostgresStore, statements: list[str]
+) -> None:
+    claims = claimed(store, 3)
+    statements.clear()
+    assert kept_batch(store, claims, claims[:2]) == [True, True]
+    assert statements == ["insert_records_fenced", "settle_many"]
+    assert recorded(store, claims) == [c.event.id for c in claims]
+    assert published(store, claims) == [True, True, False]
+
+
+def test_a_stale_token_settles_and_records_nothing(
+    store: PostgresStore, statements: list[str], pg_url: str
+) -> None:
+    claims = claimed(store, 3)
+    stale = claims[1]
+    with psycopg.connect(pg_url, autocommit=True) as admin:  # another poller took it over
+        admin.execute(
+            sql.SQL("UPDATE {} SET claim_token = gen_random_uuid() WHERE id = %s").format(
+                sql.Identifier(store.names.schema, "outbox_events")
+            ),
+            (stale.event.id,),
+        )
+    statements.clear()
+    assert kept_batch(store, claims, claims) == [True, False, True]
+    assert statements == ["settle_many_recording"]
+    assert recorded(store, claims) == [claims[0].event.id, claims[2].event.id]
+    assert published(store, claims) == [True, False, True]
