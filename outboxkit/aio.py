@@ -241,6 +241,7 @@ class AsyncPoller(handling.Shell):
         try:
             if spec.transactional:
                 async with deliveries.delivery(claim, now=outbox.store_now()) as tx:
+                    await tx.open()  # a property cannot open it when the handler takes it
                     ctx.connection = tx.connection
                     await _call(spec, claim.event, ctx)
                     if ctx.buffer:

@@ -707,6 +707,9 @@ class _AsyncDelivery:
     def __init__(self, tx: _MemoryDelivery) -> None:
         self._tx = tx
 
+    async def open(self) -> None:
+        """Nothing to do: a memory delivery is open from the start."""
+
     @property
     def connection(self) -> MemoryTransaction:
         return self._tx.connection

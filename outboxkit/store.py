@@ -320,10 +320,28 @@ class Store(Deliveries, Protocol):
 
 class AsyncDeliveryTransaction(Protocol):
     """``DeliveryTransaction`` for async code: ``connection`` is the async connection of the
-    delivery transaction (psycopg's ``AsyncConnection``, aiosqlite's ``Connection``)."""
+    delivery transaction (psycopg's ``AsyncConnection``, aiosqlite's ``Connection``).
+
+    A property cannot await, so the transaction opens lazily through ``open``: the poller
+    awaits it before it hands ``connection`` to a transactional handler. A delivery never
+    opened (a non-transactional handler's record, a rejection) may end as its record alone,
+    fenced by the token in one statement, as a blocking delivery whose handler never took the
+    connection does. A store whose deliveries open at once makes ``open`` a no-op.
+    """
+
+    async def open(self) -> None:
+        """Open the delivery transaction now, if it is not open yet (idempotent).
+
+        Raises:
+            LeaseLostError: the token is stale (nothing was written).
+            StoreError: the database failed.
+        """
+        ...
 
     @property
-    def connection(self) -> Any: ...
+    def connection(self) -> Any:
+        """The delivery transaction's async connection, once ``open`` was awaited."""
+        ...
 
     async def enqueue(self, events: Sequence[NewEvent]) -> list[int]: ...
 

@@ -29,6 +29,7 @@ from psycopg.rows import tuple_row
 from outboxkit._sql.aio import AsyncSQLBatch, AsyncSQLStore
 from outboxkit._sql.base import Row
 from outboxkit.core.model import Claim, NewEvent, Outcome
+from outboxkit.errors import StoreError
 
 from .flow import BatchGuard, Flow, Result, Statement, Transaction, check_usable
 from .listen import AsyncNotifyWaiter
@@ -175,12 +176,13 @@ class AsyncPostgresStore(AsyncSQLStore):
     @asynccontextmanager
     async def delivery(self, claim: Claim, *, now: datetime | None) -> AsyncIterator[AsyncDelivery]:
         """``PostgresStore.delivery`` for async code: a delivery transaction on a pooled async
-        connection, the event row locked. ``tx.connection`` is that ``AsyncConnection`` in the
-        open transaction: the handler reads and writes through it, but must not commit, roll
-        back or close it.
+        connection, opened (the event row locked, the token checked) when ``tx.open()`` is
+        awaited; a block that never opens it ends with its record in one fenced statement.
+        ``tx.connection`` is then that ``AsyncConnection`` in the open transaction: the handler
+        reads and writes through it, but must not commit, roll back or close it.
 
         Raises:
-            LeaseLostError: the token is stale (nothing runs, nothing is written).
+            LeaseLostError: the token is stale (nothing is written).
             HandlerCrashed: the handler ended, broke or closed the transaction it was given.
             StoreUnavailable / StoreError: the database failed (never blamed on the handler).
         """
@@ -227,22 +229,57 @@ class AsyncPostgresStore(AsyncSQLStore):
 
 
 class AsyncDelivery(Transaction[AsyncConnection]):
-    """One open async delivery transaction (see ``AsyncPostgresStore.delivery``)."""
+    """One async delivery transaction (see ``AsyncPostgresStore.delivery``); a delivery of its
+    own opens when ``open`` is awaited (or a follow-up enqueued), one in a batch at once."""
 
     def __init__(self, side: AsyncPostgresStore, flow: Flow[AsyncConnection]) -> None:
         super().__init__(flow)
         self._side = side
 
+    async def open(self) -> None:
+        """Open the delivery transaction now (its first pipeline sync), if it is not yet.
+
+        Raises:
+            LeaseLostError: the token is stale (the transaction is not opened).
+            StoreError: the database failed opening it.
+        """
+        flow = self._flow
+        if flow.is_open:
+            return
+        try:
+            flow.opened(await _sync(flow.conn, flow.opening()))
+        except BaseException as exc:
+            error = flow.open_error = flow.error_for(exc)
+            if error is exc:
+                raise
+            raise error from exc
+
+    @property
+    def connection(self) -> AsyncConnection:
+        """The connection in the open delivery transaction.
+
+        Raises:
+            StoreError: ``open`` was not awaited first.
+        """
+        flow = self._flow
+        if not flow.is_open:
+            raise StoreError(
+                f"{flow.what}: the delivery transaction is not open yet; await open() first"
+            )
+        return flow.conn
+
     async def enqueue(self, events: Sequence[NewEvent]) -> list[int]:
-        """Enqueue follow-up events inside this transaction."""
+        """Enqueue follow-up events inside this transaction (opened first if need be)."""
         if not events:
             return []
+        await self.open()
         flow = self._flow
         with flow.store._mapped(self._following(events), flow.conn):
             return await self._side._insert(flow.conn, events, flow.now)
 
     async def record(self, handler: str, outcome: Outcome, *, reason: str | None = None) -> None:
-        """Queue the record; it is written with the commit, in the same sync."""
+        """Queue the record; it is written with the commit, in the same sync (or, for a
+        delivery never opened, alone in one fenced statement)."""
         self._flow.record(handler, outcome, reason)
 
 
@@ -270,19 +307,27 @@ async def delivering(
     now: datetime | None,
     batch: AsyncBatch | None = None,
 ) -> AsyncIterator[AsyncDelivery]:
-    """``delivery.delivering`` on an async connection (the same ``Flow``).
+    """``delivery.delivering`` on an async connection (the same ``Flow``): a delivery of its
+    own opens when ``tx.open()`` is awaited, or at its end when what it queued needs the
+    transaction; one that never opens is its fenced record alone. A batch's opens at once.
 
     Raises:
-        LeaseLostError: the token is stale (nothing runs, nothing is written).
+        LeaseLostError: the token is stale (nothing is written).
         HandlerCrashed: the handler ended, broke or closed the transaction it was given.
         StoreUnavailable: the server ended the session under the handler.
         StoreError: the database failed (never blamed on the handler).
     """
     flow = Flow(side._store, conn, claim, now, batch)
+    tx = AsyncDelivery(side, flow)
     try:
-        flow.opened(await _sync(conn, flow.opening()))
-        yield AsyncDelivery(side, flow)
-        await _sync(conn, flow.closing())
+        if batch is not None:
+            await tx.open()  # a batch's savepoints open at once (no kept records here)
+        yield tx
+        if flow.open_error is not None:
+            raise flow.open_error  # the handler swallowed it: the delivery fails all the same
+        if flow.must_open():
+            await tx.open()
+        flow.closed(await _sync(conn, flow.closing()))
     except BaseException as exc:
         error = flow.error_for(exc)
         await _abort(conn, flow.aborting())
@@ -292,7 +337,13 @@ async def delivering(
 
 
 async def _sync(conn: AsyncConnection, statements: Sequence[Statement]) -> list[Result]:
-    """Send ``statements`` in one pipeline sync; what each returned."""
+    """Send ``statements`` in one pipeline sync (one alone: without the pipeline, whose entry
+    and exit cost more than the statement); what each returned."""
+    if len(statements) == 1:
+        (statement,) = statements
+        cursor = await conn.cursor(row_factory=tuple_row).execute(statement.query, statement.params)
+        rows = await cursor.fetchall() if cursor.description is not None else []
+        return [Result(cursor.rowcount, rows)]
     async with conn.pipeline():
         cursors = [
             await conn.cursor(row_factory=tuple_row).execute(s.query, s.params) for s in statements

@@ -246,6 +246,9 @@ class _AsyncDelivery:
         self._conn = conn
         self._tx = tx
 
+    async def open(self) -> None:
+        """Nothing to do: the delivery's transaction (or savepoint) opened with it."""
+
     @property
     def connection(self) -> aiosqlite.Connection:
         """The aiosqlite connection inside the delivery transaction."""

@@ -106,3 +106,44 @@ def check_takeover(store: Store, mode: str) -> None:
     assert report.published == [] and report.failed == []
     assert report.lease_lost == [event_id]
     assert store.records(event_id) == []
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("mode", MODES)
+async def test_async_deliveries_never_opened_are_recorded(store: Store, mode: str) -> None:
+    """The asyncio poller opens a delivery only for a transactional handler (``tx.open()``):
+    a non-transactional handler's record, a rejection and a retry are recorded as ever."""
+    clock = FrozenClock(START)
+    bus = EventBus()
+    seen: list[tuple[int, str]] = []
+
+    @bus.handler("t", name="outside", transactional=False)
+    async def outside(event: Any, ctx: Any) -> None:
+        seen.append((event.id, "outside"))
+        if event.payload["n"] % 3 == 1:
+            raise Reject("not today")
+        if event.payload["n"] % 3 == 2 and ctx.attempt == 1:
+            raise RuntimeError("try again")
+
+    @bus.handler("t", name="inside")
+    async def inside(event: Any, ctx: Any) -> None:
+        seen.append((event.id, "inside"))
+        assert ctx.connection is not None  # opened for a transactional handler
+
+    outbox = Outbox(store, bus, clock=clock, load_entry_points=False)
+    with store.transaction() as tx:
+        ids = outbox.enqueue_many(tx, [("t", {"n": n}) for n in range(6)])
+    poller = outbox.async_poller(transaction=mode, lease=LEASE)
+    first = await poller.run_once()
+    assert sorted(first.published) == sorted(i for n, i in enumerate(ids) if n % 3 != 2)
+    clock.advance(timedelta(hours=1))
+    second = await poller.run_once()
+    assert sorted(second.published) == [i for n, i in enumerate(ids) if n % 3 == 2]
+    for n, event_id in enumerate(ids):
+        records = {r.handler: r for r in store.records(event_id)}
+        assert set(records) == {"outside", "inside"}
+        expected = Outcome.REJECTED if n % 3 == 1 else Outcome.SUCCEEDED
+        assert records["outside"].outcome is expected
+        assert records["outside"].attempt == (2 if n % 3 == 2 else 1)
+        assert records["inside"].attempt == 1  # recorded on attempt 1: never run again
+    assert seen.count((ids[2], "inside")) == 1

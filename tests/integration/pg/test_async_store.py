@@ -39,6 +39,7 @@ from outboxkit import (
 )
 from outboxkit.core.machine import Publish
 from outboxkit_pg import PostgresStore
+from outboxkit_pg import aio as pg_aio
 from outboxkit_pg.aio import AsyncPostgresStore
 
 from ._workers import wait_until
@@ -493,19 +494,56 @@ async def test_claim_extend_settle_release_on_the_async_side(
 
 
 @pytest.mark.asyncio
-async def test_a_stale_token_is_lease_lost_before_anything_runs(
+async def test_a_stale_token_is_lease_lost_and_nothing_is_written(
     pg_store: PostgresStore, side: AsyncPostgresStore
 ) -> None:
     await committed(side, Outbox(pg_store), "t", {})
     (claim,) = await side.claim(batch_size=1, lease=LEASE, now=None)
     await side.release([claim], now=None)
     with pytest.raises(LeaseLostError, match="stale"):
-        async with side.delivery(claim, now=None):
+        async with side.delivery(claim, now=None) as tx:
+            await tx.open()
             pytest.fail("the delivery ran")
+    with pytest.raises(LeaseLostError, match="stale"):  # never opened: its fenced record
+        async with side.delivery(claim, now=None) as tx:
+            await tx.record("h", Outcome.SUCCEEDED)
+    assert pg_store.records(claim.event.id) == []
     async with side.batch(now=None) as batch:
         with pytest.raises(LeaseLostError, match="stale"):
             async with batch.delivery(claim, now=None):
                 pytest.fail("the delivery ran")
+
+
+@pytest.mark.asyncio
+async def test_a_delivery_never_opened_is_its_fenced_record_alone(
+    pg_store: PostgresStore, side: AsyncPostgresStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await committed(side, Outbox(pg_store), "t", {})
+    (claim,) = await side.claim(batch_size=1, lease=LEASE, now=None)
+    sent: list[list[bytes]] = []
+    real = pg_aio._sync
+
+    async def spy(conn: Any, statements: Any) -> Any:
+        sent.append([s.query for s in statements])
+        return await real(conn, statements)
+
+    monkeypatch.setattr(pg_aio, "_sync", spy)
+    async with side.delivery(claim, now=None) as tx:
+        with pytest.raises(StoreError, match="await open"):
+            tx.connection  # noqa: B018 - not open yet
+        await tx.record("h", Outcome.SUCCEEDED)
+    assert sent == [[pg_store._queries["insert_record_fenced"]]]
+    assert [r.handler for r in pg_store.records(claim.event.id)] == ["h"]
+    sent.clear()
+    await committed(side, Outbox(pg_store), "t", {})
+    (claim,) = await side.claim(batch_size=1, lease=LEASE, now=None)
+    async with side.delivery(claim, now=None) as tx:
+        await tx.open()
+        await tx.open()  # idempotent
+        await tx.connection.execute("SELECT 1")
+        await tx.record("h", Outcome.SUCCEEDED)
+    assert len(sent) == 2  # the opening sync, then the record with the commit
+    assert [r.handler for r in pg_store.records(claim.event.id)] == ["h"]
 
 
 @pytest.mark.asyncio
