@@ -24,7 +24,9 @@ strict xfail.
 The checks that go through an ``Outbox`` run in every delivery mode (``_modes``): the blocking
 poller per event and per batch, and the asyncio poller per event, per batch and four events at
 once, from the same test code; a store without an asyncio side (``capabilities.asyncio`` false)
-skips the asyncio modes with the reason.
+skips the asyncio modes with the reason. Since 1.4.0 the asyncio poller awaits ``tx.open()``
+(``AsyncDeliveryTransaction.open``) before it calls a transactional handler: an asyncio side
+written for 1.3 adds it (a no-op where its deliveries open at once).
 
 The tests are split by concern, one mixin per module, which ``StoreConformance`` composes:
 ``EnqueueTests`` (``_enqueue``), ``ClaimTests`` (``_claim``), ``DeliveryTests`` (``_delivery``),
@@ -73,7 +75,7 @@ __all__ = [
     "load_factory",
 ]
 
-SUITE_VERSION = "1.3.0"
+SUITE_VERSION = "1.4.0"
 
 
 class StoreConformance(
