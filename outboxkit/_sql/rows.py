@@ -16,7 +16,7 @@ from typing import Any
 from ..core.machine import Retry, Settlement
 from ..core.model import Claim, DeliveryRecord, Event, Outcome, State, Stats
 from ..core.payload import decode_payload
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, StoreError
 
 __all__ = [
     "EVENT_COLUMNS",
@@ -28,6 +28,7 @@ __all__ = [
     "fold_stats",
     "record_from_row",
     "record_params",
+    "resolve_ids",
     "settle_row",
     "sort_claims",
     "still_owned",
@@ -195,7 +196,11 @@ def fold_stats(rows: Iterable[Sequence[Any]], instant: Instant) -> Stats:
     counts = {state.value: 0 for state in State}
     by_topic: dict[str, dict[str, int]] = {}
     oldest: Any = None
+    held = 0
     for topic, state, count, oldest_due in rows:
+        if topic is None:  # the keys dead events hold (R15)
+            held = count
+            continue
         counts[state] += count
         by_topic.setdefault(topic, {})[state] = count
         if oldest_due is not None and (oldest is None or oldest_due < oldest):
@@ -207,4 +212,46 @@ def fold_stats(rows: Iterable[Sequence[Any]], instant: Instant) -> Stats:
         dead=counts["dead"],
         by_topic=by_topic,
         oldest_due_at=None if oldest is None else instant(oldest),
+        held_keys=held,
     )
+
+
+def resolve_ids(
+    events: Sequence[Any],
+    returned: Iterable[Sequence[Any]],
+    lookup: Callable[[list[str]], Mapping[str, int]],
+) -> list[int]:
+    r"""R16: the ids of ``events`` (``NewEvent``\ s, in batch order) from the ``(id, dedupe_key)``
+    rows an ``INSERT ... ON CONFLICT (dedupe_key) DO NOTHING ... RETURNING`` gave back (ids
+    increase in batch order). An event whose dedupe key was not inserted takes the id of the
+    one holding it: an earlier event of the batch, or one already stored (``lookup(keys)``,
+    run only when needed, returns dedupe key -> id).
+
+    Raises:
+        StoreError: a dedupe key's holder vanished between the insert and the lookup (it
+            was purged meanwhile); nothing of the batch is lost, the caller may retry.
+    """
+    rows = sorted((row[0], row[1]) for row in returned)
+    inserted_keys = {key for _, key in rows if key is not None}
+    ids: list[int | None] = []
+    holders: dict[str, int] = {}
+    it = iter(rows)
+    for event in events:
+        key = event.dedupe_key
+        if key is None or (key in inserted_keys and key not in holders):
+            event_id = next(it)[0]
+            ids.append(event_id)
+            if key is not None:
+                holders[key] = event_id
+        else:
+            ids.append(holders.get(key))
+    missing = sorted({e.dedupe_key for e, i in zip(events, ids, strict=True) if i is None})
+    if missing:
+        found = lookup(missing)
+        if len(found) < len(missing):
+            raise StoreError(
+                f"the events holding dedupe keys {sorted(set(missing) - set(found))[:5]} "
+                "were purged while this enqueue ran; nothing was written for them"
+            )
+        ids = [found[e.dedupe_key] if i is None else i for e, i in zip(events, ids, strict=True)]
+    return [i for i in ids if i is not None]
