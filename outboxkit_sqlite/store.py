@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 from outboxkit._sql.base import SQLStore
 from outboxkit._sql.names import check_count, check_options, check_seconds
-from outboxkit._sql.rows import encode_headers, resolve_ids
+from outboxkit._sql.rows import encode_headers, inserted_ids, resolve_ids
 from outboxkit.core.model import Claim, DeadKey, NewEvent
 from outboxkit.errors import ConfigurationError, LeaseLostError, SchemaError, StoreError
 from outboxkit.store import Capabilities
@@ -446,7 +446,9 @@ class SQLiteStore(SQLStore):
                 values = [value for row in chunk for value in row]
                 # RETURNING has no order; one INSERT hands out increasing ids in VALUES order.
                 returned.extend(conn.execute(insert_events(head, len(chunk)), values).fetchall())
-            return resolve_ids(events, returned, lambda keys: self._dedupe_holders(conn, keys))
+            ids, missing = inserted_ids(events, returned)
+            found = self._dedupe_holders(conn, missing) if missing else {}
+            return resolve_ids(events, ids, found)
 
     def _dedupe_holders(self, conn: sqlite3.Connection, keys: list[str]) -> dict[str, int]:
         """R16: dedupe key -> the id of the stored event holding it."""

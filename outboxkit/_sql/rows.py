@@ -28,6 +28,7 @@ __all__ = [
     "fold_stats",
     "record_from_row",
     "record_params",
+    "inserted_ids",
     "resolve_ids",
     "settle_row",
     "sort_claims",
@@ -216,21 +217,14 @@ def fold_stats(rows: Iterable[Sequence[Any]], instant: Instant) -> Stats:
     )
 
 
-def resolve_ids(
-    events: Sequence[Any],
-    returned: Iterable[Sequence[Any]],
-    lookup: Callable[[list[str]], Mapping[str, int]],
-) -> list[int]:
-    r"""R16: the ids of ``events`` (``NewEvent``\ s, in batch order) from the ``(id, dedupe_key)``
-    rows an ``INSERT ... ON CONFLICT (dedupe_key) DO NOTHING ... RETURNING`` gave back (ids
-    increase in batch order). An event whose dedupe key was not inserted takes the id of the
-    one holding it: an earlier event of the batch, or one already stored (``lookup(keys)``,
-    run only when needed, returns dedupe key -> id).
-
-    Raises:
-        StoreError: a dedupe key's holder vanished between the insert and the lookup (it
-            was purged meanwhile); nothing of the batch is lost, the caller may retry.
-    """
+def inserted_ids(
+    events: Sequence[Any], returned: Iterable[Sequence[Any]]
+) -> tuple[list[int | None], list[str]]:
+    """R16: the ids of ``events`` (``NewEvent`` objects, in batch order) from the
+    ``(id, dedupe_key)`` rows an ``INSERT ... ON CONFLICT (dedupe_key) DO NOTHING ...
+    RETURNING`` gave back (ids increase in batch order), and the dedupe keys whose holder is
+    an event stored before (None in their place: look them up, then ``resolve_ids``). An
+    event whose dedupe key an earlier event of the batch took gets that one's id."""
     rows = sorted((row[0], row[1]) for row in returned)
     inserted_keys = {key for _, key in rows if key is not None}
     ids: list[int | None] = []
@@ -246,12 +240,23 @@ def resolve_ids(
         else:
             ids.append(holders.get(key))
     missing = sorted({e.dedupe_key for e, i in zip(events, ids, strict=True) if i is None})
-    if missing:
-        found = lookup(missing)
-        if len(found) < len(missing):
-            raise StoreError(
-                f"the events holding dedupe keys {sorted(set(missing) - set(found))[:5]} "
-                "were purged while this enqueue ran; nothing was written for them"
-            )
-        ids = [found[e.dedupe_key] if i is None else i for e, i in zip(events, ids, strict=True)]
-    return [i for i in ids if i is not None]
+    return ids, missing
+
+
+def resolve_ids(
+    events: Sequence[Any], ids: Sequence[int | None], found: Mapping[str, int]
+) -> list[int]:
+    """``inserted_ids``' ids with the holders looked up (``found``: dedupe key -> id) in place.
+
+    Raises:
+        StoreError: a holder vanished between the insert and the lookup (purged meanwhile).
+    """
+    gone = sorted(
+        {e.dedupe_key for e, i in zip(events, ids, strict=True) if i is None} - set(found)
+    )
+    if gone:
+        raise StoreError(
+            f"the events holding dedupe keys {gone[:5]} were purged while this enqueue ran: "
+            "roll back and enqueue again"
+        )
+    return [found[e.dedupe_key] if i is None else i for e, i in zip(events, ids, strict=True)]
