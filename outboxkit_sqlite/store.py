@@ -604,7 +604,15 @@ def _row(event: NewEvent, created: int) -> tuple[Any, ...]:
     """The ``insert_events`` values of one event, created at ``created`` (microseconds)."""
     if not event.headers and not event.delay and event.available_at is None:
         # the usual event: nothing to encode or add
-        return (event.topic, event.payload_json, "{}", event.key, created, created, None)
+        return (
+            event.topic,
+            event.payload_json,
+            "{}",
+            event.key,
+            created,
+            created,
+            event.dedupe_key,
+        )
     return (
         event.topic,
         event.payload_json,

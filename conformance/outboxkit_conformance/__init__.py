@@ -49,6 +49,7 @@ from ._delivery import DeliveryTests
 from ._enqueue import EnqueueTests
 from ._lifecycle import LifecycleTests
 from ._operations import OperationsTests
+from ._ordering import OrderingTests
 from ._settle import SettleTests
 from ._text import TextTests
 from ._time import TimeTests
@@ -63,6 +64,7 @@ __all__ = [
     "EnqueueTests",
     "LifecycleTests",
     "OperationsTests",
+    "OrderingTests",
     "Recorder",
     "SettleTests",
     "StoreConformance",
@@ -73,7 +75,7 @@ __all__ = [
     "load_factory",
 ]
 
-SUITE_VERSION = "1.3.0"
+SUITE_VERSION = "1.4.0"
 
 
 class StoreConformance(
@@ -87,6 +89,7 @@ class StoreConformance(
     TextTests,
     ConcurrencyTests,
     LifecycleTests,
+    OrderingTests,
 ):
     """Every conformance test. Subclass it as ``Test...`` and implement ``make_store(tmp_path)``."""
 
