@@ -117,7 +117,10 @@ class AsyncPoller(handling.Shell):
         outbox = self.outbox
         claimed_at = outbox.local_clock.now()
         claims = await self.store.claim(
-            batch_size=self.options.batch_size, lease=self.options.lease, now=outbox.store_now()
+            batch_size=self.options.batch_size,
+            lease=self.options.lease,
+            now=outbox.store_now(),
+            dead_key=outbox.dead_key,
         )
         return await self.process(claims, claimed_at=claimed_at)
 

@@ -26,9 +26,10 @@ from datetime import UTC, datetime, timedelta
 from types import MappingProxyType
 from typing import Any
 
-from .core.machine import Retry, Settlement, Transition, allowed, is_due
+from .core.machine import Retry, Settlement, Transition, allowed, blocks_key, is_due
 from .core.model import (
     Claim,
+    DeadKey,
     DeadLetter,
     DeliveryRecord,
     Event,
@@ -63,6 +64,7 @@ class _Row:
     failed_at: datetime | None = None
     last_error: str | None = None
     row_lock: object | None = None  # the delivery transaction holding this row
+    dedupe_key: str | None = None
 
     def to_event(self) -> Event:
         return Event(
@@ -158,6 +160,7 @@ class MemoryTransaction:
     def _rollback(self) -> None:
         self._pending = _Pending()
         self.open = False
+        self._store._forget_dedupe(self)
 
     def _refuse_if_managed(self, what: str) -> None:
         if self._managed:
@@ -281,6 +284,12 @@ class MemoryStore:
         # Ids of the committed events neither published nor dead: what a claim looks through
         # (the partial due index of the SQL stores), so history does not slow claims down.
         self._live: set[int] = set()
+        # R15: key -> the ids of its events not yet published (dead ones too), in commit order.
+        self._keyed: dict[str, list[int]] = {}
+        # R16: dedupe key -> the id of the committed event holding it; and the ones that open
+        # transactions hold (a second enqueuer waits for that transaction, as on a unique index).
+        self._dedupe: dict[str, int] = {}
+        self._dedupe_open: dict[str, tuple[MemoryTransaction, int]] = {}
         # event id -> handler -> record, in the order written (one lookup per claimed event)
         self._records: dict[int, dict[str, DeliveryRecord]] = {}
         self._tables: dict[str, list[dict[str, Any]]] = {}
@@ -339,6 +348,11 @@ class MemoryStore:
             for row in pending.events:
                 self._events[row.id] = row
                 self._live.add(row.id)
+                if row.key is not None:  # R15: its place in the key's order is its commit's
+                    self._keyed.setdefault(row.key, []).append(row.id)
+                if row.dedupe_key is not None:
+                    self._dedupe[row.dedupe_key] = row.id
+                    self._dedupe_open.pop(row.dedupe_key, None)
             for rec in pending.records:
                 self._records.setdefault(rec.event_id, {})[rec.handler] = rec
             for table, values in pending.rows:
@@ -369,6 +383,11 @@ class MemoryStore:
         ids: list[int] = []
         with self._lock:
             for ev in events:
+                if ev.dedupe_key is not None:
+                    taken = self._dedupe_holder(conn, ev.dedupe_key)
+                    if taken is not None:
+                        ids.append(taken)
+                        continue
                 row = _Row(
                     id=self._next_id,
                     topic=ev.topic,
@@ -376,23 +395,56 @@ class MemoryStore:
                     headers=dict(ev.headers),
                     key=ev.key,
                     created_at=at,
-                    available_at=at + ev.delay,
+                    available_at=ev.available_at if ev.available_at is not None else at + ev.delay,
+                    dedupe_key=ev.dedupe_key,
                 )
                 self._next_id += 1
                 conn._pending.events.append(row)
+                if ev.dedupe_key is not None:
+                    self._dedupe_open[ev.dedupe_key] = (conn, row.id)
                 ids.append(row.id)
         return ids
 
-    def claim(self, *, batch_size: int, lease: timedelta, now: datetime | None) -> list[Claim]:
+    def _dedupe_holder(self, conn: MemoryTransaction, dedupe_key: str) -> int | None:
+        """R16: the id of the event holding ``dedupe_key`` (committed, or in ``conn``), or None.
+        Waits while another open transaction holds it, as a unique index makes a second
+        inserter wait: once that one commits its event is the holder; if it rolls back, none."""
+        while True:
+            if dedupe_key in self._dedupe:
+                return self._dedupe[dedupe_key]
+            holder = self._dedupe_open.get(dedupe_key)
+            if holder is None or not holder[0].open:
+                return None
+            if holder[0] is conn:
+                return holder[1]
+            self._lock.wait()
+
+    def _forget_dedupe(self, tx: MemoryTransaction) -> None:
+        """A rolled-back transaction's dedupe keys are free again."""
+        with self._lock:
+            for dedupe_key in [k for k, (t, _) in self._dedupe_open.items() if t is tx]:
+                del self._dedupe_open[dedupe_key]
+            self._lock.notify_all()
+
+    def claim(
+        self,
+        *,
+        batch_size: int,
+        lease: timedelta,
+        now: datetime | None,
+        dead_key: DeadKey = "release",
+    ) -> list[Claim]:
         at = _now(now)
         with self._lock:
             self._check_open()
+            heads = self._key_heads(at, dead_key)
             due = heapq.nsmallest(
                 batch_size,
                 (
                     row
                     for row in map(self._events.__getitem__, self._live)
                     if row.row_lock is None
+                    and (row.key is None or heads.get(row.key) == row.id)
                     and is_due(
                         published_at=row.published_at,
                         failed_at=row.failed_at,
@@ -417,6 +469,17 @@ class MemoryStore:
                     )
                 )
             return claims
+
+    def _key_heads(self, at: datetime, dead_key: DeadKey) -> dict[str, int]:
+        """R15: for each key, its first event (in commit order) that holds the key up; only
+        that one may be claimed, and only when it is due."""
+        heads = {}
+        for key, ids in self._keyed.items():
+            for event_id in ids:
+                if blocks_key(self._state(self._events[event_id], at), dead_key):
+                    heads[key] = event_id
+                    break
+        return heads
 
     def _done(self, event_id: int) -> dict[str, Outcome]:
         return {h: r.outcome for h, r in self._records.get(event_id, {}).items()}
@@ -639,8 +702,11 @@ class MemoryStore:
     def _delete(self, ids: Iterable[int]) -> int:
         doomed = set(ids)
         for event_id in doomed:
-            del self._events[event_id]
+            row = self._events.pop(event_id)
             self._live.discard(event_id)
+            self._unkey(row)
+            if row.dedupe_key is not None and self._dedupe.get(row.dedupe_key) == event_id:
+                del self._dedupe[row.dedupe_key]
         for event_id in doomed:
             self._records.pop(event_id, None)
         return len(doomed)
@@ -650,8 +716,11 @@ class MemoryStore:
         counts = {"pending": 0, "claimed": 0, "published": 0, "dead": 0}
         by_topic: dict[str, dict[str, int]] = {}
         oldest: datetime | None = None
+        held: set[str] = set()
         with self._lock:
             for r in self._events.values():
+                if r.key is not None and r.failed_at is not None and r.published_at is None:
+                    held.add(r.key)
                 state = self._state(r, at).value
                 due = state == "pending" and r.available_at <= at
                 if due and (oldest is None or r.available_at < oldest):
@@ -659,7 +728,7 @@ class MemoryStore:
                 counts[state] += 1
                 topic_counts = by_topic.setdefault(r.topic, {})
                 topic_counts[state] = topic_counts.get(state, 0) + 1
-        return Stats(**counts, by_topic=by_topic, oldest_due_at=oldest)
+        return Stats(**counts, by_topic=by_topic, oldest_due_at=oldest, held_keys=len(held))
 
     def _check_open(self) -> None:
         if self._closed:
@@ -678,6 +747,15 @@ class MemoryStore:
         _settle_row(row, settlement, error, at)
         if row.published_at is not None or row.failed_at is not None:
             self._live.discard(row.id)
+        if row.published_at is not None:
+            self._unkey(row)
+
+    def _unkey(self, row: _Row) -> None:
+        """A published (or purged) event no longer holds its key up."""
+        if row.key is not None and row.id in (ids := self._keyed.get(row.key, ())):
+            ids.remove(row.id)  # type: ignore[union-attr]
+            if not ids:
+                del self._keyed[row.key]
 
 
 def _now(now: datetime | None) -> datetime:
@@ -756,9 +834,14 @@ class _AsyncMemory(_AsyncDeliveries):
         return self._store.enqueue(conn, events, now=now)
 
     async def claim(
-        self, *, batch_size: int, lease: timedelta, now: datetime | None
+        self,
+        *,
+        batch_size: int,
+        lease: timedelta,
+        now: datetime | None,
+        dead_key: DeadKey = "release",
     ) -> list[Claim]:
-        return self._store.claim(batch_size=batch_size, lease=lease, now=now)
+        return self._store.claim(batch_size=batch_size, lease=lease, now=now, dead_key=dead_key)
 
     @asynccontextmanager
     async def batch(self, *, now: datetime | None) -> AsyncIterator[_AsyncDeliveries]:

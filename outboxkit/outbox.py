@@ -16,7 +16,7 @@ from .clock import Clock, MonotonicClock, SystemClock, as_timedelta, require_awa
 from .contrib import adapter_for
 from .core.backoff import BackoffPolicy
 from .core.duration import MAX_DURATION, before
-from .core.model import DeadLetter, NewEvent, ObserverEvent, Stats
+from .core.model import DEAD_KEY_CHOICES, DeadKey, DeadLetter, NewEvent, ObserverEvent, Stats
 from .core.options import PollerOptions, TransactionMode
 from .core.payload import DEFAULT_MAX_PAYLOAD_BYTES, build_event
 from .errors import ConfigurationError, InvalidEvent, StoreError
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from .poller import Poller
     from .waiter import AsyncWaiter, Waiter, Wakeable
 
-__all__ = ["Message", "Outbox"]
+__all__ = ["DeadKey", "Message", "Outbox"]
 
 log = logging.getLogger("outboxkit")
 
@@ -47,6 +47,8 @@ class Message:
     headers: Mapping[str, str] | None = None
     key: str | None = None
     delay: float | timedelta | None = None
+    dedupe_key: str | None = None
+    available_at: datetime | None = None
 
 
 class Outbox:
@@ -60,6 +62,9 @@ class Outbox:
         max_retries, backoff, interval, batch_size, lease, transaction: app-wide poller
             defaults (R14, see ``PollerOptions``); an option given to :meth:`poller` wins.
         max_payload_bytes: the largest encoded payload ``enqueue`` accepts (default 1 MiB).
+        dead_key: what a dead-lettered event does to the events after it of the same ``key``:
+            ``"release"`` (default) lets them go on; ``"hold"`` keeps the key waiting until the
+            dead event is requeued or purged (``stats().held_keys`` counts such keys).
         retain_published: how long published events (and their delivery records) are kept;
             pollers running ``run_forever`` prune older ones once a minute (see :meth:`prune`).
             Default 7 days; ``None`` keeps them forever. Dead letters are never pruned.
@@ -83,6 +88,7 @@ class Outbox:
         lease: float | timedelta = 30.0,
         transaction: TransactionMode = "per_event",
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+        dead_key: DeadKey = "release",
         retain_published: float | timedelta | None = DEFAULT_RETAIN_PUBLISHED,
         plugins: Iterable[object] = (),
         load_entry_points: bool = True,
@@ -103,6 +109,9 @@ class Outbox:
             raise ConfigurationError(
                 f"max_payload_bytes must be an integer >= 1, got {max_payload_bytes!r}"
             )
+        if dead_key not in DEAD_KEY_CHOICES:
+            raise ConfigurationError(f"dead_key must be 'release' or 'hold', got {dead_key!r:.40}")
+        self.dead_key: DeadKey = dead_key
         self.store = store
         self.bus = bus if bus is not None else EventBus()
         self.options = PollerOptions.build(
@@ -209,6 +218,8 @@ class Outbox:
         headers: Mapping[str, str] | None = None,
         key: str | None = None,
         delay: float | timedelta | None = None,
+        dedupe_key: str | None = None,
+        available_at: datetime | None = None,
     ) -> int:
         """Write one event through ``conn``, inside the caller's open transaction (R1).
 
@@ -220,14 +231,20 @@ class Outbox:
             topic: the topic handlers subscribe to.
             payload: plain JSON (dict, list, str, int, float, bool, None).
             headers: optional str -> str metadata.
-            key: optional ordering/partition key, stored with the event.
+            key: optional ordering key: the events of one key are delivered one at a time,
+                in the order their transactions committed (R15).
             delay: seconds or timedelta before the event becomes due.
+            dedupe_key: optional idempotency key: while an event with it exists (until it is
+                purged), another enqueue with it writes nothing and returns that event's id.
+            available_at: an aware instant at which the event becomes due (instead of
+                ``delay``; a past instant is due at once, in due order).
 
         Returns:
-            The new event's id.
+            The new event's id (the existing one's, for a dedupe key already taken).
 
         Raises:
-            InvalidEvent: the event is invalid; nothing was written, the transaction is usable.
+            InvalidEvent: the event is invalid (a naive ``available_at``, both ``delay`` and
+                ``available_at``...); nothing was written, the transaction is usable.
             StoreError: the store failed to write.
         """
         event = build_event(
@@ -237,6 +254,8 @@ class Outbox:
             key=key,
             delay=delay,
             max_payload_bytes=self.max_payload_bytes,
+            dedupe_key=dedupe_key,
+            available_at=available_at,
         )
         (event_id,) = self._write(conn, [event])
         return event_id
@@ -251,7 +270,8 @@ class Outbox:
             events: ``Message`` objects or ``(topic, payload)`` pairs.
 
         Returns:
-            The new ids, in order.
+            The new ids, in order (for a dedupe key already taken, by an earlier event or
+            one before it in ``events``, that event's id).
 
         Raises:
             InvalidEvent: an event is invalid (the message gives its index); nothing was written.
@@ -269,6 +289,8 @@ class Outbox:
         headers: Mapping[str, str] | None = None,
         key: str | None = None,
         delay: float | timedelta | None = None,
+        dedupe_key: str | None = None,
+        available_at: datetime | None = None,
     ) -> int:
         """:meth:`enqueue` from async code, through the app's async connection inside its open
         transaction (R1): psycopg's ``AsyncConnection`` on PostgreSQL, an aiosqlite connection
@@ -291,6 +313,8 @@ class Outbox:
             key=key,
             delay=delay,
             max_payload_bytes=self.max_payload_bytes,
+            dedupe_key=dedupe_key,
+            available_at=available_at,
         )
         (event_id,) = await self._write_async(conn, [event])
         return event_id
@@ -354,6 +378,8 @@ class Outbox:
                             key=item.key,
                             delay=item.delay,
                             max_payload_bytes=limit,
+                            dedupe_key=item.dedupe_key,
+                            available_at=item.available_at,
                         )
                     )
                 else:

@@ -85,7 +85,10 @@ class Poller(handling.Shell):
         outbox = self.outbox
         claimed_at = outbox.local_clock.now()
         claims = outbox.store.claim(
-            batch_size=self.options.batch_size, lease=self.options.lease, now=outbox.store_now()
+            batch_size=self.options.batch_size,
+            lease=self.options.lease,
+            now=outbox.store_now(),
+            dead_key=outbox.dead_key,
         )
         return self.process(claims, claimed_at=claimed_at)
 

@@ -34,7 +34,7 @@ from datetime import datetime, timedelta
 from typing import Any, Protocol, runtime_checkable
 
 from .core.machine import Settlement
-from .core.model import Claim, DeadLetter, DeliveryRecord, Event, NewEvent, Outcome, Stats
+from .core.model import Claim, DeadKey, DeadLetter, DeliveryRecord, Event, NewEvent, Outcome, Stats
 from .waiter import AsyncClosingWaiter, ClosingWaiter
 
 __all__ = [
@@ -238,14 +238,30 @@ class Store(Deliveries, Protocol):
     def enqueue(self, conn: Any, events: Sequence[NewEvent], *, now: datetime | None) -> list[int]:
         """Insert ``events`` through the caller's connection, inside its open transaction.
 
-        Never begins, commits or rolls back the caller's transaction. Returns the new ids.
+        Never begins, commits or rolls back the caller's transaction. Returns the new ids, in
+        ``events`` order. R15: a keyed event takes its place in its key's order when the
+        transaction commits (a store where transactions may commit out of enqueue order makes
+        a later enqueuer of the same key wait, see ``docs/lifecycle.md``). R16: an event whose
+        ``dedupe_key`` an existing event (or an earlier one of ``events``) has is not written;
+        its place in the result is that event's id; concurrent enqueuers of one dedupe key
+        end with one event, and the caller's transaction stays usable.
         """
         ...
 
-    def claim(self, *, batch_size: int, lease: timedelta, now: datetime | None) -> list[Claim]:
+    def claim(
+        self,
+        *,
+        batch_size: int,
+        lease: timedelta,
+        now: datetime | None,
+        dead_key: DeadKey = "release",
+    ) -> list[Claim]:
         """R3: lease at most ``batch_size`` due events, oldest ``(available_at, id)`` first.
 
         One atomic step, committed before returning: lease set, attempts + 1, a fresh token.
+        R15: an event with a ``key`` is claimed only while no earlier event of its key (in
+        commit order) is unsettled: pending, leased or waiting for a retry, or, with
+        ``dead_key="hold"``, dead. So a claim holds at most one event of each key.
         """
         ...
 
@@ -311,7 +327,8 @@ class Store(Deliveries, Protocol):
         ...
 
     def stats(self, *, now: datetime | None) -> Stats:
-        """Counts by state and topic, and the oldest due instant (backoff-parked ones excluded)."""
+        """Counts by state and topic, the oldest due instant (backoff-parked ones excluded),
+        and the keys with a dead event (``held_keys``)."""
         ...
 
 
@@ -381,7 +398,12 @@ class AsyncStore(AsyncDeliveries, Protocol):
         ...
 
     async def claim(
-        self, *, batch_size: int, lease: timedelta, now: datetime | None
+        self,
+        *,
+        batch_size: int,
+        lease: timedelta,
+        now: datetime | None,
+        dead_key: DeadKey = "release",
     ) -> list[Claim]: ...
 
     def batch(

@@ -28,6 +28,7 @@ from psycopg.rows import tuple_row
 
 from outboxkit._sql.aio import AsyncSQLBatch, AsyncSQLStore
 from outboxkit._sql.base import Row
+from outboxkit._sql.rows import inserted_ids, resolve_ids
 from outboxkit.core.model import Claim, NewEvent, Outcome
 from outboxkit.errors import StoreError
 
@@ -169,7 +170,15 @@ class AsyncPostgresStore(AsyncSQLStore):
         self, conn: AsyncConnection, events: Sequence[NewEvent], now: datetime | None
     ) -> list[int]:
         name, params = self._store._insert_query(events, now)
-        return self._store._inserted(name, await self._rows(conn, name, params))
+        rows = await self._rows(conn, name, params)
+        if name == "enqueue_one":
+            return self._store._inserted(name, rows)
+        ids, missing = inserted_ids(events, rows)
+        found: dict[str, int] = {}
+        if missing:
+            rows = await self._rows(conn, "dedupe_holders", {"keys": missing})
+            found = {key: event_id for key, event_id in rows}
+        return resolve_ids(events, ids, found)
 
     # -- the hot path -----------------------------------------------------------------------------
 

@@ -26,7 +26,18 @@ def _index_name(table: str, suffix: str) -> str:
 # and guard trigger/function on the events table (``_index_name``), and the ones PostgreSQL
 # names itself the same way (primary keys, identity sequences).
 _DERIVED = {
-    "events_table": ("due", "published", "dead", "guard", "pkey", "id_seq"),
+    "events_table": (
+        "due",
+        "published",
+        "dead",
+        "guard",
+        "pkey",
+        "id_seq",
+        "keys",
+        "keys_pkey",
+        "key_order",
+        "dedupe",
+    ),
     "deliveries_table": ("pkey", "seq_seq"),
     "schema_table": ("pkey",),
 }
@@ -84,6 +95,9 @@ class Names:
             "dead_index": sql.Identifier(_index_name(self.events, "dead")),
             "guard_function": sql.Identifier(self.schema, _index_name(self.events, "guard")),
             "guard_trigger": sql.Identifier(_index_name(self.events, "guard")),
+            "keys": sql.Identifier(self.schema, _index_name(self.events, "keys")),
+            "key_index": sql.Identifier(_index_name(self.events, "key_order")),
+            "dedupe_index": sql.Identifier(_index_name(self.events, "dedupe")),
             "channel": sql.Identifier(self.channel),
         }
 

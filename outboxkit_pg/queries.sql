@@ -128,6 +128,29 @@ CREATE CONSTRAINT TRIGGER {guard_trigger}
     EXECUTE FUNCTION {guard_function}();
 
 
+-- name: migration_3
+-- R15, per-key order by commit. A keyed event takes the next number of its key from the key's
+-- row in {keys}, with an upsert that locks that row until the enqueuing transaction ends: a
+-- second transaction enqueueing the same key waits there for the first to commit (or roll
+-- back), so a key's numbers follow the order its transactions commit in, and a claim that sees
+-- an event of a key sees every earlier one. Other keys (and unkeyed events) never wait: there
+-- is no lock but the key's own. The claim asks key_index whether an earlier event of the key is
+-- unpublished (and not dead, unless the key is held). Events enqueued before this version keep
+-- their id order. R16: one event per dedupe key until it is purged (a unique partial index; a
+-- second inserter waits for the first's transaction, then inserts nothing).
+CREATE TABLE {keys} (
+    key text PRIMARY KEY,
+    last_seq bigint NOT NULL
+);
+ALTER TABLE {events} ADD COLUMN key_seq bigint, ADD COLUMN dedupe_key text;
+UPDATE {events} SET key_seq = id WHERE key IS NOT NULL;
+INSERT INTO {keys} (key, last_seq)
+SELECT key, max(id) FROM {events} WHERE key IS NOT NULL GROUP BY key;
+CREATE INDEX {key_index} ON {events} (key, key_seq)
+    WHERE key IS NOT NULL AND published_at IS NULL;
+CREATE UNIQUE INDEX {dedupe_index} ON {events} (dedupe_key) WHERE dedupe_key IS NOT NULL;
+
+
 -- name: enqueue
 -- R1: one statement for the whole batch, through the caller's connection. The batch comes as
 -- one JSON document, an array of [topic, payload, headers, key, delay in microseconds] per
@@ -135,42 +158,85 @@ CREATE CONSTRAINT TRIGGER {guard_trigger}
 -- which cost more than PostgreSQL parsing the document). Ids follow the batch order. The
 -- notification (no event data in it) is queued by the same statement and delivered by
 -- PostgreSQL only when the caller commits; the scalar subquery runs once per statement.
-INSERT INTO {events} (topic, payload, headers, key, created_at, available_at)
-SELECT n.e ->> 0, n.e -> 1, n.e -> 2, n.e ->> 3,
+-- Each element also carries a dedupe key and an absolute due instant (or nulls). R15: the keys
+-- CTE takes each key's numbers (locking its row, in key order so that two batches never
+-- deadlock); R16: an event whose dedupe key is taken is not inserted, and comes back with no
+-- row (the store looks its holder up in a statement of its own: see dedupe_holders).
+WITH n AS MATERIALIZED (
+    SELECT x.e ->> 0 AS topic, x.e -> 1 AS payload, x.e -> 2 AS headers, x.e ->> 3 AS key,
+           (x.e ->> 4)::bigint AS delay_us, x.e ->> 5 AS dedupe_key,
+           (x.e ->> 6)::timestamptz AS available_at, x.position,
+           row_number() OVER (PARTITION BY x.e ->> 3 ORDER BY x.position) AS nth,
+           count(*) OVER (PARTITION BY x.e ->> 3) AS of_key
+      FROM jsonb_array_elements(%(events)s::jsonb) WITH ORDINALITY AS x (e, position)
+), k AS (
+    INSERT INTO {keys} AS k (key, last_seq)
+    SELECT key, max(of_key) FROM n WHERE key IS NOT NULL GROUP BY key ORDER BY key
+    ON CONFLICT (key) DO UPDATE SET last_seq = k.last_seq + excluded.last_seq
+    RETURNING k.key, k.last_seq
+)
+INSERT INTO {events} (topic, payload, headers, key, key_seq, dedupe_key, created_at,
+                      available_at)
+SELECT n.topic, n.payload, n.headers, n.key, k.last_seq - n.of_key + n.nth, n.dedupe_key,
        coalesce(%(now)s::timestamptz, now()),
-       coalesce(%(now)s::timestamptz, now()) + (n.e ->> 4)::bigint * interval '1 microsecond'
-  FROM jsonb_array_elements(%(events)s::jsonb) WITH ORDINALITY AS n (e, position)
+       coalesce(n.available_at,
+                coalesce(%(now)s::timestamptz, now()) + n.delay_us * interval '1 microsecond')
+  FROM n LEFT JOIN k ON k.key = n.key
  ORDER BY n.position
-RETURNING id, (SELECT pg_notify(%(channel)s, '') WHERE %(notify)s::boolean)
+ON CONFLICT (dedupe_key) WHERE dedupe_key IS NOT NULL DO NOTHING
+RETURNING id, dedupe_key, (SELECT pg_notify(%(channel)s, '') WHERE %(notify)s::boolean)
+
+-- name: dedupe_holders
+-- R16: the stored events holding the given dedupe keys.
+SELECT dedupe_key, id FROM {events} WHERE dedupe_key = ANY(%(keys)s::text[])
 
 -- name: enqueue_portable
 -- `enqueue` through a connection another library drives (SQLAlchemy's, on psycopg 3, psycopg2 or
 -- asyncpg): the same rows and notification, with named parameters (:name) and casts spelt
 -- CAST(... AS ...), and the notification's void result counted, so that every driver reads it.
-INSERT INTO {events} (topic, payload, headers, key, created_at, available_at)
-SELECT n.e ->> 0, n.e -> 1, n.e -> 2, n.e ->> 3,
+-- The keys are numbered as in `enqueue`; dedupe keys are refused before (portable_enqueue).
+WITH n AS MATERIALIZED (
+    SELECT x.e ->> 0 AS topic, x.e -> 1 AS payload, x.e -> 2 AS headers, x.e ->> 3 AS key,
+           CAST(x.e ->> 4 AS bigint) AS delay_us,
+           CAST(x.e ->> 6 AS timestamptz) AS available_at, x.position,
+           row_number() OVER (PARTITION BY x.e ->> 3 ORDER BY x.position) AS nth,
+           count(*) OVER (PARTITION BY x.e ->> 3) AS of_key
+      FROM jsonb_array_elements(CAST(:events AS jsonb)) WITH ORDINALITY AS x (e, position)
+), k AS (
+    INSERT INTO {keys} AS k (key, last_seq)
+    SELECT key, max(of_key) FROM n WHERE key IS NOT NULL GROUP BY key ORDER BY key
+    ON CONFLICT (key) DO UPDATE SET last_seq = k.last_seq + excluded.last_seq
+    RETURNING k.key, k.last_seq
+)
+INSERT INTO {events} (topic, payload, headers, key, key_seq, created_at, available_at)
+SELECT n.topic, n.payload, n.headers, n.key, k.last_seq - n.of_key + n.nth,
        coalesce(CAST(:now AS timestamptz), now()),
-       coalesce(CAST(:now AS timestamptz), now())
-         + CAST(n.e ->> 4 AS bigint) * interval '1 microsecond'
-  FROM jsonb_array_elements(CAST(:events AS jsonb)) WITH ORDINALITY AS n (e, position)
+       coalesce(n.available_at,
+                coalesce(CAST(:now AS timestamptz), now()) + n.delay_us * interval '1 microsecond')
+  FROM n LEFT JOIN k ON k.key = n.key
  ORDER BY n.position
 RETURNING id,
           (SELECT count(*) FROM (SELECT pg_notify(:channel, '') WHERE CAST(:notify AS boolean)) AS n)
 
 -- name: enqueue_one
--- R1 for a single event (Outbox.enqueue): the same row and notification as `enqueue`, as a plain
--- VALUES insert; the unnest plan costs a fifth of a millisecond more on every call.
-INSERT INTO {events} (topic, payload, headers, key, created_at, available_at)
-VALUES (%(topic)s, %(payload)s::jsonb, %(headers)s::jsonb, %(key)s::text,
+-- R1 for a single event (Outbox.enqueue) with neither key nor dedupe key: the same row and
+-- notification as `enqueue`, as a plain VALUES insert; the unnest plan costs a fifth of a
+-- millisecond more on every call.
+INSERT INTO {events} (topic, payload, headers, created_at, available_at)
+VALUES (%(topic)s, %(payload)s::jsonb, %(headers)s::jsonb,
         coalesce(%(now)s::timestamptz, now()),
-        coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval)
+        coalesce(%(available_at)s::timestamptz,
+                 coalesce(%(now)s::timestamptz, now()) + %(delay)s::interval))
 RETURNING id, (SELECT pg_notify(%(channel)s, '') WHERE %(notify)s::boolean)
 
 -- name: claim
 -- R3: one statement. The MATERIALIZED CTE picks and locks at most batch_size due rows, oldest
 -- first, skipping rows another claimer or a delivery transaction holds; the LIMIT applies
 -- there, so the UPDATE can never touch more rows than the batch. The subselect brings back
--- the handlers already recorded, so Claim.done needs no second round trip.
+-- the handlers already recorded, so Claim.done needs no second round trip. R15: a keyed event
+-- only while no earlier event of its key (by key_seq, its commit order, see migration_3) is
+-- unpublished and not dead (with %(hold)s: unpublished): one probe of key_index per keyed
+-- candidate, and a claim holds at most one event of a key.
 WITH due AS MATERIALIZED (
     SELECT id
       FROM {events}
@@ -178,6 +244,13 @@ WITH due AS MATERIALIZED (
        AND failed_at IS NULL
        AND available_at <= coalesce(%(now)s::timestamptz, now())
        AND (locked_until IS NULL OR locked_until <= coalesce(%(now)s::timestamptz, now()))
+       AND (key IS NULL OR NOT EXISTS (
+             SELECT 1
+               FROM {events} AS b
+              WHERE b.key = {events}.key
+                AND b.key_seq < {events}.key_seq
+                AND b.published_at IS NULL
+                AND (b.failed_at IS NULL OR %(hold)s::boolean)))
      ORDER BY available_at, id
      LIMIT %(batch_size)s
        FOR UPDATE SKIP LOCKED
@@ -442,6 +515,11 @@ SELECT topic, state, count(*), min(available_at) FILTER (WHERE due)
                       OR locked_until <= coalesce(%(now)s::timestamptz, now())) AS due
           FROM {events}) AS e
  GROUP BY topic, state
+-- The keys a dead event holds up under dead_key="hold" (fold_stats reads the NULL topic).
+ UNION ALL
+SELECT NULL, 'held_keys', count(DISTINCT key), NULL
+  FROM {events}
+ WHERE failed_at IS NOT NULL AND key IS NOT NULL
 
 -- name: listen
 LISTEN {channel}

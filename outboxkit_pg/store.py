@@ -48,7 +48,7 @@ from outboxkit._sql.names import (
     table_names,
     validate_identifier,
 )
-from outboxkit._sql.rows import encode_headers
+from outboxkit._sql.rows import encode_headers, inserted_ids, resolve_ids
 from outboxkit.core.model import Claim, NewEvent
 from outboxkit.errors import ConfigurationError, SchemaError, StoreError
 from outboxkit.store import Capabilities
@@ -67,12 +67,13 @@ __all__ = ["MIGRATIONS", "SCHEMA_VERSION", "PostgresStore"]
 
 log = logging.getLogger("outboxkit")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The schema version this code reads and writes."""
 
 MIGRATIONS: tuple[tuple[int, str], ...] = (
     (1, "events, delivery records, due/published/dead partial indexes"),
     (2, "commit guard: a handler's COMMIT of its delivery transaction fails"),
+    (3, "per-key order (key rows, key_seq), dedupe keys"),
 )
 """Each version and what it adds; version *n* runs the ``migration_n`` statement."""
 
@@ -520,27 +521,21 @@ class PostgresStore(SQLStore):
                 f"transaction block: use `{block} conn.transaction():`. Nothing was written."
             )
 
-    def _insert(
-        self, conn: Connection, events: Sequence[NewEvent], now: datetime | None
-    ) -> list[int]:
-        name, params = self._insert_query(events, now)
-        return self._inserted(name, self._rows(conn, name, params))
-
     def _insert_query(
         self, events: Sequence[NewEvent], now: datetime | None
     ) -> tuple[str, dict[str, Any]]:
         """The statement that inserts ``events`` (and queues the notification), by name, and
         its parameters: ``enqueue_one`` for one event, else ``enqueue`` for the batch."""
         channel = {"channel": self.names.channel, "notify": self._notify}
-        if len(events) == 1:
+        if len(events) == 1 and events[0].key is None and events[0].dedupe_key is None:
             (event,) = events
             return "enqueue_one", {
                 "now": now,
                 "topic": event.topic,
                 "payload": event.payload_json,
                 "headers": encode_headers(event.headers),
-                "key": event.key,
                 "delay": event.delay,
+                "available_at": event.available_at,
                 **channel,
             }
         return "enqueue", {"now": now, "events": _batch_document(events), **channel}
@@ -568,10 +563,23 @@ class PostgresStore(SQLStore):
 
     @staticmethod
     def _inserted(name: str, rows: Sequence[Row]) -> list[int]:
-        """The new ids from ``_insert_query``'s statement's rows, in batch order."""
+        """The new ids from ``enqueue_one``'s rows."""
+        return [rows[0][0]]
+
+    def _insert(
+        self, conn: Connection, events: Sequence[NewEvent], now: datetime | None
+    ) -> list[int]:
+        name, params = self._insert_query(events, now)
+        rows = self._rows(conn, name, params)
         if name == "enqueue_one":
-            return [rows[0][0]]
-        return sorted(row[0] for row in rows)
+            return self._inserted(name, rows)
+        ids, missing = inserted_ids(events, rows)
+        # A statement of its own: its fresh snapshot sees a holder that a concurrent
+        # transaction committed while the insert waited for it (READ COMMITTED).
+        found: dict[str, int] = {}
+        if missing:
+            found = {k: i for k, i in self._rows(conn, "dedupe_holders", {"keys": missing})}
+        return resolve_ids(events, ids, found)
 
     # -- the hot path ---------------------------------------------------------------------------
 
@@ -660,7 +668,7 @@ class PostgresStore(SQLStore):
         ``LIMIT`` holds. Returns the JSON plan.
         """
         query = b"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + self._queries["claim"]
-        params = self._params({"now": now, "batch_size": batch_size, "lease": lease})
+        params = self._params({"now": now, "batch_size": batch_size, "lease": lease, "hold": False})
         with (
             self._mapped("explain the claim"),
             self._connection("explain the claim") as conn,
@@ -679,14 +687,17 @@ _MICROSECOND = timedelta(microseconds=1)
 
 def _batch_document(events: Sequence[NewEvent]) -> str:
     """The ``enqueue`` statement's parameter: a JSON array of ``[topic, payload, headers, key,
-    delay_us]``, one per event, built from the already-encoded payloads (no re-encoding; each
+    delay_us, dedupe_key, available_at]``, one per event, built from the already-encoded
+    payloads (no re-encoding; each
     distinct topic is encoded once)."""
     topics = {topic: _json_text(topic) for topic in {e.topic for e in events}}
     return "[{}]".format(
         ",".join(
             f"[{topics[e.topic]},{e.payload_json},{encode_headers(e.headers)},"
             f"{'null' if e.key is None else _json_text(e.key)},"
-            f"{e.delay // _MICROSECOND if e.delay else 0}]"
+            f"{e.delay // _MICROSECOND if e.delay else 0},"
+            f"{'null' if e.dedupe_key is None else _json_text(e.dedupe_key)},"
+            f"{'null' if e.available_at is None else _json_text(e.available_at.isoformat())}]"
             for e in events
         )
     )

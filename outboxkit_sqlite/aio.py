@@ -42,7 +42,7 @@ from aiosqlite import core as aiosqlite_core
 
 from outboxkit._sql.aio import AsyncSQLBatch, AsyncSQLStore
 from outboxkit._sql.base import Row
-from outboxkit.core.model import Claim, NewEvent, Outcome
+from outboxkit.core.model import Claim, DeadKey, NewEvent, Outcome
 from outboxkit.errors import ConfigurationError, StoreError, StoreUnavailable
 from outboxkit.waiter import AsyncClosingWaiter
 
@@ -408,7 +408,12 @@ class AsyncSQLiteStore(AsyncSQLStore):
         return await _run(conn, _insert_checked, store, raw, events, store._instant(now))
 
     async def claim(
-        self, *, batch_size: int, lease: timedelta, now: datetime | None
+        self,
+        *,
+        batch_size: int,
+        lease: timedelta,
+        now: datetime | None,
+        dead_key: DeadKey = "release",
     ) -> list[Claim]:
         """R3: ``SQLiteStore.claim`` on the side's connection.
 
@@ -418,7 +423,7 @@ class AsyncSQLiteStore(AsyncSQLStore):
             StoreError: SQLite failed, or the side is closed.
         """
         self._store._check_schema()
-        return await super().claim(batch_size=batch_size, lease=lease, now=now)
+        return await super().claim(batch_size=batch_size, lease=lease, now=now, dead_key=dead_key)
 
     @asynccontextmanager
     async def delivery(

@@ -21,12 +21,26 @@ END
 -- name: schema_version
 SELECT max(version) FROM {schema}
 
+-- name: create_order_indexes
+-- Schema version 5. R15: a keyed event is claimed only while no earlier event of its key
+-- (by id: SQLite's single writer commits transactions in the order they took their ids) holds
+-- the key up; the claim asks this index. R16: one event per dedupe key, until it is purged.
+ALTER TABLE {events} ADD COLUMN dedupe_key TEXT;
+CREATE INDEX {events_key} ON {events} (key, id) WHERE key IS NOT NULL AND published_at IS NULL;
+CREATE UNIQUE INDEX {events_dedupe} ON {events} (dedupe_key) WHERE dedupe_key IS NOT NULL
+
 -- name: insert_events_head
-INSERT INTO {events} (topic, payload, headers, key, created_at, available_at) VALUES
+INSERT INTO {events} (topic, payload, headers, key, created_at, available_at, dedupe_key) VALUES
+
+-- name: dedupe_holders
+-- R16: the events holding the given dedupe keys (a JSON array).
+SELECT dedupe_key, id FROM {events} WHERE dedupe_key IN (SELECT value FROM json_each(:keys))
 
 -- name: claim
 -- R3: one atomic statement under BEGIN IMMEDIATE; the subquery's LIMIT keeps the batch size.
 -- The handlers already recorded come back with each event (as a JSON array of pairs).
+-- R15: a keyed event only while no earlier event of its key is unpublished and not dead (or,
+-- with :hold, unpublished): one probe of the key index per keyed candidate.
 UPDATE {events}
    SET attempts = attempts + 1,
        locked_until = :now + :lease,
@@ -36,6 +50,11 @@ UPDATE {events}
         WHERE published_at IS NULL AND failed_at IS NULL
           AND available_at <= :now
           AND (locked_until IS NULL OR locked_until <= :now)
+          AND (key IS NULL OR NOT EXISTS (
+                SELECT 1 FROM {events} AS b
+                 WHERE b.key = {events}.key AND b.id < {events}.id
+                   AND b.published_at IS NULL
+                   AND (b.failed_at IS NULL OR :hold)))
         ORDER BY available_at, id
         LIMIT :batch_size)
 RETURNING {event_columns}, token,
@@ -175,3 +194,8 @@ SELECT topic,
                  AND available_at <= :now THEN available_at END)
   FROM {events}
  GROUP BY topic, state
+-- The keys a dead event holds up under dead_key="hold" (fold_stats reads the NULL topic).
+ UNION ALL
+SELECT NULL, 'held_keys', count(DISTINCT key), NULL
+  FROM {events}
+ WHERE failed_at IS NOT NULL AND key IS NOT NULL

@@ -11,6 +11,8 @@ Version 3: the token index is dropped; extend and release reach their rows by id
 token and the settle cleared it, so every claim and every settle paid for that index).
 Version 4: a trigger deletes an event's delivery records with it (``{events}_purge``), so a purge
 is one statement, as on PostgreSQL (``ON DELETE CASCADE``); it costs nothing but on delete.
+Version 5: per-key ordering and idempotent enqueue (R15, R16): the ``dedupe_key`` column, its
+unique index, and the index the claim asks whether an earlier event of a key holds it up.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from .tables import TableNames, render_queries
 
 __all__ = ["SCHEMA_VERSION", "current_version", "migrate"]
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 
 def current_version(conn: sqlite3.Connection, tables: TableNames) -> int:
@@ -150,9 +152,15 @@ def _v4_purge_trigger(db: Database, tables: TableNames) -> None:
     db.execute(render_queries(tables)["create_purge_trigger"])
 
 
+def _v5_order_indexes(db: Database, tables: TableNames) -> None:
+    for statement in render_queries(tables)["create_order_indexes"].split(";"):
+        db.execute(statement)
+
+
 _STEPS: tuple[tuple[int, Callable[[Database, TableNames], None]], ...] = (
     (1, _v1_tables),
     (2, _v2_indexes),
     (3, _v3_no_token_index),
     (4, _v4_purge_trigger),
+    (5, _v5_order_indexes),
 )

@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any, Self
 
 from outboxkit._sql.base import SQLStore
 from outboxkit._sql.names import check_count, check_options, check_seconds
-from outboxkit._sql.rows import encode_headers
-from outboxkit.core.model import Claim, NewEvent
+from outboxkit._sql.rows import encode_headers, inserted_ids, resolve_ids
+from outboxkit.core.model import Claim, DeadKey, NewEvent
 from outboxkit.errors import ConfigurationError, LeaseLostError, SchemaError, StoreError
 from outboxkit.store import Capabilities
 from outboxkit.waiter import ClosingWaiter
@@ -59,7 +59,7 @@ from .connections import (
 )
 from .delivery import Batch, Delivery, delivering, lazily
 from .errors import map_error, open_error
-from .tables import INSERT_COLUMNS, TableNames, insert_events, render_queries
+from .tables import INSERT_COLUMNS, INSERT_TAIL, TableNames, insert_events, render_queries
 
 if TYPE_CHECKING:
     from .aio import AsyncSQLiteStore
@@ -427,14 +427,15 @@ class SQLiteStore(SQLStore):
     ) -> list[int]:
         if not events:
             return []
-        if len(events) == 1:  # Outbox.enqueue, the hot path: one cached statement, no chunking
+        if len(events) == 1 and events[0].dedupe_key is None:
+            # Outbox.enqueue, the hot path: one cached statement, no chunking
             try:
-                (event_id,) = conn.execute(self._insert_one, _row(events[0], created)).fetchone()
+                (event_id, _) = conn.execute(self._insert_one, _row(events[0], created)).fetchone()
             except sqlite3.Error as exc:
                 raise map_error(exc, self._where, "enqueue 1 event") from exc
             return [event_id]
         rows = [_row(e, created) for e in events]
-        ids: list[int] = []
+        returned: list[Sequence[Any]] = []
         with self._mapped(f"enqueue {len(rows)} event(s)"):
             per_statement = max(
                 1, conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // INSERT_COLUMNS
@@ -443,10 +444,16 @@ class SQLiteStore(SQLStore):
             for start in range(0, len(rows), per_statement):
                 chunk = rows[start : start + per_statement]
                 values = [value for row in chunk for value in row]
-                returned = conn.execute(insert_events(head, len(chunk)), values)
                 # RETURNING has no order; one INSERT hands out increasing ids in VALUES order.
-                ids.extend(sorted(row[0] for row in returned.fetchall()))
-        return ids
+                returned.extend(conn.execute(insert_events(head, len(chunk)), values).fetchall())
+            ids, missing = inserted_ids(events, returned)
+            found = self._dedupe_holders(conn, missing) if missing else {}
+            return resolve_ids(events, ids, found)
+
+    def _dedupe_holders(self, conn: sqlite3.Connection, keys: list[str]) -> dict[str, int]:
+        """R16: dedupe key -> the id of the stored event holding it."""
+        rows = self._rows(conn, "dedupe_holders", {"keys": self._array(keys)})
+        return {key: event_id for key, event_id in rows}
 
     def portable_enqueue(
         self, events: Sequence[NewEvent], now: datetime | None
@@ -470,12 +477,19 @@ class SQLiteStore(SQLStore):
                 names = [f"{column}{i}" for column in _PORTABLE_COLUMNS]
                 params.update(zip(names, _row(event, created), strict=True))
                 values.append("(" + ", ".join(f":{name}" for name in names) + ")")
-            statements.append((f"{head} {', '.join(values)} RETURNING id", params))
+            statements.append((f"{head} {', '.join(values)}{INSERT_TAIL}", params))
         return statements
 
-    def claim(self, *, batch_size: int, lease: timedelta, now: datetime | None) -> list[Claim]:
+    def claim(
+        self,
+        *,
+        batch_size: int,
+        lease: timedelta,
+        now: datetime | None,
+        dead_key: DeadKey = "release",
+    ) -> list[Claim]:
         self._check_schema()
-        return super().claim(batch_size=batch_size, lease=lease, now=now)
+        return super().claim(batch_size=batch_size, lease=lease, now=now, dead_key=dead_key)
 
     def _check_schema(self) -> None:
         """Refuse pollers while the schema is older (opened with ``migrate=False``)."""
@@ -582,21 +596,35 @@ class SQLiteStore(SQLStore):
             raise
 
 
-_PORTABLE_COLUMNS = ("topic", "payload", "headers", "key", "created", "available")
+_PORTABLE_COLUMNS = ("topic", "payload", "headers", "key", "created", "available", "dedupe")
 _PORTABLE_ROWS = 999 // len(_PORTABLE_COLUMNS)  # within SQLite's oldest parameter limit
 
 
 def _row(event: NewEvent, created: int) -> tuple[Any, ...]:
     """The ``insert_events`` values of one event, created at ``created`` (microseconds)."""
-    if not event.headers and not event.delay:  # the usual event: nothing to encode or add
-        return (event.topic, event.payload_json, "{}", event.key, created, created)
+    if not event.headers and not event.delay and event.available_at is None:
+        # the usual event: nothing to encode or add
+        return (
+            event.topic,
+            event.payload_json,
+            "{}",
+            event.key,
+            created,
+            created,
+            event.dedupe_key,
+        )
     return (
         event.topic,
         event.payload_json,
         encode_headers(event.headers),
         event.key,
         created,
-        created + event.delay // _MICROSECOND,
+        (
+            _to_us(event.available_at)
+            if event.available_at is not None
+            else created + event.delay // _MICROSECOND
+        ),
+        event.dedupe_key,
     )
 
 

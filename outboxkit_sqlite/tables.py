@@ -24,7 +24,7 @@ __all__ = [
     "render_queries",
 ]
 
-INSERT_COLUMNS = 6
+INSERT_COLUMNS = 7
 """Bound values per row of ``insert_events``."""
 
 
@@ -37,7 +37,7 @@ def quote(identifier: str, what: str = "identifier") -> str:
     return f'"{validate_identifier(identifier, what)}"'
 
 
-INDEX_SUFFIXES = ("due", "token", "failed", "published", "purge")
+INDEX_SUFFIXES = ("due", "token", "failed", "published", "purge", "key", "dedupe")
 """The store's indexes (and its purge trigger) on the events table are named
 ``{events}_{suffix}`` (``schema``)."""
 
@@ -126,5 +126,12 @@ def render_queries(tables: TableNames) -> dict[str, str]:
 
 
 def insert_events(head: str, rows: int) -> str:
-    """One multi-row ``INSERT ... RETURNING id`` for ``rows`` events: placeholders only."""
-    return head + " " + ", ".join(["(?, ?, ?, ?, ?, ?)"] * rows) + " RETURNING id"
+    """One multi-row ``INSERT ... RETURNING id, dedupe_key`` for ``rows`` events: placeholders
+    only. An event whose dedupe key is taken is not inserted (R16)."""
+    return head + " " + ", ".join(["(?, ?, ?, ?, ?, ?, ?)"] * rows) + INSERT_TAIL
+
+
+INSERT_TAIL = (
+    " ON CONFLICT (dedupe_key) WHERE dedupe_key IS NOT NULL DO NOTHING RETURNING id, dedupe_key"
+)
+"""What ends every insert of events: R16's no-op for a dedupe key already taken."""

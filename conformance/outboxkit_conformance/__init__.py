@@ -51,6 +51,7 @@ from ._delivery import DeliveryTests
 from ._enqueue import EnqueueTests
 from ._lifecycle import LifecycleTests
 from ._operations import OperationsTests
+from ._ordering import OrderingTests
 from ._settle import SettleTests
 from ._text import TextTests
 from ._time import TimeTests
@@ -65,6 +66,7 @@ __all__ = [
     "EnqueueTests",
     "LifecycleTests",
     "OperationsTests",
+    "OrderingTests",
     "Recorder",
     "SettleTests",
     "StoreConformance",
@@ -89,6 +91,7 @@ class StoreConformance(
     TextTests,
     ConcurrencyTests,
     LifecycleTests,
+    OrderingTests,
 ):
     """Every conformance test. Subclass it as ``Test...`` and implement ``make_store(tmp_path)``."""
 

@@ -15,7 +15,7 @@ from contextlib import AbstractAsyncContextManager
 from datetime import datetime, timedelta
 from typing import Any
 
-from ..core.model import Claim
+from ..core.model import Claim, DeadKey
 from ..store import SettleItem
 from .base import Row, SQLStore
 
@@ -42,11 +42,16 @@ class AsyncSQLStore(ABC):
     # -- claims and leases ------------------------------------------------------------------------
 
     async def claim(
-        self, *, batch_size: int, lease: timedelta, now: datetime | None
+        self,
+        *,
+        batch_size: int,
+        lease: timedelta,
+        now: datetime | None,
+        dead_key: DeadKey = "release",
     ) -> list[Claim]:
         store = self._store
         async with self._write("claim events") as conn:
-            rows = await self._rows(conn, *store._claim_query(batch_size, lease, now))
+            rows = await self._rows(conn, *store._claim_query(batch_size, lease, now, dead_key))
         return store._claims(rows)
 
     async def extend(

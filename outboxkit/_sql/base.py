@@ -9,7 +9,7 @@ migrations). Its ``queries.sql`` holds the statements named here with the parame
 =============== ============================================ ============================
 statement       parameters                                   returns
 =============== ============================================ ============================
-claim           now, lease, batch_size                       EVENT_COLUMNS, token, done
+claim           now, lease, batch_size, hold                 EVENT_COLUMNS, token, done
 extend          now, lease, ids, tokens                      token, locked_until
 settle_many     now, and the store's shape of SETTLE_COLUMNS id
 release         ids, tokens                                  id
@@ -41,7 +41,8 @@ from contextlib import AbstractContextManager
 from datetime import datetime, timedelta
 from typing import Any
 
-from ..core.model import Claim, DeadLetter, DeliveryRecord, Event, Stats
+from ..core.machine import blocks_key
+from ..core.model import Claim, DeadKey, DeadLetter, DeliveryRecord, Event, State, Stats
 from ..store import SettleItem
 from .rows import (
     done_from_pairs,
@@ -119,10 +120,19 @@ class SQLStore(ABC):
     # Each hot-path statement as a query to run and a mapping of its rows, so that the store's
     # asyncio side (``outboxkit._sql.aio``) runs the very same statements and mappings.
 
-    def claim(self, *, batch_size: int, lease: timedelta, now: datetime | None) -> list[Claim]:
+    def claim(
+        self,
+        *,
+        batch_size: int,
+        lease: timedelta,
+        now: datetime | None,
+        dead_key: DeadKey = "release",
+    ) -> list[Claim]:
         """R3 (see ``Store.claim``)."""
         with self._write("claim events") as conn:
-            return self._claims(self._rows(conn, *self._claim_query(batch_size, lease, now)))
+            return self._claims(
+                self._rows(conn, *self._claim_query(batch_size, lease, now, dead_key))
+            )
 
     def extend(
         self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None
@@ -174,12 +184,14 @@ class SQLStore(ABC):
         return self._settled(items, self._rows(conn, "settle_many_recording", params))
 
     def _claim_query(
-        self, batch_size: int, lease: timedelta, now: datetime | None
+        self, batch_size: int, lease: timedelta, now: datetime | None, dead_key: DeadKey
     ) -> tuple[str, dict[str, Any]]:
         params = {
             "now": self._instant(now),
             "lease": self._duration(lease),
             "batch_size": batch_size,
+            # R15: whether a dead event holds its key up (blocks_key's table, as a parameter).
+            "hold": blocks_key(State.DEAD, dead_key),
         }
         return "claim", params
 

@@ -16,7 +16,7 @@ from typing import Any
 from ..core.machine import Retry, Settlement
 from ..core.model import Claim, DeliveryRecord, Event, Outcome, State, Stats
 from ..core.payload import decode_payload
-from ..errors import ConfigurationError
+from ..errors import ConfigurationError, StoreError
 
 __all__ = [
     "EVENT_COLUMNS",
@@ -28,6 +28,8 @@ __all__ = [
     "fold_stats",
     "record_from_row",
     "record_params",
+    "inserted_ids",
+    "resolve_ids",
     "settle_row",
     "sort_claims",
     "still_owned",
@@ -195,7 +197,11 @@ def fold_stats(rows: Iterable[Sequence[Any]], instant: Instant) -> Stats:
     counts = {state.value: 0 for state in State}
     by_topic: dict[str, dict[str, int]] = {}
     oldest: Any = None
+    held = 0
     for topic, state, count, oldest_due in rows:
+        if topic is None:  # the keys dead events hold (R15)
+            held = count
+            continue
         counts[state] += count
         by_topic.setdefault(topic, {})[state] = count
         if oldest_due is not None and (oldest is None or oldest_due < oldest):
@@ -207,4 +213,50 @@ def fold_stats(rows: Iterable[Sequence[Any]], instant: Instant) -> Stats:
         dead=counts["dead"],
         by_topic=by_topic,
         oldest_due_at=None if oldest is None else instant(oldest),
+        held_keys=held,
     )
+
+
+def inserted_ids(
+    events: Sequence[Any], returned: Iterable[Sequence[Any]]
+) -> tuple[list[int | None], list[str]]:
+    """R16: the ids of ``events`` (``NewEvent`` objects, in batch order) from the
+    ``(id, dedupe_key)`` rows an ``INSERT ... ON CONFLICT (dedupe_key) DO NOTHING ...
+    RETURNING`` gave back (ids increase in batch order), and the dedupe keys whose holder is
+    an event stored before (None in their place: look them up, then ``resolve_ids``). An
+    event whose dedupe key an earlier event of the batch took gets that one's id."""
+    rows = sorted((row[0], row[1]) for row in returned)
+    inserted_keys = {key for _, key in rows if key is not None}
+    ids: list[int | None] = []
+    holders: dict[str, int] = {}
+    it = iter(rows)
+    for event in events:
+        key = event.dedupe_key
+        if key is None or (key in inserted_keys and key not in holders):
+            event_id = next(it)[0]
+            ids.append(event_id)
+            if key is not None:
+                holders[key] = event_id
+        else:
+            ids.append(holders.get(key))
+    missing = sorted({e.dedupe_key for e, i in zip(events, ids, strict=True) if i is None})
+    return ids, missing
+
+
+def resolve_ids(
+    events: Sequence[Any], ids: Sequence[int | None], found: Mapping[str, int]
+) -> list[int]:
+    """``inserted_ids``' ids with the holders looked up (``found``: dedupe key -> id) in place.
+
+    Raises:
+        StoreError: a holder vanished between the insert and the lookup (purged meanwhile).
+    """
+    gone = sorted(
+        {e.dedupe_key for e, i in zip(events, ids, strict=True) if i is None} - set(found)
+    )
+    if gone:
+        raise StoreError(
+            f"the events holding dedupe keys {gone[:5]} were purged while this enqueue ran: "
+            "roll back and enqueue again"
+        )
+    return [found[e.dedupe_key] if i is None else i for e, i in zip(events, ids, strict=True)]

@@ -74,6 +74,8 @@ def _status_json(outbox: Outbox, stats: Stats, now: datetime) -> dict[str, Any]:
         "total": stats.total,
         "oldest_due_at": _iso(stats.oldest_due_at),
         "oldest_due_age_seconds": oldest_age,
+        "held_keys": stats.held_keys,
+        "dead_key": outbox.dead_key,
         "by_topic": {
             topic: {
                 "pending": counts.get("pending", 0),
@@ -124,6 +126,10 @@ def status(
         echo(f"oldest due: {oldest} ago ({stats.oldest_due_at.isoformat()})")
     echo(f"dead letters: {stats.dead}" + ("  (outboxkit dead list)" if stats.dead else ""))
     echo(f"in-flight leases: {stats.claimed}")
+    echo(
+        f"keys with a dead event: {stats.held_keys} "
+        f"({'held' if outbox.dead_key == 'hold' else 'released'}: dead_key={outbox.dead_key!r})"
+    )
     if data["by_topic"]:
         rows = [
             [topic, c["pending"], c["in_flight"], c["published"], c["dead"]]

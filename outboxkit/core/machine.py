@@ -1,16 +1,17 @@
 """The event lifecycle as a pure state machine: states, transitions, and every decision.
 
 RULE 1 OF THIS FILE: everything that decides what happens to an event lives here. Which
-handlers run (R5), whether an event is settled at once (unrouted, undecodable, attempts used up),
-what a settlement is (R8, R10, R11), whether a lease is held, must be extended or is gone (R13),
-how long a poller waits out an outage. The pollers (``outboxkit.poller``, ``outboxkit.aio``)
-ask and carry out; the stores write what they are told, each write one of ``TRANSITIONS``.
+handlers run (R5), whether an event holds up the later events of its key (R15), whether an
+event is settled at once (unrouted, undecodable, attempts used up), what a settlement is (R8,
+R10, R11), whether a lease is held, must be extended or is gone (R13), how long a poller waits
+out an outage. The pollers (``outboxkit.poller``, ``outboxkit.aio``) ask and carry out; the
+stores write what they are told, each write one of ``TRANSITIONS``.
 
 RULE 2: no I/O, no clock, no logging, no driver, no pluggy. Every input is a plain value passed
 in, the instant included; every output is a plain value or a named error. Time is relative: the
 machine says "retry after 4 s", "the lease is low", and the caller turns that into timestamps.
 
-The rules R1-R14 are written out in ``docs/lifecycle.md``.
+The rules R1-R16 are written out in ``docs/lifecycle.md``.
 
     enqueue --> PENDING --claim--> CLAIMED --settle--> PUBLISHED
                   ^                  |  |
@@ -31,7 +32,7 @@ from datetime import datetime, timedelta
 
 from ..errors import ConfigurationError, IllegalTransition, Reject
 from .backoff import BackoffPolicy, ExponentialBackoff, delay_for
-from .model import Claim, Outcome, State, UndecodablePayload, state_of
+from .model import Claim, DeadKey, Outcome, State, UndecodablePayload, state_of
 from .text import storable
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "SettleNow",
     "Transition",
     "allowed",
+    "blocks_key",
     "check_lease",
     "decide_settlement",
     "handlers_to_run",
@@ -112,6 +114,28 @@ def is_due(
         is State.PENDING
         and available_at <= now
     )
+
+
+KEY_BLOCKERS: Mapping[DeadKey, frozenset[State]] = {
+    "release": frozenset({State.PENDING, State.CLAIMED}),
+    "hold": frozenset({State.PENDING, State.CLAIMED, State.DEAD}),
+}
+"""R15 as data: the states in which an event holds up the later events of its key, by the
+outbox's ``dead_key``. Pending covers waiting for a retry; a published event never holds."""
+
+
+def blocks_key(state: State, dead_key: DeadKey) -> bool:
+    """R15: whether an event in ``state`` keeps the later events of its key from being claimed.
+
+    Raises:
+        ConfigurationError: ``dead_key`` is neither ``"release"`` nor ``"hold"``.
+    """
+    try:
+        return state in KEY_BLOCKERS[dead_key]
+    except KeyError:
+        raise ConfigurationError(
+            f"dead_key must be 'release' or 'hold', got {dead_key!r}"
+        ) from None
 
 
 def handlers_to_run(subscribed: Sequence[str], done: Iterable[str]) -> list[str]:

@@ -9,11 +9,13 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Literal
 
 __all__ = [
+    "DEAD_KEY_CHOICES",
     "Claim",
     "Claimed",
+    "DeadKey",
     "Delivery",
     "DeadLetter",
     "DeadLettered",
@@ -38,6 +40,11 @@ __all__ = [
 
 JSON = Any
 """A JSON value: dict, list, str, int, float, bool or None (validated at enqueue)."""
+
+DeadKey = Literal["release", "hold"]
+"""What a dead event does to its key (R15): ``"release"`` lets the key's later events go on,
+``"hold"`` keeps them waiting until the dead event is requeued or purged."""
+DEAD_KEY_CHOICES: tuple[DeadKey, ...] = ("release", "hold")
 
 
 class State(enum.Enum):
@@ -95,6 +102,10 @@ class NewEvent:
     headers: Mapping[str, str]
     key: str | None
     delay: timedelta
+    dedupe_key: str | None = None
+    """While an event with this dedupe key exists, enqueueing another is a no-op."""
+    available_at: datetime | None = None
+    """An absolute due instant (aware); None: ``now + delay``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +203,9 @@ class Stats:
     dead: int = 0
     by_topic: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     oldest_due_at: datetime | None = None
+    held_keys: int = 0
+    """Keys with a dead event: under ``dead_key="hold"`` each is held (its later events wait)
+    until its dead events are requeued or purged; under ``"release"`` they go on."""
 
     @property
     def total(self) -> int:

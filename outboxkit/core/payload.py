@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from datetime import timedelta
+from dataclasses import replace
+from datetime import datetime, timedelta
 from types import MappingProxyType
 from typing import Any
 
@@ -33,6 +34,8 @@ def build_event(
     key: object = None,
     delay: object = None,
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
+    dedupe_key: object = None,
+    available_at: object = None,
 ) -> NewEvent:
     """Validate one event and serialise its payload.
 
@@ -40,8 +43,28 @@ def build_event(
         InvalidEvent: naming the bad part - a topic that is not a short non-empty string,
             a payload that is not plain JSON (NaN/Infinity, NUL characters, lone surrogates,
             non-JSON types, cycles) or is larger than ``max_payload_bytes``, headers that are not
-            a str->str mapping, a key that is not a string, a negative or non-finite delay.
+            a str->str mapping, a key or dedupe key that is not a short string, a negative or
+            non-finite delay, an ``available_at`` that is not an aware datetime, or both
+            ``delay`` and ``available_at``.
     """
+    if dedupe_key is not None or available_at is not None:
+        plain = build_event(
+            topic,
+            payload,
+            headers=headers,
+            key=key,
+            delay=delay,
+            max_payload_bytes=max_payload_bytes,
+        )
+        if dedupe_key is not None and not _plain_text(dedupe_key, MAX_KEY_LENGTH):
+            _check_text("dedupe_key", dedupe_key, MAX_KEY_LENGTH, allow_empty=False)
+        assert dedupe_key is None or isinstance(dedupe_key, str)
+        if available_at is not None and delay is not None:
+            raise InvalidEvent(
+                f"give delay or available_at, not both (delay={delay!r:.40}, "
+                f"available_at={available_at!r:.40})"
+            )
+        return replace(plain, dedupe_key=dedupe_key, available_at=_check_available_at(available_at))
     if not _plain_text(topic, MAX_TOPIC_LENGTH):
         _check_text("topic", topic, MAX_TOPIC_LENGTH, allow_empty=False)
     assert isinstance(topic, str)
@@ -137,6 +160,22 @@ def _check_headers(headers: object) -> Mapping[str, str]:
 
 _NO_DELAY = timedelta(0)
 _NO_HEADERS: Mapping[str, str] = MappingProxyType({})
+
+
+def _check_available_at(available_at: object) -> datetime | None:
+    if available_at is None:
+        return None
+    if not isinstance(available_at, datetime):
+        raise InvalidEvent(
+            f"available_at must be an aware datetime, got {type(available_at).__name__}: "
+            f"{available_at!r:.60}"
+        )
+    if available_at.tzinfo is None or available_at.utcoffset() is None:
+        raise InvalidEvent(
+            f"available_at must be timezone-aware (naive datetimes are refused), got "
+            f"{available_at!r:.60}"
+        )
+    return available_at
 
 
 def _check_delay(delay: object) -> timedelta:

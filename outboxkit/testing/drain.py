@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from .. import handling
 from ..bus import EventBus, HandlerSpec
 from ..clock import FrozenClock, as_timedelta
+from ..core.machine import blocks_key
 from ..core.model import Claim, Delivery, Event, PollReport, State, state_of
 from ..errors import ConfigurationError, DrainError
 from ..outbox import Outbox
@@ -253,11 +254,13 @@ class Drain:
         What a poller waits out: a retry's backoff, or a lease in force. While it waits, every
         event that falls due is delivered at its own time, so an event the app scheduled is
         within reach up to the last of those waits, or up to ``horizon`` if that is later.
-        Events scheduled after both stay pending.
+        Events scheduled after both stay pending. An event of a key counts only while no
+        earlier event of its key holds the key up (R15): it falls due when that one settles.
         """
         now = self.clock.now()
         waits: list[datetime] = []  # retries and leases: a poller waits them out
         first: list[datetime] = []  # first attempts: due now, or scheduled by the app
+        held: set[str] = set()  # keys an earlier event holds up
         for event in self._events_after(0):
             if event.available_at is None:
                 continue
@@ -267,6 +270,11 @@ class Drain:
                 locked_until=event.locked_until,
                 now=now,
             )
+            if event.key is not None:
+                if event.key in held:
+                    continue
+                if blocks_key(state, self.outbox.dead_key):
+                    held.add(event.key)
             if state is State.CLAIMED and event.locked_until is not None:
                 # Claimable again once the lease has run out (and the event is available).
                 waits.append(max(event.available_at, event.locked_until))
@@ -492,7 +500,10 @@ class Drain:
         # attempts refunded), so only the new event is delivered.
         claimed_at = self.clock.now()
         claims = solo.store.claim(
-            batch_size=100_000, lease=solo.options.lease, now=solo.store_now()
+            batch_size=100_000,
+            lease=solo.options.lease,
+            now=solo.store_now(),
+            dead_key=solo.dead_key,
         )
         ours = [c for c in claims if c.event.id == event_id]
         solo.store.release([c for c in claims if c.event.id != event_id], now=solo.store_now())

@@ -28,7 +28,7 @@ from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from outboxkit.core.model import Claim, DeadLetter, DeliveryRecord, Event, NewEvent, Stats
+from outboxkit.core.model import Claim, DeadKey, DeadLetter, DeliveryRecord, Event, NewEvent, Stats
 from outboxkit.errors import ConfigurationError
 from outboxkit.store import Capabilities, SettleItem
 from outboxkit.waiter import ClosingWaiter
@@ -153,8 +153,15 @@ class DjangoStore:
             return ADAPTER.enqueue(self, conn, events, now=now)
         return self.inner.enqueue(conn, events, now=now)
 
-    def claim(self, *, batch_size: int, lease: timedelta, now: datetime | None) -> list[Claim]:
-        return self.inner.claim(batch_size=batch_size, lease=lease, now=now)
+    def claim(
+        self,
+        *,
+        batch_size: int,
+        lease: timedelta,
+        now: datetime | None,
+        dead_key: DeadKey = "release",
+    ) -> list[Claim]:
+        return self.inner.claim(batch_size=batch_size, lease=lease, now=now, dead_key=dead_key)
 
     def delivery(
         self, claim: Claim, *, now: datetime | None
@@ -317,9 +324,16 @@ class _DjangoSQLite(SQLiteStore):
         with self._atomic("run a transaction", lock=True) as raw:
             yield raw
 
-    def claim(self, *, batch_size: int, lease: timedelta, now: datetime | None) -> list[Claim]:
+    def claim(
+        self,
+        *,
+        batch_size: int,
+        lease: timedelta,
+        now: datetime | None,
+        dead_key: DeadKey = "release",
+    ) -> list[Claim]:
         _close_if_stale(self.alias)
-        return super().claim(batch_size=batch_size, lease=lease, now=now)
+        return super().claim(batch_size=batch_size, lease=lease, now=now, dead_key=dead_key)
 
     @contextmanager
     def delivery(self, claim: Claim, *, now: datetime | None) -> Iterator[SQLiteDelivery]:
@@ -483,9 +497,18 @@ class _DjangoPostgres(_PostgresStore):
         with self._atomic("run a transaction") as raw:
             yield raw
 
-    def claim(self, *, batch_size: int, lease: timedelta, now: datetime | None) -> list[Claim]:
+    def claim(
+        self,
+        *,
+        batch_size: int,
+        lease: timedelta,
+        now: datetime | None,
+        dead_key: DeadKey = "release",
+    ) -> list[Claim]:
         _close_if_stale(self.alias)
-        claims: list[Claim] = super().claim(batch_size=batch_size, lease=lease, now=now)
+        claims: list[Claim] = super().claim(
+            batch_size=batch_size, lease=lease, now=now, dead_key=dead_key
+        )
         return claims
 
     @contextmanager

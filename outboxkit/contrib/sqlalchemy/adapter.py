@@ -157,6 +157,12 @@ def _autocommit() -> ConfigurationError:
 def _statements(
     store: Store, events: Sequence[NewEvent], now: datetime | None
 ) -> list[tuple[str, dict[str, Any]]]:
+    if any(e.dedupe_key is not None for e in events):
+        raise ConfigurationError(
+            "dedupe_key is not supported through a SQLAlchemy connection or session yet: "
+            "enqueue through the driver's connection (session.connection().connection); "
+            "nothing was written"
+        )
     statements: list[tuple[str, dict[str, Any]]] = store.portable_enqueue(  # type: ignore[attr-defined]
         events, now
     )
