@@ -93,6 +93,8 @@ CONTENDERS = {
         Contender("kit-async-1", "async_poller c=1", "pg", "async", "tx", 1, 1),
         Contender("kit-async-4", "async_poller c=4", "pg", "async", "tx", 1, 4),
         Contender("kit-async-16", "async_poller c=16", "pg", "async", "tx", 1, 16),
+        Contender("kit-async-nontx-4", "async_poller c=4, non-tx", "pg", "async", "nontx", 1, 4),
+        Contender("kit-async-nontx-16", "async_poller c=16, non-tx", "pg", "async", "nontx", 1, 16),
         Contender("bare-tx-1", "outboxkit's statements, per event", "pg", "bare", "tx", 1),
         Contender("bare-tx-2", "outboxkit's statements, per event, 2 procs", "pg", "bare", "tx", 2),
         Contender("bare-batch-1", "outboxkit's statements, per batch", "pg", "bare", "batch", 1),
@@ -109,7 +111,7 @@ CONTENDERS = {
     ]
 }
 
-ASYNC = ["kit-async-1", "kit-async-4", "kit-async-16"]
+ASYNC = ["kit-async-1", "kit-async-4", "kit-async-16", "kit-async-nontx-4", "kit-async-nontx-16"]
 # Contenders that are compared with one another run next to one another.
 GROUPS: list[list[str]] = [
     ["ref-tx-1", "kit-tx-1", "bare-tx-1", "pgqueuer-10", *ASYNC],
@@ -140,7 +142,7 @@ WORKLOADS = [
         "pgqueuer-default",
         "best per-event vs pgqueuer (batch 10)",
         "pgqueuer-10",
-        ("kit-tx-1", "kit-nontx-1", "kit-async-1", "kit-async-4", "kit-async-16"),
+        ("kit-tx-1", "kit-nontx-1", *ASYNC),
         1.0,
     ),
     Workload(
@@ -430,7 +432,7 @@ def _kit_outbox(job: Job, asyncio_side: bool = False) -> tuple[Any, Any, list[in
         async def handle_async(event: Any, ctx: Any) -> None:
             calls[0] += 1
 
-        bus.subscribe(TOPIC, handle_async, name=HANDLER)
+        bus.subscribe(TOPIC, handle_async, name=HANDLER, transactional=c.mode != "nontx")
     else:
 
         def handle(event: Any, ctx: Any) -> None:
