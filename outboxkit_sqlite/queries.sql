@@ -32,6 +32,12 @@ CREATE UNIQUE INDEX {events_dedupe} ON {events} (dedupe_key) WHERE dedupe_key IS
 -- name: insert_events_head
 INSERT INTO {events} (topic, payload, headers, key, created_at, available_at, dedupe_key) VALUES
 
+-- name: insert_event_older
+-- One event into a schema older than version 5 (a file opened with migrate=False, not yet
+-- migrated): only the columns every version has.
+INSERT INTO {events} (topic, payload, headers, key, created_at, available_at)
+VALUES (?, ?, ?, ?, ?, ?) RETURNING id
+
 -- name: dedupe_holders
 -- R16: the events holding the given dedupe keys (a JSON array).
 SELECT dedupe_key, id FROM {events} WHERE dedupe_key IN (SELECT value FROM json_each(:keys))

@@ -427,6 +427,8 @@ class SQLiteStore(SQLStore):
     ) -> list[int]:
         if not events:
             return []
+        if self._older is not None:
+            return self._insert_older(conn, events, created)
         if len(events) == 1 and events[0].dedupe_key is None:
             # Outbox.enqueue, the hot path: one cached statement, no chunking
             try:
@@ -490,6 +492,28 @@ class SQLiteStore(SQLStore):
     ) -> list[Claim]:
         self._check_schema()
         return super().claim(batch_size=batch_size, lease=lease, now=now, dead_key=dead_key)
+
+    def _insert_older(
+        self, conn: sqlite3.Connection, events: Sequence[NewEvent], created: int
+    ) -> list[int]:
+        """Enqueue into an older schema (opened with ``migrate=False``, not migrated yet), so
+        that an app can write events before its pollers' ``migrate()``: one statement per
+        event, with the columns every version has; a dedupe key needs version 5.
+
+        Raises:
+            SchemaError: an event has a dedupe key.
+        """
+        if any(event.dedupe_key is not None for event in events):
+            raise SchemaError(
+                f"SQLite database {self._where} has outboxkit schema version {self._older}: "
+                f"dedupe_key needs version {schema.SCHEMA_VERSION}: run migrate()"
+            )
+        statement = self._queries["insert_event_older"]
+        with self._mapped(f"enqueue {len(events)} event(s)"):
+            return [
+                conn.execute(statement, _row(event, created)[:-1]).fetchone()[0]
+                for event in events
+            ]
 
     def _check_schema(self) -> None:
         """Refuse pollers while the schema is older (opened with ``migrate=False``)."""

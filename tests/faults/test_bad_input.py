@@ -149,6 +149,8 @@ def test_older_schema_sqlite(tmp_path: Path, old: int) -> None:
     with SQLiteStore(path, migrate=False) as store:
         with store.transaction() as conn:  # enqueueing still works: the tables are there
             event_id = Outbox(store).enqueue(conn, "t", {})
+            with pytest.raises(SchemaError, match=r"dedupe_key needs version .*migrate"):
+                Outbox(store).enqueue(conn, "t", {}, dedupe_key="once")
         _assert_first_poll_fails(
             store,
             rf"version {old}, older than version {schema.SCHEMA_VERSION} .*run migrate\(\)",
