@@ -19,6 +19,11 @@ when the app's bus has ``async def`` handlers, or with ``--asyncio``. Theory of 
   stop on their own if the supervisor disappears.
 - Every ``--log-every`` each process logs one line: published/s since the last line, pending,
   the oldest due event's age, dead letters, leases in flight.
+- ``--metrics-port N`` serves Prometheus metrics (``outboxkit.contrib.prometheus``) for the
+  whole group from the process that was started (the supervisor, with ``--processes N``): the
+  children count into prometheus_client's multiprocess files, in a temporary directory the
+  supervisor owns and removes when it exits, and only the supervisor listens; it reads the
+  store's gauges at each scrape.
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ import io
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
@@ -62,6 +69,8 @@ log = logging.getLogger("outboxkit.run")
 
 SUPERVISOR_ENV = "OUTBOXKIT_SUPERVISOR_PID"
 POLLER_ENV = "OUTBOXKIT_POLLER"
+METRICS_ENV = "OUTBOXKIT_METRICS_CHILD"  # "1": count into the supervisor's multiprocess files
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _TICK = 0.1  # seconds between the main thread's checks (signals interrupt the wait)
 _LOG_FORMAT = "%(asctime)s %(levelname)s {who}%(name)s: %(message)s"
 
@@ -85,6 +94,8 @@ class RunSettings:
     log_level: str = "INFO"
     asyncio: bool = False
     concurrency: int | None = None
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
     def child_argv(self) -> list[str]:
         """The command line of one child poller process. The store's URL and options are not on
@@ -165,6 +176,19 @@ class RunSettings:
 )
 @click.option("--until-idle", is_flag=True, help="Drain what is due now, then exit 0.")
 @click.option(
+    "--metrics-port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="Serve Prometheus metrics on this port, at /metrics, for every poller process "
+    '(needs "outboxkit[prometheus]").',
+)
+@click.option(
+    "--metrics-host",
+    default="127.0.0.1",
+    show_default=True,
+    help="The address --metrics-port listens on.",
+)
+@click.option(
     "--processes",
     type=click.IntRange(min=1),
     default=1,
@@ -203,6 +227,8 @@ def run_command(
     use_asyncio: bool,
     concurrency: int | None,
     until_idle: bool,
+    metrics_port: int | None,
+    metrics_host: str,
     processes: int,
     grace: timedelta,
     log_every: timedelta,
@@ -244,6 +270,8 @@ def run_command(
         log_level=log_level.upper(),
         asyncio=use_asyncio,
         concurrency=concurrency,
+        metrics_port=metrics_port,
+        metrics_host=metrics_host,
     )
     sys.exit(run(settings))
 
@@ -433,6 +461,53 @@ def _run_here(
         )
     throughput = _Throughput()
     outbox.add_observer(throughput)
+    server = None
+    if os.environ.get(METRICS_ENV) == "1" and supervisor_pid is not None:
+        from ..contrib.prometheus import Metrics, _prometheus
+
+        # Counted into the supervisor's multiprocess files; the supervisor serves them.
+        outbox.add_observer(Metrics(_prometheus().CollectorRegistry()))
+    elif settings.metrics_port is not None:
+        server, metrics = _serve_metrics(outbox, settings, multiprocess_dir=None)
+        outbox.add_observer(metrics)
+    try:
+        return _poll_here(outbox, poller, settings, throughput, supervisor_pid=supervisor_pid)
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+
+
+def _serve_metrics(
+    outbox: Outbox, settings: RunSettings, *, multiprocess_dir: str | None
+) -> tuple[Any, Any]:
+    """``outboxkit.contrib.prometheus.serve`` for ``--metrics-port``, logged.
+
+    Raises:
+        ConfigurationError: the port cannot be bound (exit 2), or prometheus_client is missing.
+    """
+    from ..contrib.prometheus import serve
+
+    host, port = settings.metrics_host, settings.metrics_port
+    assert port is not None
+    try:
+        server, metrics = serve(outbox, port, host=host, multiprocess_dir=multiprocess_dir)
+    except OSError as exc:
+        raise ConfigurationError(
+            f"--metrics-port {port}: cannot listen on {host}:{port}: {exc.strerror or exc}"
+        ) from None
+    log.info("serving metrics on http://%s:%d/metrics", host, server.server_port)
+    return server, metrics
+
+
+def _poll_here(
+    outbox: Outbox,
+    poller: Poller | AsyncPoller,
+    settings: RunSettings,
+    throughput: _Throughput,
+    *,
+    supervisor_pid: int | None,
+) -> int:
     failure: list[BaseException] = []
     done = threading.Event()
 
@@ -587,6 +662,7 @@ class _Supervisor:
         self.deadline: float | None = None
         self.wake = threading.Event()
         self.wrong_input = False
+        self.metrics_dir: str | None = None
 
     def on_signal(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
@@ -614,6 +690,8 @@ class _Supervisor:
         env = self.settings.child_env(
             {**os.environ, SUPERVISOR_ENV: str(os.getpid()), POLLER_ENV: f"{child.index}/{n}"}
         )
+        if self.metrics_dir is not None:
+            env[MULTIPROC_ENV], env[METRICS_ENV] = self.metrics_dir, "1"
         # A child imports the app the way this process did: from where it was found.
         root = _import_root(self.settings.app)
         if root is not None:
@@ -627,14 +705,28 @@ class _Supervisor:
     def run(self) -> int:
         n = len(self.children)
         log.info("supervising %d poller processes for %s", n, self.settings.app)
-        with _signals(self.on_signal):
-            try:
-                for child in self.children:
-                    self._start(child)
-                return self._watch()
-            finally:
-                # Never leave children behind, whatever happened here.
-                self._signal_all(signal.SIGKILL)
+        server = None
+        if self.settings.metrics_port is not None:
+            self.metrics_dir = tempfile.mkdtemp(prefix="outboxkit-metrics-")
+        try:
+            if self.metrics_dir is not None:
+                server, _ = _serve_metrics(
+                    self.outbox, self.settings, multiprocess_dir=self.metrics_dir
+                )
+            with _signals(self.on_signal):
+                try:
+                    for child in self.children:
+                        self._start(child)
+                    return self._watch()
+                finally:
+                    # Never leave children behind, whatever happened here.
+                    self._signal_all(signal.SIGKILL)
+        finally:
+            if server is not None:
+                server.shutdown()
+                server.server_close()
+            if self.metrics_dir is not None:
+                shutil.rmtree(self.metrics_dir, ignore_errors=True)
 
     def _watch(self) -> int:
         n = len(self.children)
