@@ -4,10 +4,6 @@ no display at all (``test_run.py``)."""
 
 from __future__ import annotations
 
-import os
-import select
-import subprocess
-import time
 from typing import Any
 
 import pytest
@@ -16,7 +12,7 @@ from outboxkit import Outbox, Store
 from tests.backends import Target
 
 from .apps import App
-from .conftest import TIMEOUT, Cli, outboxkit_command
+from .conftest import Cli, on_a_terminal
 
 ERASE = "\x1b[K"
 
@@ -28,50 +24,12 @@ def _jobs(store: Store, payloads: list[dict[str, Any]]) -> None:
             outbox.enqueue(conn, "job.run", payload)
 
 
-def _run_on_a_terminal(cli: Cli, args: list[str]) -> tuple[int, str]:
-    """Run ``outboxkit ARGS`` with stdout and stderr on a pseudo-terminal; its exit code and
-    everything it wrote there."""
-    master, slave = os.openpty()
-    try:
-        proc = subprocess.Popen(
-            [*outboxkit_command(), *args],
-            cwd=cli.cwd,
-            env=cli.env(),
-            stdin=subprocess.DEVNULL,
-            stdout=slave,
-            stderr=slave,
-        )
-    finally:
-        os.close(slave)
-    chunks: list[bytes] = []
-    deadline = time.monotonic() + TIMEOUT
-    try:
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([master], [], [], deadline - time.monotonic())
-            if not ready:
-                break
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:  # EIO: every writer closed the terminal
-                break
-            if not chunk:
-                break
-            chunks.append(chunk)
-        code = proc.wait(timeout=TIMEOUT)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        os.close(master)
-    return code, b"".join(chunks).decode("utf-8", errors="replace")
-
-
 @pytest.mark.parametrize("processes", [1, 2])
 def test_one_progress_display_for_the_group_apart_from_the_log_lines(
     process_cli: Cli, target: Target, store: Store, app: App, processes: int
 ) -> None:
     _jobs(store, [{}] * 30 + [{"fail": True}] * 2)
-    code, output = _run_on_a_terminal(
+    code, output = on_a_terminal(
         process_cli,
         [
             "run",
