@@ -145,3 +145,28 @@ def test_a_metrics_port_in_use_is_wrong_input_named_in_one_line(
             assert f"--metrics-port {port}: cannot listen on 127.0.0.1:{port}" in result.stderr
             assert "Traceback" not in result.stderr
             assert "poller 1/2 started" not in result.stderr  # no child was started
+
+
+def test_one_process_serves_its_own_metrics_during_a_drain(
+    process_cli: Cli, target: Target, store: Store, app: App, procs: Procs
+) -> None:
+    plain = _jobs(store, [{}] * 3)
+    (blocked,) = _jobs(store, [{"block": True, "gate": "gate-1"}])
+    port = _free_port()
+    proc = procs.start(
+        process_cli,
+        ["run", app.spec(), "--batch-size", "1", "--until-idle", "--metrics-port", str(port)],
+    )
+    proc.wait_for_log(f"serving metrics on http://127.0.0.1:{port}/metrics")
+    wait_for(
+        lambda: blocked in app.started() or proc.popen.poll() is not None,
+        "the poller blocked on gate-1",
+    )
+    samples = _scrape(port)
+    succeeded = {"topic": "job.run", "handler": "work", "outcome": "succeeded"}
+    assert _value(samples, "outboxkit_deliveries_total", **succeeded) == len(plain)
+    assert _value(samples, "outboxkit_pending_events") == 0
+    assert _value(samples, "outboxkit_in_flight_events") == 1
+    assert _value(samples, "outboxkit_oldest_due_age_seconds") == 0  # the only one is leased
+    app.gate("gate-1")
+    assert proc.popen.wait(timeout=60) == 0, proc.report()
