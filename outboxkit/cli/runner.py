@@ -472,10 +472,13 @@ def _run_here(
     outbox.add_observer(throughput)
     server = None
     if os.environ.get(METRICS_ENV) == "1" and supervisor_pid is not None:
-        from ..contrib.prometheus import Metrics, _prometheus
+        from prometheus_client import CollectorRegistry
 
-        # Counted into the supervisor's multiprocess files; the supervisor serves them.
-        outbox.add_observer(Metrics(_prometheus().CollectorRegistry()))
+        from ..contrib.prometheus import Metrics
+
+        # Counted into the supervisor's multiprocess files (a registry of our own: the app may
+        # use the default one); the supervisor serves them.
+        outbox.add_observer(Metrics(CollectorRegistry()))
     elif settings.metrics_port is not None:
         server, metrics = _serve_metrics(outbox, settings, multiprocess_dir=None)
         outbox.add_observer(metrics)
