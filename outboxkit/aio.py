@@ -16,7 +16,7 @@ import asyncio
 import inspect
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractContextManager, asynccontextmanager
 from datetime import datetime
 from typing import TYPE_CHECKING
 
@@ -239,19 +239,28 @@ class AsyncPoller(handling.Shell):
     ) -> Delivery:
         """Run one handler for one claimed event, with its record (R6, R7)."""
         outbox = self.outbox
-        ctx = handling.Context(spec.name, claim.attempt, outbox.max_payload_bytes, outbox.sessions)
+        ctx = handling.Context(
+            spec.name,
+            claim.attempt,
+            outbox.max_payload_bytes,
+            outbox.sessions,
+            outbox.headers_for,
+        )
         at = outbox.clock.now()
+        began = outbox.local_clock.now()
+        handling.started(outbox, claim, spec, at)
+        scope = handling.handler_scope(outbox, claim.event, spec, claim.attempt, self._batched)
         try:
             if spec.transactional:
                 async with deliveries.delivery(claim, now=outbox.store_now()) as tx:
                     await tx.open()  # a property cannot open it when the handler takes it
                     ctx.connection = tx.connection
-                    await _call(spec, claim.event, ctx)
+                    await _call(spec, claim.event, ctx, scope)
                     if ctx.buffer:
                         await tx.enqueue(ctx.buffer)
                     await tx.record(spec.name, Outcome.SUCCEEDED)
             else:
-                await _call(spec, claim.event, ctx)
+                await _call(spec, claim.event, ctx, scope)
                 async with deliveries.delivery(claim, now=outbox.store_now()) as tx:
                     if ctx.buffer:
                         await tx.enqueue(ctx.buffer)
@@ -263,12 +272,12 @@ class AsyncPoller(handling.Shell):
                     await tx.record(spec.name, Outcome.REJECTED, reason=reason)
             except LeaseLostError:
                 return handling.lost(claim, spec, at)
-            return handling.rejected(outbox, claim, spec, at, reason)
+            return handling.rejected(outbox, claim, spec, at, reason, began)
         except LeaseLostError:
             return handling.lost(claim, spec, at)
         except (handling.HandlerError, HandlerCrashed) as failure:
-            return handling.failed(outbox, claim, spec, at, failure)
-        return handling.succeeded(outbox, claim, spec, at)
+            return handling.failed(outbox, claim, spec, at, failure, began)
+        return handling.succeeded(outbox, claim, spec, at, began)
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -329,18 +338,25 @@ class AsyncPoller(handling.Shell):
         return reports
 
 
-async def _call(spec: HandlerSpec, event: Event, ctx: handling.Context) -> None:
+async def _call(
+    spec: HandlerSpec,
+    event: Event,
+    ctx: handling.Context,
+    around: AbstractContextManager[object],
+) -> None:
     """Await an ``async def`` handler; run a blocking (non-transactional) one in a worker
-    thread, so that it does not hold the event loop."""
+    thread, so that it does not hold the event loop. Either runs inside ``around`` (see
+    ``handling.handler_scope``), entered and left in this task."""
     try:
-        if handling.is_coroutine_function(spec.fn):
-            result = spec.fn(event, ctx)
-            if inspect.isawaitable(result):
-                await result
-        else:
-            result = await asyncio.to_thread(spec.fn, event, ctx)
-            if inspect.isawaitable(result):
-                await result  # a plain function that returns an awaitable: awaited too
+        with around:
+            if handling.is_coroutine_function(spec.fn):
+                result = spec.fn(event, ctx)
+                if inspect.isawaitable(result):
+                    await result
+            else:
+                result = await asyncio.to_thread(spec.fn, event, ctx)
+                if inspect.isawaitable(result):
+                    await result  # a plain function that returns an awaitable: awaited too
         if ctx.scope is not None:
             await _settled(ctx.scope.finish())  # the session's pending writes, first
     except Reject:

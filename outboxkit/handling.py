@@ -12,6 +12,7 @@ import inspect
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -23,8 +24,10 @@ from .core.model import (
     Claimed,
     DeadLettered,
     Delivery,
+    Event,
     HandlerFailed,
     HandlerRejected,
+    HandlerStarted,
     HandlerSucceeded,
     LeaseLost,
     NewEvent,
@@ -55,11 +58,13 @@ __all__ = [
     "check_handlers",
     "delivery",
     "failed",
+    "handler_scope",
     "is_coroutine_function",
     "lease_lost",
     "lost",
     "reason_of",
     "rejected",
+    "started",
     "succeeded",
     "unrouted",
 ]
@@ -99,8 +104,21 @@ class Shell:
             max_retries=options.max_retries,
             backoff=options.backoff,
         )
-        for claim in claims:
-            self.outbox.emit(Claimed(claim.event.id, claim.event.topic, claim.attempt))
+        outbox = self.outbox
+        if outbox.observed:
+            size = len(claims)
+            for position, claim in enumerate(claims):
+                event = claim.event
+                outbox.emit(
+                    Claimed(
+                        event.id,
+                        event.topic,
+                        claim.attempt,
+                        created_at=event.created_at,
+                        batch_size=size,
+                        position=position,
+                    )
+                )
         return batch
 
     def __repr__(self) -> str:
@@ -157,6 +175,10 @@ class SessionProvider(Protocol):
         ...
 
 
+HeadersFor = Callable[[str, Mapping[str, str] | None], Mapping[str, str] | None]
+"""``Outbox.headers_for``: a follow-up's headers with what the enqueue plugins add."""
+
+
 class Context:
     """The ``ctx`` a handler receives (see ``outboxkit.bus.DeliveryContext``).
 
@@ -175,6 +197,7 @@ class Context:
 
     __slots__ = (
         "_connection",
+        "_headers",
         "_max_payload_bytes",
         "_tx",
         "attempt",
@@ -191,8 +214,10 @@ class Context:
         attempt: int,
         max_payload_bytes: int,
         sessions: SessionProvider | None = None,
+        headers: HeadersFor | None = None,
     ) -> None:
         self.handler = handler
+        self._headers = headers
         self.attempt = attempt
         self._max_payload_bytes = max_payload_bytes
         self._connection: Any = None
@@ -250,6 +275,8 @@ class Context:
         key: str | None = None,
         delay: float | timedelta | None = None,
     ) -> None:
+        if self._headers is not None:
+            headers = self._headers(topic, headers)
         event = build_event(
             topic,
             payload,
@@ -351,38 +378,144 @@ def delivery(
     )
 
 
-def succeeded(outbox: Outbox, claim: Claim, spec: HandlerSpec, at: datetime) -> Delivery:
+def started(outbox: Outbox, claim: Claim, spec: HandlerSpec, at: datetime) -> None:
+    """Emit ``HandlerStarted`` (built only when someone observes)."""
+    if outbox.observed:
+        event = claim.event
+        outbox.emit(
+            HandlerStarted(
+                event.id,
+                event.topic,
+                spec.name,
+                claim.attempt,
+                created_at=event.created_at,
+                started_at=at,
+            )
+        )
+
+
+_NO_SCOPE: AbstractContextManager[object] = nullcontext()
+
+
+def handler_scope(
+    outbox: Outbox, event: Event, spec: HandlerSpec, attempt: int, batched: bool
+) -> AbstractContextManager[object]:
+    """What the ``outboxkit_handler_scope`` plugins wrap a handler's run in (a tracing span):
+    nothing at all without such plugins. The first plugin that answers is used."""
+    hook = outbox.plugins.hook.outboxkit_handler_scope
+    if not hook.get_hookimpls():
+        return _NO_SCOPE
+    for scope in hook(event=event, handler=spec.name, attempt=attempt, batched=batched):
+        if scope is not None:
+            chosen: AbstractContextManager[object] = scope
+            return chosen
+    return _NO_SCOPE
+
+
+def _took(outbox: Outbox, began: datetime | None) -> timedelta | None:
+    return None if began is None else outbox.local_clock.now() - began
+
+
+def succeeded(
+    outbox: Outbox, claim: Claim, spec: HandlerSpec, at: datetime, began: datetime | None = None
+) -> Delivery:
     event = claim.event
-    outbox.emit(HandlerSucceeded(event.id, event.topic, spec.name, claim.attempt))
+    if outbox.observed:
+        outbox.emit(
+            HandlerSucceeded(
+                event.id,
+                event.topic,
+                spec.name,
+                claim.attempt,
+                created_at=event.created_at,
+                duration=_took(outbox, began),
+            )
+        )
     return delivery(claim, spec, Outcome.SUCCEEDED, at)
 
 
 def rejected(
-    outbox: Outbox, claim: Claim, spec: HandlerSpec, at: datetime, reason: str
+    outbox: Outbox,
+    claim: Claim,
+    spec: HandlerSpec,
+    at: datetime,
+    reason: str,
+    began: datetime | None = None,
 ) -> Delivery:
     event = claim.event
-    log.info("event %d: %s rejected it: %s", event.id, spec.name, reason)
-    outbox.emit(HandlerRejected(event.id, event.topic, spec.name, claim.attempt, reason))
+    log.info(
+        "event %d (%s): %s rejected it: %s",
+        event.id,
+        event.topic,
+        spec.name,
+        reason,
+        extra=_fields(claim, spec),
+    )
+    if outbox.observed:
+        outbox.emit(
+            HandlerRejected(
+                event.id,
+                event.topic,
+                spec.name,
+                claim.attempt,
+                reason,
+                created_at=event.created_at,
+                duration=_took(outbox, began),
+            )
+        )
     return delivery(claim, spec, Outcome.REJECTED, at, reason)
 
 
 def failed(
-    outbox: Outbox, claim: Claim, spec: HandlerSpec, at: datetime, failure: Exception
+    outbox: Outbox,
+    claim: Claim,
+    spec: HandlerSpec,
+    at: datetime,
+    failure: Exception,
+    began: datetime | None = None,
 ) -> Delivery:
+    """One log line for the failure: a WARNING with the one-line error, and the traceback with
+    it unless the same error was this event's last one (a retry failing again the same way
+    repeats nothing: its traceback was logged with the attempt it first failed on)."""
     exc: Exception = failure.exc if isinstance(failure, HandlerError) else failure
     error = describe_exception(exc)
     event = claim.event
+    repeated = event.last_error is not None and f"{spec.name}: {error}" in event.last_error
     log.warning(
-        "event %d (%s): handler %s failed on attempt %d: %s",
+        "event %d (%s): handler %s failed on attempt %d: %s%s",
         event.id,
         event.topic,
         spec.name,
         claim.attempt,
         error,
-        exc_info=exc,
+        " (as on the last attempt)" if repeated else "",
+        exc_info=None if repeated else exc,
+        extra=_fields(claim, spec),
     )
-    outbox.emit(HandlerFailed(event.id, event.topic, spec.name, claim.attempt, error))
+    if outbox.observed:
+        outbox.emit(
+            HandlerFailed(
+                event.id,
+                event.topic,
+                spec.name,
+                claim.attempt,
+                error,
+                created_at=event.created_at,
+                duration=_took(outbox, began),
+            )
+        )
     return delivery(claim, spec, outcome_of(exc), at, error, exc)
+
+
+def _fields(claim: Claim, spec: HandlerSpec | None) -> dict[str, object]:
+    """The structured fields of a log line about one event (``extra=``): ``event_id``,
+    ``topic``, ``handler`` (None when the line is about the event as a whole), ``attempt``."""
+    return {
+        "event_id": claim.event.id,
+        "topic": claim.event.topic,
+        "handler": None if spec is None else spec.name,
+        "attempt": claim.attempt,
+    }
 
 
 def lost(claim: Claim, spec: HandlerSpec, at: datetime) -> Delivery:
@@ -402,16 +535,22 @@ def unrouted(outbox: Outbox, run: EventRun) -> None:
     """R9: log and emit an event no handler is subscribed to (it is published at once)."""
     if isinstance(run.plan, SettleNow) and run.plan.unrouted:
         event = run.claim.event
-        log.info("event %d: no handler subscribed to %r; publishing it", event.id, event.topic)
-        outbox.emit(Unrouted(event.id, event.topic))
+        log.info(
+            "event %d: no handler subscribed to %r; publishing it",
+            event.id,
+            event.topic,
+            extra=_fields(run.claim, None),
+        )
+        outbox.emit(Unrouted(event.id, event.topic, created_at=event.created_at))
 
 
 def announce(outbox: Outbox, settled: Sequence[Settled]) -> None:
     """Log and emit settlements that have been committed."""
     for claim, settlement, error in settled:
         event = claim.event
+        created_at = event.created_at
         if isinstance(settlement, Publish):
-            outbox.emit(Published(event.id, event.topic, claim.attempt))
+            outbox.emit(Published(event.id, event.topic, claim.attempt, created_at=created_at))
         elif isinstance(settlement, Retry):
             log.info(
                 "event %d (%s): retry %d in %ss",
@@ -419,9 +558,17 @@ def announce(outbox: Outbox, settled: Sequence[Settled]) -> None:
                 event.topic,
                 settlement.retry,
                 settlement.delay.total_seconds(),
+                extra=_fields(claim, None),
             )
             outbox.emit(
-                RetryScheduled(event.id, event.topic, claim.attempt, settlement.delay, error)
+                RetryScheduled(
+                    event.id,
+                    event.topic,
+                    claim.attempt,
+                    settlement.delay,
+                    error,
+                    created_at=created_at,
+                )
             )
         elif isinstance(settlement, DeadLetter):
             log.warning(
@@ -430,8 +577,11 @@ def announce(outbox: Outbox, settled: Sequence[Settled]) -> None:
                 event.topic,
                 claim.attempt,
                 error,
+                extra=_fields(claim, None),
             )
-            outbox.emit(DeadLettered(event.id, event.topic, claim.attempt, error))
+            outbox.emit(
+                DeadLettered(event.id, event.topic, claim.attempt, error, created_at=created_at)
+            )
 
 
 def lease_lost(outbox: Outbox, claim: Claim, handler: str | None) -> None:
@@ -440,5 +590,9 @@ def lease_lost(outbox: Outbox, claim: Claim, handler: str | None) -> None:
         claim.event.id,
         claim.event.topic,
         claim.attempt,
+        extra={**_fields(claim, None), "handler": handler},
     )
-    outbox.emit(LeaseLost(claim.event.id, claim.event.topic, claim.attempt, handler))
+    event = claim.event
+    outbox.emit(
+        LeaseLost(event.id, event.topic, claim.attempt, handler, created_at=event.created_at)
+    )

@@ -13,6 +13,7 @@ from .core.model import (
     DeadLettered,
     HandlerFailed,
     HandlerRejected,
+    HandlerStarted,
     HandlerSucceeded,
     LeaseLost,
     ObserverEvent,
@@ -26,6 +27,7 @@ __all__ = ["DEFAULT_LEVELS", "LoggingObserver"]
 
 DEFAULT_LEVELS: dict[type[ObserverEvent], int] = {
     Claimed: logging.DEBUG,
+    HandlerStarted: logging.DEBUG,
     HandlerSucceeded: logging.DEBUG,
     Published: logging.DEBUG,
     HandlerRejected: logging.INFO,
@@ -35,7 +37,8 @@ DEFAULT_LEVELS: dict[type[ObserverEvent], int] = {
     LeaseLost: logging.WARNING,
     DeadLettered: logging.ERROR,
 }
-"""The level each observer event is logged at: the routine ones at DEBUG, a business rejection
+"""The level each observer event is logged at: the routine ones (claims, handler starts,
+successes, publishes) at DEBUG, a business rejection
 or a scheduled retry at INFO, a handler failure or a lost lease at WARNING, a dead letter at
 ERROR. An event type not listed (a newer one) is logged at INFO."""
 
@@ -75,6 +78,8 @@ def describe(event: ObserverEvent) -> str:
     head = f"event {event.event_id} ({event.topic})"
     if isinstance(event, Claimed):
         return f"{head}: claimed, attempt {event.attempt}"
+    if isinstance(event, HandlerStarted):
+        return f"{head}: {event.handler} started on attempt {event.attempt}"
     if isinstance(event, HandlerSucceeded):
         return f"{head}: {event.handler} succeeded on attempt {event.attempt}"
     if isinstance(event, HandlerRejected):

@@ -250,7 +250,7 @@ class Outbox:
         event = build_event(
             topic,
             payload,
-            headers=headers,
+            headers=self.headers_for(topic, headers),
             key=key,
             delay=delay,
             max_payload_bytes=self.max_payload_bytes,
@@ -309,7 +309,7 @@ class Outbox:
         event = build_event(
             topic,
             payload,
-            headers=headers,
+            headers=self.headers_for(topic, headers),
             key=key,
             delay=delay,
             max_payload_bytes=self.max_payload_bytes,
@@ -368,13 +368,20 @@ class Outbox:
         for index, item in enumerate(events):
             try:
                 if isinstance(item, tuple) and len(item) == 2:
-                    built.append(build_event(item[0], item[1], max_payload_bytes=limit))
+                    built.append(
+                        build_event(
+                            item[0],
+                            item[1],
+                            headers=self.headers_for(item[0], None),
+                            max_payload_bytes=limit,
+                        )
+                    )
                 elif isinstance(item, Message):
                     built.append(
                         build_event(
                             item.topic,
                             item.payload,
-                            headers=item.headers,
+                            headers=self.headers_for(item.topic, item.headers),
                             key=item.key,
                             delay=item.delay,
                             max_payload_bytes=limit,
@@ -463,6 +470,34 @@ class Outbox:
     def emit(self, event: ObserverEvent) -> None:
         """Send ``event`` to every observer, each on its own (a failing one is logged)."""
         notify(self.plugins, event)
+
+    @property
+    def observed(self) -> bool:
+        """Whether any observer is registered: an observer event nobody listens to need not
+        be built."""
+        return bool(self.plugins.hook.outboxkit_on_event.get_hookimpls())
+
+    def headers_for(
+        self, topic: str, headers: Mapping[str, str] | None
+    ) -> Mapping[str, str] | None:
+        """``headers`` with what the ``outboxkit_enqueue_headers`` plugins add (a trace
+        context, say); a header the caller gave wins. ``headers`` itself without such plugins.
+
+        Args:
+            topic: the event's topic.
+            headers: the caller's headers (not checked here: ``enqueue`` checks the result).
+        """
+        hook = self.plugins.hook.outboxkit_enqueue_headers
+        if not hook.get_hookimpls():
+            return headers
+        given: Mapping[str, str] = headers if isinstance(headers, Mapping) else {}
+        added: dict[str, str] = {}
+        for extra in hook(topic=topic, headers=given):
+            if extra:
+                added.update(extra)
+        if not added or not isinstance(headers, Mapping | None):
+            return headers  # nothing to add, or bad headers that enqueue reports as they are
+        return {**added, **given}
 
     # -- operations -----------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime
 from typing import TYPE_CHECKING
 
@@ -184,16 +184,25 @@ class Poller(handling.Shell):
     def _deliver(self, deliveries: Deliveries, claim: Claim, spec: HandlerSpec) -> Delivery:
         """Run one handler for one claimed event, with its record (R6, R7)."""
         outbox = self.outbox
-        ctx = handling.Context(spec.name, claim.attempt, outbox.max_payload_bytes, outbox.sessions)
+        ctx = handling.Context(
+            spec.name,
+            claim.attempt,
+            outbox.max_payload_bytes,
+            outbox.sessions,
+            outbox.headers_for,
+        )
         at = outbox.clock.now()
+        began = outbox.local_clock.now()
+        handling.started(outbox, claim, spec, at)
+        scope = handling.handler_scope(outbox, claim.event, spec, claim.attempt, self._batched)
         try:
             if spec.transactional:
                 with deliveries.delivery(claim, now=outbox.store_now()) as tx:
                     ctx.bind(tx)
-                    _call(spec, claim.event, ctx)
+                    _call(spec, claim.event, ctx, scope)
                     tx.record(spec.name, Outcome.SUCCEEDED)
             else:
-                _call(spec, claim.event, ctx)
+                _call(spec, claim.event, ctx, scope)
                 # The record's transaction opens after the handler ran: stamp it (and the
                 # follow-ups' delays) with that instant, as a database clock would.
                 with deliveries.delivery(claim, now=outbox.store_now()) as tx:
@@ -207,12 +216,12 @@ class Poller(handling.Shell):
                     tx.record(spec.name, Outcome.REJECTED, reason=reason)
             except LeaseLostError:
                 return handling.lost(claim, spec, at)
-            return handling.rejected(outbox, claim, spec, at, reason)
+            return handling.rejected(outbox, claim, spec, at, reason, began)
         except LeaseLostError:
             return handling.lost(claim, spec, at)
         except (handling.HandlerError, HandlerCrashed) as failure:
-            return handling.failed(outbox, claim, spec, at, failure)
-        return handling.succeeded(outbox, claim, spec, at)
+            return handling.failed(outbox, claim, spec, at, failure, began)
+        return handling.succeeded(outbox, claim, spec, at, began)
 
     # -- the loop ---------------------------------------------------------------------------------
 
@@ -285,9 +294,17 @@ class Poller(handling.Shell):
         return reports
 
 
-def _call(spec: HandlerSpec, event: Event, ctx: handling.Context) -> None:
+def _call(
+    spec: HandlerSpec,
+    event: Event,
+    ctx: handling.Context,
+    around: AbstractContextManager[object],
+) -> None:
+    """Run the handler inside ``around`` (``handling.handler_scope``: a tracing span, which
+    sees the handler's own exception)."""
     try:
-        result = spec.fn(event, ctx)
+        with around:
+            result = spec.fn(event, ctx)
         if ctx.scope is not None and not (result is not None and inspect.isawaitable(result)):
             ctx.scope.finish()  # the session's pending writes, before the record
     except Reject:

@@ -19,18 +19,24 @@ when the app's bus has ``async def`` handlers, or with ``--asyncio``. Theory of 
   stop on their own if the supervisor disappears.
 - Every ``--log-every`` each process logs one line: published/s since the last line, pending,
   the oldest due event's age, dead letters, leases in flight.
+- ``--metrics-port N`` serves Prometheus metrics (``outboxkit.contrib.prometheus``) for the
+  whole group from the process that was started (the supervisor, with ``--processes N``): the
+  children count into prometheus_client's multiprocess files, in a temporary directory the
+  supervisor owns and removes when it exits, and only the supervisor listens; it reads the
+  store's gauges at each scrape.
 """
 
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator, Sequence
@@ -38,7 +44,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import FrameType
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 import click
 
@@ -54,6 +60,7 @@ from ..poller import Poller, ThreadWaiter
 from ..waiter import LoopWaiter
 from .errors import WRONG_INPUT
 from .params import DURATION, StoreOption, format_duration
+from .progress import DrainProgress, StatusLine, StatusLineHandler
 from .stores import STORE_ENV, STORE_OPTIONS_ENV, open_outbox
 
 __all__ = ["RunSettings", "run", "run_command"]
@@ -62,12 +69,14 @@ log = logging.getLogger("outboxkit.run")
 
 SUPERVISOR_ENV = "OUTBOXKIT_SUPERVISOR_PID"
 POLLER_ENV = "OUTBOXKIT_POLLER"
+METRICS_ENV = "OUTBOXKIT_METRICS_CHILD"  # "1": count into the supervisor's multiprocess files
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _TICK = 0.1  # seconds between the main thread's checks (signals interrupt the wait)
 _LOG_FORMAT = "%(asctime)s %(levelname)s {who}%(name)s: %(message)s"
 
 T = TypeVar("T")
-Drive = Callable[[Callable[[PollReport], None]], list[PollReport]]
-"""A poller's ``run_until_idle(on_round=...)``, blocking or run on an event loop to its end."""
+Drive = Callable[[], list[PollReport]]
+"""A poller's ``run_until_idle()``, blocking or run on an event loop to its end."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,8 @@ class RunSettings:
     log_level: str = "INFO"
     asyncio: bool = False
     concurrency: int | None = None
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
 
     def child_argv(self) -> list[str]:
         """The command line of one child poller process. The store's URL and options are not on
@@ -165,6 +176,19 @@ class RunSettings:
 )
 @click.option("--until-idle", is_flag=True, help="Drain what is due now, then exit 0.")
 @click.option(
+    "--metrics-port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="Serve Prometheus metrics on this port, at /metrics, for every poller process "
+    '(needs "outboxkit[prometheus]").',
+)
+@click.option(
+    "--metrics-host",
+    default="127.0.0.1",
+    show_default=True,
+    help="The address --metrics-port listens on.",
+)
+@click.option(
     "--processes",
     type=click.IntRange(min=1),
     default=1,
@@ -203,6 +227,8 @@ def run_command(
     use_asyncio: bool,
     concurrency: int | None,
     until_idle: bool,
+    metrics_port: int | None,
+    metrics_host: str,
     processes: int,
     grace: timedelta,
     log_every: timedelta,
@@ -244,6 +270,8 @@ def run_command(
         log_level=log_level.upper(),
         asyncio=use_asyncio,
         concurrency=concurrency,
+        metrics_port=metrics_port,
+        metrics_host=metrics_host,
     )
     sys.exit(run(settings))
 
@@ -259,7 +287,7 @@ def run(settings: RunSettings) -> int:
     supervisor = os.environ.get(SUPERVISOR_ENV)
     prefix = f"[poller {who} pid {os.getpid()}] " if who else ""
     with (
-        _logging(settings.log_level, prefix),
+        _logging(settings.log_level, prefix) as status,
         open_outbox(
             app=settings.app, store_url=settings.store_url, store_options=settings.store_options
         ) as outbox,
@@ -268,12 +296,13 @@ def run(settings: RunSettings) -> int:
         PollerOptions.build(outbox.options, **settings.poller_options)
         use_asyncio = _asyncio_wanted(outbox, settings)
         if settings.processes > 1:
-            return _Supervisor(settings, outbox).run()
+            return _Supervisor(settings, outbox, status).run()
         return _run_here(
             outbox,
             settings,
             use_asyncio=use_asyncio,
             supervisor_pid=int(supervisor) if supervisor and supervisor.isdigit() else None,
+            status=status,
         )
 
 
@@ -308,17 +337,20 @@ def _asyncio_wanted(outbox: Outbox, settings: RunSettings) -> bool:
 
 
 @contextmanager
-def _logging(level: str, who: str) -> Iterator[None]:
-    """Log outboxkit's records to stderr for the duration of the command."""
+def _logging(level: str, who: str) -> Iterator[StatusLine]:
+    """Log outboxkit's records to stderr for the duration of the command, above the status
+    line (drawn on a terminal only) it yields."""
     logger = logging.getLogger("outboxkit")
-    handler = logging.StreamHandler(sys.stderr)
+    status = StatusLine(sys.stderr)
+    handler = StatusLineHandler(status)
     handler.setFormatter(_PrintableFormatter(_LOG_FORMAT.format(who=who)))
     previous = logger.level
     logger.addHandler(handler)
     logger.setLevel(level)
     try:
-        yield
+        yield status
     finally:
+        status.clear()
         logger.removeHandler(handler)
         logger.setLevel(previous)
 
@@ -414,7 +446,12 @@ class _Stopping:
 
 
 def _run_here(
-    outbox: Outbox, settings: RunSettings, *, use_asyncio: bool, supervisor_pid: int | None
+    outbox: Outbox,
+    settings: RunSettings,
+    *,
+    use_asyncio: bool,
+    supervisor_pid: int | None,
+    status: StatusLine,
 ) -> int:
     """Run one poller in a worker thread until it stops; the main thread handles signals."""
     outbox = outbox.rebind()  # our observer goes on a copy, never on the app's own outbox
@@ -433,6 +470,63 @@ def _run_here(
         )
     throughput = _Throughput()
     outbox.add_observer(throughput)
+    server = None
+    if os.environ.get(METRICS_ENV) == "1" and supervisor_pid is not None:
+        from prometheus_client import CollectorRegistry
+
+        from ..contrib.prometheus import Metrics
+
+        # Counted into the supervisor's multiprocess files (a registry of our own: the app may
+        # use the default one); the supervisor serves them.
+        outbox.add_observer(Metrics(CollectorRegistry()))
+    elif settings.metrics_port is not None:
+        server, metrics = _serve_metrics(outbox, settings, multiprocess_dir=None)
+        outbox.add_observer(metrics)
+    # A supervised child shows no progress: its supervisor shows the group's.
+    progress = (
+        DrainProgress(outbox, status) if settings.until_idle and supervisor_pid is None else None
+    )
+    try:
+        return _poll_here(
+            outbox, poller, settings, throughput, supervisor_pid=supervisor_pid, progress=progress
+        )
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+
+
+def _serve_metrics(
+    outbox: Outbox, settings: RunSettings, *, multiprocess_dir: str | None
+) -> tuple[Any, Any]:
+    """``outboxkit.contrib.prometheus.serve`` for ``--metrics-port``, logged.
+
+    Raises:
+        ConfigurationError: the port cannot be bound (exit 2), or prometheus_client is missing.
+    """
+    from ..contrib.prometheus import serve
+
+    host, port = settings.metrics_host, settings.metrics_port
+    assert port is not None
+    try:
+        server, metrics = serve(outbox, port, host=host, multiprocess_dir=multiprocess_dir)
+    except OSError as exc:
+        raise ConfigurationError(
+            f"--metrics-port {port}: cannot listen on {host}:{port}: {exc.strerror or exc}"
+        ) from None
+    log.info("serving metrics on http://%s:%d/metrics", host, server.server_port)
+    return server, metrics
+
+
+def _poll_here(
+    outbox: Outbox,
+    poller: Poller | AsyncPoller,
+    settings: RunSettings,
+    throughput: _Throughput,
+    *,
+    supervisor_pid: int | None,
+    progress: DrainProgress | None,
+) -> int:
     failure: list[BaseException] = []
     done = threading.Event()
 
@@ -445,19 +539,12 @@ def _run_here(
                 if settings.until_idle:
                     _drain_until_idle(
                         outbox,
-                        lambda on_round: asyncio.run(
-                            _closing(poller, poller.run_until_idle(on_round=on_round))
-                        ),
-                        progress=supervisor_pid is None,
+                        lambda: asyncio.run(_closing(poller, poller.run_until_idle())),
                     )
                 else:
                     asyncio.run(_closing(poller, poller.run_forever()))
             elif settings.until_idle:
-                _drain_until_idle(
-                    outbox,
-                    lambda on_round: poller.run_until_idle(on_round=on_round),
-                    progress=supervisor_pid is None,
-                )
+                _drain_until_idle(outbox, poller.run_until_idle)
             else:
                 poller.run_forever()
         except BaseException as exc:
@@ -475,7 +562,11 @@ def _run_here(
             if supervisor_pid is not None and os.getppid() != supervisor_pid:
                 stopping.request("the supervisor is gone")
             summary.maybe_log()
+            if progress is not None:
+                progress.maybe_show()
         worker.join()
+    if progress is not None:
+        progress.status.clear()
     if failure:
         raise failure[0]
     if stopping.deadline is not None:
@@ -529,23 +620,11 @@ async def _closing(poller: AsyncPoller, work: Coroutine[Any, Any, T]) -> T:
         await poller.store.close()
 
 
-def _drain_until_idle(outbox: Outbox, drive: Drive, *, progress: bool) -> None:
+def _drain_until_idle(outbox: Outbox, drive: Drive) -> None:
     """``--until-idle``: the poller's ``run_until_idle`` (until a poll claims nothing, or the
-    poller is stopped) through ``drive``, a progress bar as it goes, and a summary line."""
-    bar = click.progressbar(
-        length=max(outbox.stats().pending, 1),
-        label="draining",
-        file=sys.stderr if progress else io.StringIO(),
-    )
-
-    def advance(report: PollReport) -> None:
-        settled = len(report.claimed) - len(report.released)
-        if bar.pos + settled > (bar.length or 0):  # follow-up events joined the backlog
-            bar.length = bar.pos + settled
-        bar.update(settled)
-
-    with bar:
-        reports = drive(advance)
+    poller is stopped) through ``drive``, and a summary line. (The progress is drawn by the
+    main thread, see ``DrainProgress``.)"""
+    reports = drive()
     outbox.prune_if_due()
     log.info(
         "drained: %d claimed, %d published, %d retried later, %d dead-lettered, "
@@ -580,13 +659,19 @@ class _Supervisor:
     YOUNG = 10.0  # seconds: a child dying sooner than this is restarted after a growing delay
     MAX_DELAY = 30.0
 
-    def __init__(self, settings: RunSettings, outbox: Outbox) -> None:
+    def __init__(self, settings: RunSettings, outbox: Outbox, status: StatusLine) -> None:
         self.settings = settings
         self.outbox = outbox
+        self.status = status
+        # One progress display for the group; on a terminal the children's log lines are
+        # relayed through this process, above it (see ``_relay``).
+        self.progress = DrainProgress(outbox, status) if settings.until_idle else None
+        self.relays: list[threading.Thread] = []
         self.children = [_Child(i) for i in range(1, settings.processes + 1)]
         self.deadline: float | None = None
         self.wake = threading.Event()
         self.wrong_input = False
+        self.metrics_dir: str | None = None
 
     def on_signal(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
@@ -614,27 +699,59 @@ class _Supervisor:
         env = self.settings.child_env(
             {**os.environ, SUPERVISOR_ENV: str(os.getpid()), POLLER_ENV: f"{child.index}/{n}"}
         )
+        if self.metrics_dir is not None:
+            env[MULTIPROC_ENV], env[METRICS_ENV] = self.metrics_dir, "1"
         # A child imports the app the way this process did: from where it was found.
         root = _import_root(self.settings.app)
         if root is not None:
             env["PYTHONPATH"] = os.pathsep.join(
                 [root, *filter(None, [os.environ.get("PYTHONPATH")])]
             )
-        child.proc = subprocess.Popen(self.settings.child_argv(), env=env, process_group=0)
+        relayed = self.progress is not None and self.status.live
+        child.proc = subprocess.Popen(
+            self.settings.child_argv(),
+            env=env,
+            process_group=0,
+            stderr=subprocess.PIPE if relayed else None,
+        )
+        if relayed:
+            assert child.proc.stderr is not None
+            relay = threading.Thread(
+                target=_relay, args=(child.proc.stderr, self.status), daemon=True
+            )
+            relay.start()
+            self.relays.append(relay)
         child.started_at = time.monotonic()
         log.info("poller %d/%d started (pid %d)", child.index, n, child.proc.pid)
 
     def run(self) -> int:
         n = len(self.children)
         log.info("supervising %d poller processes for %s", n, self.settings.app)
-        with _signals(self.on_signal):
-            try:
-                for child in self.children:
-                    self._start(child)
-                return self._watch()
-            finally:
-                # Never leave children behind, whatever happened here.
-                self._signal_all(signal.SIGKILL)
+        server = None
+        if self.settings.metrics_port is not None:
+            self.metrics_dir = tempfile.mkdtemp(prefix="outboxkit-metrics-")
+        try:
+            if self.metrics_dir is not None:
+                server, _ = _serve_metrics(
+                    self.outbox, self.settings, multiprocess_dir=self.metrics_dir
+                )
+            with _signals(self.on_signal):
+                try:
+                    for child in self.children:
+                        self._start(child)
+                    return self._watch()
+                finally:
+                    # Never leave children behind, whatever happened here.
+                    self._signal_all(signal.SIGKILL)
+                    for relay in self.relays:  # their last lines, before ours
+                        relay.join(timeout=5)
+                    self.status.clear()
+        finally:
+            if server is not None:
+                server.shutdown()
+                server.server_close()
+            if self.metrics_dir is not None:
+                shutil.rmtree(self.metrics_dir, ignore_errors=True)
 
     def _watch(self) -> int:
         n = len(self.children)
@@ -691,6 +808,8 @@ class _Supervisor:
                     self.settings.grace.total_seconds(),
                 )
                 return 1
+            if self.progress is not None:
+                self.progress.maybe_show()
             self.wake.wait(_TICK)
             self.wake.clear()
         if self.wrong_input:
@@ -702,6 +821,14 @@ class _Supervisor:
         if not failed:
             log.info("all %d poller processes stopped", n)
         return 1 if failed else 0
+
+
+def _relay(stream: IO[bytes], status: StatusLine) -> None:
+    """Write a child's log lines above the status line, until the child closes its stderr."""
+    with stream:
+        for line in iter(stream.readline, b""):
+            text = line.decode("utf-8", errors="replace")
+            status.write(printable(text.rstrip("\n"), newlines=True) + "\n")
 
 
 def _import_root(app: str) -> str | None:

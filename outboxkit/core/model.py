@@ -23,6 +23,7 @@ __all__ = [
     "Event",
     "HandlerFailed",
     "HandlerRejected",
+    "HandlerStarted",
     "HandlerSucceeded",
     "LeaseLost",
     "NewEvent",
@@ -253,23 +254,46 @@ class PollReport:
 
 # -- observer events -------------------------------------------------------------------------
 # Emitted by the poller through the ``outboxkit_on_event`` hook. Small, frozen, no live objects.
+# Fields added later are keyword-only with a default, so that existing constructions still hold;
+# the measured ones (instants, durations, batch positions) do not take part in equality.
 
 
 @dataclass(frozen=True, slots=True)
 class ObserverEvent:
+    """What every observer event carries: the event's id and topic, and (``created_at``) when
+    the event was enqueued, by the store's clock (None where the store did not say)."""
+
     event_id: int
     topic: str
+    created_at: datetime | None = field(default=None, kw_only=True, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
 class Claimed(ObserverEvent):
+    """The event was claimed; ``batch_size`` events were taken by that claim, this one at
+    ``position`` (0-based) in it."""
+
     attempt: int
+    batch_size: int = field(default=1, kw_only=True, compare=False)
+    position: int = field(default=0, kw_only=True, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class HandlerStarted(ObserverEvent):
+    """A handler is about to run for the event, at ``started_at`` (the outbox's clock)."""
+
+    handler: str
+    attempt: int
+    started_at: datetime | None = field(default=None, kw_only=True, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
 class HandlerSucceeded(ObserverEvent):
+    """``duration``: how long the handler's run took, its record included (local clock)."""
+
     handler: str
     attempt: int
+    duration: timedelta | None = field(default=None, kw_only=True, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,6 +301,7 @@ class HandlerRejected(ObserverEvent):
     handler: str
     attempt: int
     reason: str
+    duration: timedelta | None = field(default=None, kw_only=True, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,6 +309,7 @@ class HandlerFailed(ObserverEvent):
     handler: str
     attempt: int
     error: str
+    duration: timedelta | None = field(default=None, kw_only=True, compare=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,8 +9,8 @@ the import path, of the test and of its subprocesses). It opens its own store fr
   ``{"fail": ...}``): what ``seed`` uses;
 - ``job.run`` -> ``work`` (non-transactional): touches ``started-<event>-<pid>`` in the module's
   folder, waits for a file named ``gate`` there when the payload says ``{"block": true}`` (so a
-  test decides when "mid-drain" ends, without sleeping), fails on ``{"fail": true}``, and touches
-  ``done-<event>-<pid>`` when it returns.
+  test decides when "mid-drain" ends, without sleeping; ``"gate": NAME`` names another file),
+  fails on ``{"fail": true}``, and touches ``done-<event>-<pid>`` when it returns.
 
 ``ASYNC_APP_SOURCE`` is the same app with ``async def`` handlers (``outboxkit run`` picks the
 asyncio poller for it): ``order.placed`` -> ``reserve`` (transactional, enqueues a
@@ -75,8 +75,9 @@ def bill(event, ctx):
 def work(event, ctx):
     (HERE / f"started-{event.id}-{os.getpid()}").touch()
     if event.payload.get("block"):
+        gate = HERE / event.payload.get("gate", "gate")
         give_up = time.monotonic() + 120  # never hang a test run for good
-        while not (HERE / "gate").exists() and time.monotonic() < give_up:
+        while not gate.exists() and time.monotonic() < give_up:
             time.sleep(0.005)
     if event.payload.get("fail"):
         raise RuntimeError("job failed")
@@ -184,9 +185,9 @@ class App:
         bus: EventBus = self.load().bus
         return bus
 
-    def gate(self) -> None:
-        """Let every blocked ``work`` handler return."""
-        (self.folder / "gate").touch()
+    def gate(self, name: str = "gate") -> None:
+        """Let every ``work`` handler blocked on the file ``name`` return."""
+        (self.folder / name).touch()
 
     def started(self) -> dict[int, set[int]]:
         """Event id -> the pids whose ``work`` handler started on it."""

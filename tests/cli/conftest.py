@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -137,6 +138,44 @@ def process_cli(tmp_path: Path) -> Cli:
     work = tmp_path / "cwd"
     work.mkdir(exist_ok=True)
     return Cli("process", work, [tmp_path / "app"])
+
+
+def on_a_terminal(cli: Cli, args: list[str]) -> tuple[int, str]:
+    """Run ``outboxkit ARGS`` with stdout and stderr on a pseudo-terminal; its exit code and
+    everything it wrote there."""
+    master, slave = os.openpty()
+    try:
+        proc = subprocess.Popen(
+            [*outboxkit_command(), *args],
+            cwd=cli.cwd,
+            env=cli.env(),
+            stdin=subprocess.DEVNULL,
+            stdout=slave,
+            stderr=slave,
+        )
+    finally:
+        os.close(slave)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + TIMEOUT
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], deadline - time.monotonic())
+            if not ready:
+                break
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: every writer closed the terminal
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        code = proc.wait(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+    return code, b"".join(chunks).decode("utf-8", errors="replace")
 
 
 def wait_for(condition: Callable[[], object], what: str, timeout: float = 30.0) -> None:

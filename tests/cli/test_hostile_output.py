@@ -11,10 +11,7 @@ escape (``\\x1b``), on a pseudo-terminal and through a pipe alike; ``--json`` es
 from __future__ import annotations
 
 import json
-import os
-import pty
 import re
-import subprocess
 from typing import Any
 
 import pytest
@@ -22,7 +19,7 @@ import pytest
 from outboxkit import Event, EventBus, FrozenClock, Outbox, Reject, Store
 from tests.backends import Target
 
-from .conftest import TIMEOUT, Cli, outboxkit_command
+from .conftest import Cli, on_a_terminal
 
 CLEAR = "\x1b[2J\x1b[H"
 TITLE = "\x1b]0;pwned\x07"
@@ -69,32 +66,9 @@ def _seed(store: Store) -> tuple[int, int]:
 
 def _on_a_terminal(cli: Cli, args: list[str]) -> str:
     """``outboxkit ARGS`` with stdout and stderr on a pseudo-terminal; what it showed."""
-    main, child = pty.openpty()
-    try:
-        proc = subprocess.Popen(
-            [*outboxkit_command(), *args],
-            cwd=cli.cwd,
-            env=cli.env(),
-            stdin=subprocess.DEVNULL,
-            stdout=child,
-            stderr=child,
-        )
-    finally:
-        os.close(child)
-    chunks: list[bytes] = []
-    try:
-        while True:
-            try:
-                chunk = os.read(main, 65536)
-            except OSError:  # EIO: the child side is closed, everything is read
-                break
-            if not chunk:
-                break
-            chunks.append(chunk)
-    finally:
-        os.close(main)
-    assert proc.wait(timeout=TIMEOUT) == 0
-    return b"".join(chunks).decode("utf-8").replace("\r\n", "\n")
+    code, shown = on_a_terminal(cli, args)
+    assert code == 0, shown
+    return shown.replace("\r\n", "\n")
 
 
 @pytest.mark.parametrize(

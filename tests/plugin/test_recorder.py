@@ -26,13 +26,14 @@ def test_a_recorder_keeps_every_event_in_order_and_filters_by_type() -> None:
     outbox.poller().run_once()
     assert [type(e).__name__ for e in recorder.events] == [
         "Claimed",
+        "HandlerStarted",
         "HandlerSucceeded",
         "Published",
     ]
     assert recorder.of(Published) == [Published(event_id, "t", 1)]
     assert recorder.of(HandlerSucceeded) == [HandlerSucceeded(event_id, "t", "h", 1)]
     assert recorder.of(ObserverEvent) == recorder.events  # subclasses count
-    assert repr(recorder) == "Recorder(3 events)"
+    assert repr(recorder) == "Recorder(4 events)"
     recorder.clear()
     assert recorder.events == []
 

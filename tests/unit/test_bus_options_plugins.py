@@ -15,6 +15,7 @@ from outboxkit import (
     EventBus,
     ExponentialBackoff,
     FrozenClock,
+    HandlerStarted,
     HandlerSucceeded,
     MemoryStore,
     ObserverEvent,
@@ -441,10 +442,10 @@ def test_a_raising_observer_is_logged_and_stops_nobody(
     assert delivered == [event_id]
     assert report.published == [event_id]
     assert store.records(event_id)[0].handler == "h"
-    assert [type(e) for e in good.events] == [Claimed, HandlerSucceeded, Published]
-    assert broken.calls == 3
+    assert [type(e) for e in good.events] == [Claimed, HandlerStarted, HandlerSucceeded, Published]
+    assert broken.calls == 4
     failures = [r for r in caplog.records if r.name == "outboxkit" and "observer" in r.message]
-    assert len(failures) == 3
+    assert len(failures) == 4
     assert all(r.levelno == logging.ERROR for r in failures)
     assert all(r.exc_info and r.exc_info[0] is RuntimeError for r in failures)
     assert "Claimed" in failures[0].message

@@ -198,3 +198,31 @@ def test_the_loader_is_light() -> None:
     modules = set(json.loads(done.stdout))
     assert "outboxkit.cli.apps" in modules
     assert not {"click", "outboxkit.cli.group", "outboxkit.cli.ops"} & modules
+
+
+def test_tracing_and_metrics_cost_no_import_until_asked_for() -> None:
+    """Importing outboxkit, its pollers and its command, and running a poller, imports
+    neither OpenTelemetry nor prometheus_client (installed here, as the dev extra has them);
+    making a ``Tracing`` imports the first."""
+    import json
+    import subprocess
+    import sys
+
+    script = (
+        "import json, sys, outboxkit, outboxkit.poller, outboxkit.aio, outboxkit.cli\n"
+        "from outboxkit import EventBus, MemoryStore, Outbox\n"
+        "bus = EventBus(); bus.subscribe('t', lambda e, c: None, name='h')\n"
+        "store = MemoryStore(); outbox = Outbox(store, bus)\n"
+        "with store.transaction() as tx: outbox.enqueue(tx, 't', {})\n"
+        "assert outbox.poller().run_once().published\n"
+        "before = sorted(sys.modules)\n"
+        "from outboxkit.contrib.otel import Tracing; Tracing()\n"
+        "print(json.dumps([before, sorted(sys.modules)]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=60
+    )
+    before, after = (set(m) for m in json.loads(done.stdout))
+    heavy = {"opentelemetry", "prometheus_client"}
+    assert not {m.partition(".")[0] for m in before} & heavy
+    assert "opentelemetry" in after

@@ -15,6 +15,7 @@ from outboxkit import (
     FrozenClock,
     HandlerFailed,
     HandlerRejected,
+    HandlerStarted,
     HandlerSucceeded,
     LeaseLost,
     MemoryStore,
@@ -115,6 +116,7 @@ def test_levels_logger_and_silence(caplog: pytest.LogCaptureFixture) -> None:
 def test_every_observer_event_type_has_a_level_and_a_line() -> None:
     events = [
         Claimed(1, "t", 1),
+        HandlerStarted(1, "t", "h", 1),
         HandlerSucceeded(1, "t", "h", 1),
         HandlerRejected(1, "t", "h", 1, "no"),
         HandlerFailed(1, "t", "h", 1, "E: x"),

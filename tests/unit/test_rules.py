@@ -30,6 +30,7 @@ from outboxkit import (
     FrozenClock,
     HandlerFailed,
     HandlerRejected,
+    HandlerStarted,
     HandlerSucceeded,
     InvalidEvent,
     LeaseLost,
@@ -402,6 +403,7 @@ def test_r4_attempt_counted_at_claim(store, bus, outbox, clock, recorder):
     assert store.get(event_id).attempts == 2
     assert recorder.events == [
         Claimed(event_id, "t", 2),
+        HandlerStarted(event_id, "t", "h", 2),
         HandlerSucceeded(event_id, "t", "h", 2),
         Published(event_id, "t", 2),
     ]
@@ -528,6 +530,7 @@ def test_r6_handler_writes_and_success_record_commit_together(store, bus, outbox
     assert row(store, event_id).published_at == T0
     assert recorder.events == [
         Claimed(event_id, "order.placed", 1),
+        HandlerStarted(event_id, "order.placed", "receipt", 1),
         HandlerSucceeded(event_id, "order.placed", "receipt", 1),
         Published(event_id, "order.placed", 1),
     ]
@@ -559,6 +562,7 @@ def test_r6_reject_rolls_back_and_records_rejected(store, bus, outbox, clock, re
     assert row(store, event_id).published_at == T0
     assert recorder.events == [
         Claimed(event_id, "t", 1),
+        HandlerStarted(event_id, "t", "reserve", 1),
         HandlerRejected(event_id, "t", "reserve", 1, "out of stock"),
         Published(event_id, "t", 1),
     ]
@@ -592,6 +596,7 @@ def test_r6_exception_rolls_back_without_a_record(store, bus, outbox, recorder):
     assert row(store, event_id).locked_until is None
     assert recorder.events == [
         Claimed(event_id, "t", 1),
+        HandlerStarted(event_id, "t", "reserve", 1),
         HandlerFailed(event_id, "t", "reserve", 1, "ValueError: boom"),
         RetryScheduled(event_id, "t", 1, s(1), "reserve: ValueError: boom"),
     ]
@@ -622,7 +627,10 @@ def test_r6_base_exception_rolls_back_records_nothing_and_reraises(
     assert store.stats(now=T0) == Stats(
         pending=2, claimed=1, by_topic={"t": {"claimed": 1, "pending": 2}}, oldest_due_at=T0
     )
-    assert recorder.events == [Claimed(e, "t", 1) for e in (e1, e2, e3)]
+    assert recorder.events == [
+        *(Claimed(e, "t", 1) for e in (e1, e2, e3)),
+        HandlerStarted(e1, "t", "h", 1),  # it started, then raised: no outcome is emitted
+    ]
 
     report = poller.run_once()
     assert report.claimed == [e2, e3]
@@ -681,6 +689,7 @@ def test_r7_non_transactional_handler_runs_outside_any_transaction(
     assert row(store, event_id).published_at == T0 + s(5)
     assert recorder.events == [
         Claimed(event_id, "t", 1),
+        HandlerStarted(event_id, "t", "mailer", 1),
         HandlerSucceeded(event_id, "t", "mailer", 1),
         Published(event_id, "t", 1),
     ]
@@ -833,6 +842,7 @@ def test_r8_stale_settle_changes_nothing_and_emits_lease_lost(store, bus, outbox
     assert (r.published_at, r.failed_at, r.last_error) == (None, None, None)
     assert recorder.events == [
         Claimed(event_id, "t", 1),
+        HandlerStarted(event_id, "t", "h", 1),
         HandlerSucceeded(event_id, "t", "h", 1),
         LeaseLost(event_id, "t", 1, None),
     ]
@@ -973,8 +983,9 @@ def test_r12_dead_event_never_claimed_until_requeued(store, bus, outbox, clock, 
     report = poller.run_once()
     assert report.published == [event_id]
     assert calls == [(event_id, "flaky", 1)]  # "fine" stays done
-    assert recorder.events[-3:] == [
+    assert recorder.events[-4:] == [
         Claimed(event_id, "t", 1),
+        HandlerStarted(event_id, "t", "flaky", 1),
         HandlerSucceeded(event_id, "t", "flaky", 1),
         Published(event_id, "t", 1),
     ]
@@ -1053,6 +1064,7 @@ def test_r13_never_starts_a_handler_once_the_lease_is_gone(store, bus, outbox, c
     assert recorder.events == [
         Claimed(e1, "t", 1),
         Claimed(e2, "t", 1),
+        HandlerStarted(e1, "t", "h", 1),
         HandlerSucceeded(e1, "t", "h", 1),
         LeaseLost(e2, "t", 1, None),
         Published(e1, "t", 1),  # the round's settle, once it ends
@@ -1214,6 +1226,7 @@ def test_seed_crash_after_claim_leaves_event_claimable_after_the_lease(
     assert store.get(event_id).attempts == 2
     assert recorder.events == [
         Claimed(event_id, "t", 2),
+        HandlerStarted(event_id, "t", "h", 2),
         HandlerSucceeded(event_id, "t", "h", 2),
         Published(event_id, "t", 2),
     ]
