@@ -1,0 +1,181 @@
+"""The real brokers the relay tests publish to, each with names of its own per test.
+
+RabbitMQ (``OUTBOXKIT_TEST_RABBITMQ``, default ``amqp://guest:guest@127.0.0.1:5672/``), NATS
+with JetStream (``OUTBOXKIT_TEST_NATS``, default ``nats://127.0.0.1:4222``) and Redis
+(``OUTBOXKIT_TEST_REDIS``, default ``redis://127.0.0.1:6379/0``). A test whose broker does not
+answer is skipped, naming it; with ``OUTBOXKIT_REQUIRE_BROKERS=1`` (as in CI) it fails.
+
+Every test gets a unique topic prefix (``okt<hex>``): RabbitMQ a topic exchange and a queue
+bound to ``<prefix>.#``, NATS a stream on subjects ``<prefix>.>``, Redis the streams named
+``<prefix>.*``; all deleted afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+
+from outboxkit.relay import BrokerRelay
+
+RABBITMQ_URL = os.environ.get("OUTBOXKIT_TEST_RABBITMQ", "amqp://guest:guest@127.0.0.1:5672/")
+NATS_URL = os.environ.get("OUTBOXKIT_TEST_NATS", "nats://127.0.0.1:4222")
+REDIS_URL = os.environ.get("OUTBOXKIT_TEST_REDIS", "redis://127.0.0.1:6379/0")
+
+BROKERS = ["rabbitmq", "nats", "redis"]
+
+
+def require(name: str, url: str) -> None:
+    """Skip (or under OUTBOXKIT_REQUIRE_BROKERS=1 fail) when nothing listens at ``url``."""
+    parts = urlsplit(url)
+    try:
+        with socket.create_connection((parts.hostname, parts.port), timeout=2):
+            return
+    except OSError as exc:
+        problem = f"no {name} at {parts.hostname}:{parts.port} ({exc})"
+    if os.environ.get("OUTBOXKIT_REQUIRE_BROKERS") == "1":
+        pytest.fail(f"OUTBOXKIT_REQUIRE_BROKERS=1 but {problem}", pytrace=False)
+    pytest.skip(f"{problem}; start it or set OUTBOXKIT_TEST_{name.upper()}")
+
+
+@dataclass
+class Broker:
+    """One broker's names for one test, and what a consumer reads back."""
+
+    name: str
+    url: str
+    prefix: str
+    make: Callable[..., BrokerRelay[Any]]
+    # every consumed message as (event id, topic header, body, headers)
+    read: Callable[[], Any]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def topic(self, rest: str) -> str:
+        return f"{self.prefix}.{rest}"
+
+    def relay(self, **options: Any) -> BrokerRelay[Any]:
+        return self.make(self.url, **options)
+
+    async def ids(self) -> list[int]:
+        return [m[0] for m in await self.read()]
+
+
+def new_prefix() -> str:
+    return f"okt{uuid.uuid4().hex[:12]}"
+
+
+@asynccontextmanager
+async def rabbitmq(url: str = RABBITMQ_URL) -> AsyncIterator[Broker]:
+    import aio_pika
+
+    from outboxkit.relay import rabbitmq as rmq
+
+    require("rabbitmq", url)
+    prefix = new_prefix()
+    connection = await aio_pika.connect(url)
+    channel = await connection.channel()
+    exchange = await channel.declare_exchange(prefix, aio_pika.ExchangeType.TOPIC)
+    queue = await channel.declare_queue(prefix)
+    await queue.bind(exchange, f"{prefix}.#")
+
+    async def read() -> list[tuple[int, str, bytes, dict[str, Any]]]:
+        got = []
+        while (message := await queue.get(no_ack=True, fail=False)) is not None:
+            got.append((rmq.event_id(message), message.type, message.body, dict(message.headers)))
+        return got
+
+    def make(url: str, **options: Any) -> BrokerRelay[Any]:
+        options.setdefault("exchange", prefix)
+        return rmq.RabbitMQRelay(url, **options)
+
+    try:
+        yield Broker("rabbitmq", url, prefix, make, read, {"channel": channel, "queue": queue})
+    finally:
+        await queue.delete(if_unused=False, if_empty=False)
+        await exchange.delete()
+        await connection.close()
+
+
+@asynccontextmanager
+async def nats_jetstream(
+    url: str = NATS_URL, duplicate_window: float = 120.0
+) -> AsyncIterator[Broker]:
+    import nats
+    from nats.js.api import StreamConfig
+
+    from outboxkit.relay import nats as relay_nats
+
+    require("nats", url)
+    prefix = new_prefix()
+    client = await nats.connect(url)
+    js = client.jetstream()
+    stream = prefix.upper()
+    await js.add_stream(
+        StreamConfig(name=stream, subjects=[f"{prefix}.>"], duplicate_window=duplicate_window)
+    )
+
+    async def read() -> list[tuple[int, str, bytes, dict[str, Any]]]:
+        info = await js.stream_info(stream)
+        got = []
+        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+            msg = await js.get_msg(stream, seq)
+            headers = dict(msg.headers or {})
+            got.append((relay_nats.event_id(msg), headers["outbox-topic"], msg.data, headers))
+        return got
+
+    try:
+        yield Broker("nats", url, prefix, relay_nats.NatsRelay, read, {"js": js, "stream": stream})
+    finally:
+        await js.delete_stream(stream)
+        await client.close()
+
+
+@asynccontextmanager
+async def redis_streams(url: str = REDIS_URL) -> AsyncIterator[Broker]:
+    import json
+
+    import redis.asyncio as aioredis
+
+    from outboxkit.relay import redis as relay_redis
+
+    require("redis", url)
+    prefix = new_prefix()
+    client = aioredis.Redis.from_url(url)
+
+    async def streams() -> list[bytes]:
+        return sorted([k async for k in client.scan_iter(match=f"{prefix}.*", _type="stream")])
+
+    async def read() -> list[tuple[int, str, bytes, dict[str, Any]]]:
+        got = []
+        for stream in await streams():
+            for _entry_id, fields in await client.xrange(stream):
+                headers = json.loads(fields[b"headers"])
+                headers.update(
+                    {k.decode(): v.decode() for k, v in fields.items() if k.startswith(b"outbox-")}
+                )
+                got.append(
+                    (
+                        relay_redis.event_id(fields),
+                        headers["outbox-topic"],
+                        fields[b"payload"],
+                        headers,
+                    )
+                )
+        return got
+
+    try:
+        yield Broker("redis", url, prefix, relay_redis.RedisRelay, read, {"client": client})
+    finally:
+        for stream in await streams():
+            await client.delete(stream)
+        await client.aclose()
+
+
+OPENERS = {"rabbitmq": rabbitmq, "nats": nats_jetstream, "redis": redis_streams}
