@@ -59,6 +59,7 @@ class RedisRelay(BrokerRelay["redis.asyncio.Redis"]):
         confirm_timeout: seconds to wait for a batch's replies.
         maxlen: trim each stream to about this many entries (``XADD MAXLEN ~``); None keeps
             everything.
+        client_name: the connection's name in ``CLIENT LIST`` (for operators).
 
     Raises:
         ConfigurationError: a bad option, naming it.
@@ -72,6 +73,7 @@ class RedisRelay(BrokerRelay["redis.asyncio.Redis"]):
         destination: Destination = topic_destination,
         confirm_timeout: float = 30.0,
         maxlen: int | None = None,
+        client_name: str = "outboxkit-relay",
     ) -> None:
         _redis()
         super().__init__(url, destination=destination, confirm_timeout=confirm_timeout)
@@ -80,10 +82,24 @@ class RedisRelay(BrokerRelay["redis.asyncio.Redis"]):
         ):
             raise ConfigurationError(f"maxlen must be a positive integer or None, got {maxlen!r}")
         self.maxlen = maxlen
+        if not isinstance(client_name, str) or not client_name.isprintable() or " " in client_name:
+            raise ConfigurationError(
+                f"client_name must be printable text without spaces, got {client_name!r:.80}"
+            )
+        self.client_name = client_name
 
     async def _connect(self) -> redis.asyncio.Redis:
-        client: redis.asyncio.Redis = _redis().asyncio.Redis.from_url(
-            self.url, socket_timeout=self.confirm_timeout, retry_on_timeout=False
+        module = _redis()
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+
+        # No retry inside the client: a pipeline sent again after a broken connection would
+        # add its entries twice without the relay knowing; the relay retries, per event.
+        client: redis.asyncio.Redis = module.asyncio.Redis.from_url(
+            self.url,
+            socket_timeout=self.confirm_timeout,
+            retry=Retry(NoBackoff(), 0),
+            client_name=self.client_name,
         )
         await client.ping()
         return client

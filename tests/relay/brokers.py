@@ -73,22 +73,29 @@ def new_prefix() -> str:
 
 @asynccontextmanager
 async def rabbitmq(url: str = RABBITMQ_URL) -> AsyncIterator[Broker]:
+    """Each step on a connection of its own: a fault test may close every connection."""
     import aio_pika
 
     from outboxkit.relay import rabbitmq as rmq
 
     require("rabbitmq", url)
     prefix = new_prefix()
-    connection = await aio_pika.connect(url)
-    channel = await connection.channel()
-    exchange = await channel.declare_exchange(prefix, aio_pika.ExchangeType.TOPIC)
-    queue = await channel.declare_queue(prefix)
-    await queue.bind(exchange, f"{prefix}.#")
+    async with await aio_pika.connect(url) as connection:
+        channel = await connection.channel()
+        exchange = await channel.declare_exchange(prefix, aio_pika.ExchangeType.TOPIC)
+        queue = await channel.declare_queue(prefix)
+        await queue.bind(exchange, f"{prefix}.#")
 
     async def read() -> list[tuple[int, str, bytes, dict[str, Any]]]:
         got = []
-        while (message := await queue.get(no_ack=True, fail=False)) is not None:
-            got.append((rmq.event_id(message), message.type, message.body, dict(message.headers)))
+        async with await aio_pika.connect(url) as connection:
+            channel = await connection.channel()
+            await channel.set_qos(prefetch_count=1000)
+            queue = await channel.get_queue(prefix)
+            while (message := await queue.get(no_ack=True, fail=False)) is not None:
+                got.append(
+                    (rmq.event_id(message), message.type, message.body, dict(message.headers))
+                )
         return got
 
     def make(url: str, **options: Any) -> BrokerRelay[Any]:
@@ -96,11 +103,12 @@ async def rabbitmq(url: str = RABBITMQ_URL) -> AsyncIterator[Broker]:
         return rmq.RabbitMQRelay(url, **options)
 
     try:
-        yield Broker("rabbitmq", url, prefix, make, read, {"channel": channel, "queue": queue})
+        yield Broker("rabbitmq", url, prefix, make, read)
     finally:
-        await queue.delete(if_unused=False, if_empty=False)
-        await exchange.delete()
-        await connection.close()
+        async with await aio_pika.connect(url) as connection:
+            channel = await connection.channel()
+            await channel.queue_delete(prefix)
+            await channel.exchange_delete(prefix)
 
 
 @asynccontextmanager
