@@ -55,6 +55,8 @@ class Broker:
     make: Callable[..., BrokerRelay[Any]]
     # every consumed message as (event id, topic header, body, headers)
     read: Callable[[], Any]
+    # how many messages the broker holds for the test, without consuming them
+    count: Callable[[], Any]
     extra: dict[str, Any] = field(default_factory=dict)
 
     def topic(self, rest: str) -> str:
@@ -98,12 +100,18 @@ async def rabbitmq(url: str = RABBITMQ_URL) -> AsyncIterator[Broker]:
                 )
         return got
 
+    async def count() -> int:
+        async with await aio_pika.connect(url) as connection:
+            channel = await connection.channel()
+            declared = await channel.declare_queue(prefix, passive=True)
+            return int(declared.declaration_result.message_count or 0)
+
     def make(url: str, **options: Any) -> BrokerRelay[Any]:
         options.setdefault("exchange", prefix)
         return rmq.RabbitMQRelay(url, **options)
 
     try:
-        yield Broker("rabbitmq", url, prefix, make, read)
+        yield Broker("rabbitmq", url, prefix, make, read, count)
     finally:
         async with await aio_pika.connect(url) as connection:
             channel = await connection.channel()
@@ -138,8 +146,13 @@ async def nats_jetstream(
             got.append((relay_nats.event_id(msg), headers["outbox-topic"], msg.data, headers))
         return got
 
+    async def count() -> int:
+        return int((await js.stream_info(stream)).state.messages)
+
     try:
-        yield Broker("nats", url, prefix, relay_nats.NatsRelay, read, {"js": js, "stream": stream})
+        yield Broker(
+            "nats", url, prefix, relay_nats.NatsRelay, read, count, {"js": js, "stream": stream}
+        )
     finally:
         await js.delete_stream(stream)
         await client.close()
@@ -155,34 +168,43 @@ async def redis_streams(url: str = REDIS_URL) -> AsyncIterator[Broker]:
 
     require("redis", url)
     prefix = new_prefix()
+    # The test's own reads each on a fresh client: a restart test restarts the server under it.
     client = aioredis.Redis.from_url(url)
 
-    async def streams() -> list[bytes]:
-        return sorted([k async for k in client.scan_iter(match=f"{prefix}.*", _type="stream")])
+    def fresh() -> Any:
+        return aioredis.Redis.from_url(url)
+
+    async def streams(c: Any) -> list[bytes]:
+        return sorted([k async for k in c.scan_iter(match=f"{prefix}.*", _type="stream")])
 
     async def read() -> list[tuple[int, str, bytes, dict[str, Any]]]:
+        async with fresh() as c:
+            entries = [e for stream in await streams(c) for e in await c.xrange(stream)]
         got = []
-        for stream in await streams():
-            for _entry_id, fields in await client.xrange(stream):
-                headers = json.loads(fields[b"headers"])
-                headers.update(
-                    {k.decode(): v.decode() for k, v in fields.items() if k.startswith(b"outbox-")}
-                )
-                got.append(
-                    (
-                        relay_redis.event_id(fields),
-                        headers["outbox-topic"],
-                        fields[b"payload"],
-                        headers,
-                    )
-                )
+        for _entry_id, fields in entries:
+            headers = json.loads(fields[b"headers"])
+            headers.update(
+                {k.decode(): v.decode() for k, v in fields.items() if k.startswith(b"outbox-")}
+            )
+            got.append(
+                (relay_redis.event_id(fields), headers["outbox-topic"], fields[b"payload"], headers)
+            )
         return got
 
+    async def count() -> int:
+        async with fresh() as c:
+            return sum([int(await c.xlen(stream)) for stream in await streams(c)])
+
+    def make(url: str, **options: Any) -> BrokerRelay[Any]:
+        options.setdefault("client_name", f"okt-{prefix}")  # CLIENT KILL finds it by name
+        return relay_redis.RedisRelay(url, **options)
+
     try:
-        yield Broker("redis", url, prefix, relay_redis.RedisRelay, read, {"client": client})
+        yield Broker("redis", url, prefix, make, read, count, {"client": client})
     finally:
-        for stream in await streams():
-            await client.delete(stream)
+        async with fresh() as c:
+            for stream in await streams(c):
+                await c.delete(stream)
         await client.aclose()
 
 
