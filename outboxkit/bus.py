@@ -199,17 +199,7 @@ class EventBus:
             raise ConfigurationError(f"handler for {topic!r} is not callable: {handler!r}")
         if not isinstance(transactional, bool):
             raise ConfigurationError(f"transactional must be True or False, got {transactional!r}")
-        resolved = _default_name(handler) if name is None else name
-        if (
-            not isinstance(resolved, str)
-            or not resolved.strip()
-            or len(resolved) > MAX_HANDLER_NAME_LENGTH
-            or not _storable_name(resolved)
-        ):
-            raise ConfigurationError(
-                f"handler name must be a non-empty string of at most {MAX_HANDLER_NAME_LENGTH} "
-                f"characters, without NUL characters or lone surrogates, got {resolved!r}"
-            )
+        resolved = _checked_name(_default_name(handler) if name is None else name, "handler")
         spec = HandlerSpec(topic=topic, name=resolved, fn=handler, transactional=transactional)
         with self._lock:
             existing = self._by_topic.get(topic, ())
@@ -258,16 +248,7 @@ class EventBus:
             raise ConfigurationError(f"relay {name!r:.80} needs at least one topic or pattern")
         if not callable(getattr(relay, "publish", None)):
             raise ConfigurationError(f"relay {relay!r:.80} has no publish(messages) method")
-        if (
-            not isinstance(name, str)
-            or not name.strip()
-            or len(name) > MAX_HANDLER_NAME_LENGTH
-            or not _storable_name(name)
-        ):
-            raise ConfigurationError(
-                f"relay name must be a non-empty string of at most {MAX_HANDLER_NAME_LENGTH} "
-                f"characters, without NUL characters or lone surrogates, got {name!r:.80}"
-            )
+        name = _checked_name(name, "relay")
         spec = HandlerSpec(
             topic=",".join(p.text for p in patterns),
             name=name,
@@ -343,6 +324,25 @@ def _relayed_outside_a_round(event: Event, ctx: DeliveryContext) -> None:
     raise ConfigurationError(
         f"relay {ctx.handler!r} was called as a handler; relays run only inside a poller's round"
     )
+
+
+def _checked_name(name: object, what: str) -> str:
+    """``name`` if it can be a subscription's stable name (in delivery records).
+
+    Raises:
+        ConfigurationError: naming ``what`` (handler, relay) and the bad name.
+    """
+    if (
+        not isinstance(name, str)
+        or not name.strip()
+        or len(name) > MAX_HANDLER_NAME_LENGTH
+        or not _storable_name(name)
+    ):
+        raise ConfigurationError(
+            f"{what} name must be a non-empty string of at most {MAX_HANDLER_NAME_LENGTH} "
+            f"characters, without NUL characters or lone surrogates, got {name!r:.80}"
+        )
+    return name
 
 
 def _storable_name(name: str) -> bool:

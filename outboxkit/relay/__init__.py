@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import json
 import threading
 from collections.abc import Callable, Sequence
@@ -37,7 +38,7 @@ from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 from urllib.parse import urlsplit, urlunsplit
 
 from ..core.model import Event
-from ..errors import ConfigurationError, RelayError
+from ..errors import ConfigurationError, MissingDependency, RelayError
 
 __all__ = [
     "EVENT_ID_HEADER",
@@ -185,6 +186,20 @@ class BrokerRelay(Generic[C]):
     async def _disconnect(self, state: C) -> None:
         raise NotImplementedError
 
+    def _refusal(self, message: RelayMessage, exc: Exception) -> RelayError | None:
+        """The broker's answer ``exc`` for ``message`` as a refusal (nack, no route), or None
+        when it is not one (a connection's failure, then)."""
+        return None
+
+    def _answer(self, message: RelayMessage, answer: object) -> Exception | None:
+        """One message's result: None (confirmed), its refusal, or the failure under it."""
+        if not isinstance(answer, BaseException):
+            return None
+        if not isinstance(answer, Exception):
+            raise answer  # cancelled: not a broker's answer
+        refusal = self._refusal(message, answer)
+        return refusal if refusal is not None else self._failure(answer)
+
     async def _confirms(self, pending: Sequence[asyncio.Future[Any]]) -> list[object]:
         """Wait up to ``confirm_timeout`` for every one of ``pending``: each one's result, or
         its exception, or a ``RelayError`` for one still unconfirmed then (cancelled). A
@@ -310,6 +325,20 @@ class BrokerRelay(Generic[C]):
 def _refused(result: Exception) -> bool:
     """A failure the broker answered (a nack, unroutable): the connection is still good."""
     return isinstance(result, RelayError) and result.refused
+
+
+def client_module(name: str, extra: str) -> Any:
+    """The broker client ``name``, imported on first use.
+
+    Raises:
+        MissingDependency: it is not installed ("install outboxkit[extra]").
+    """
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise MissingDependency(
+            f"this relay needs {name.split('.')[0]}: install outboxkit[{extra}]"
+        ) from exc
 
 
 def parse_event_id(value: object) -> int:

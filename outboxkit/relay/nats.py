@@ -22,8 +22,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..errors import MissingDependency, RelayError, Unroutable
-from . import BrokerRelay, Destination, RelayMessage, parse_event_id, topic_destination
+from ..errors import RelayError, Unroutable
+from . import (
+    BrokerRelay,
+    Destination,
+    RelayMessage,
+    client_module,
+    parse_event_id,
+    topic_destination,
+)
 
 if TYPE_CHECKING:
     import nats.aio.client
@@ -36,11 +43,8 @@ MSG_ID_HEADER = "Nats-Msg-Id"
 
 
 def _nats() -> Any:
-    try:
-        import nats
-        import nats.js.errors
-    except ImportError as exc:  # pragma: no cover - the extra is installed in the tests
-        raise MissingDependency("the NATS relay needs nats-py: install outboxkit[nats]") from exc
+    nats = client_module("nats", "nats")
+    client_module("nats.js.errors", "nats")
     return nats
 
 
@@ -122,26 +126,20 @@ class NatsRelay(BrokerRelay[_Link]):
         answers += [RelayError("NATS publish not sent")] * (len(messages) - len(answers))
         return [self._answer(m, a) for m, a in zip(messages, answers, strict=True)]
 
-    def _answer(self, message: RelayMessage, answer: object) -> Exception | None:
+    def _refusal(self, message: RelayMessage, exc: Exception) -> RelayError | None:
         errors = _nats().js.errors
-        if not isinstance(answer, BaseException):
-            return None
-        if isinstance(answer, errors.NoStreamResponseError):
+        if isinstance(exc, errors.NoStreamResponseError):
             return Unroutable(
                 f"no JetStream stream covers subject {message.destination!r} "
                 f"(event {message.event_id})"
             )
-        if isinstance(answer, errors.APIError):
+        if isinstance(exc, errors.APIError):
             return RelayError(
                 f"JetStream refused event {message.event_id} ({message.destination!r}): "
-                f"{answer.description or answer.err_code}",
+                f"{exc.description or exc.err_code}",
                 refused=True,
             )
-        if isinstance(answer, RelayError):
-            return answer
-        if not isinstance(answer, Exception):
-            raise answer
-        return self._failure(answer)
+        return None
 
     async def _disconnect(self, link: _Link) -> None:
         await link.client.close()

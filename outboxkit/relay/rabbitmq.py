@@ -24,12 +24,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigurationError, MissingDependency, RelayError, Unroutable
+from ..errors import ConfigurationError, RelayError, Unroutable
 from . import (
     EVENT_ID_HEADER,
     BrokerRelay,
     Destination,
     RelayMessage,
+    client_module,
     parse_event_id,
     topic_destination,
 )
@@ -42,13 +43,7 @@ __all__ = ["RabbitMQRelay", "event_id"]
 
 
 def _aio_pika() -> Any:
-    try:
-        import aio_pika
-    except ImportError as exc:  # pragma: no cover - the extra is installed in the tests
-        raise MissingDependency(
-            "the RabbitMQ relay needs aio-pika: install outboxkit[rabbitmq]"
-        ) from exc
-    return aio_pika
+    return client_module("aio_pika", "rabbitmq")
 
 
 @dataclass(slots=True)
@@ -124,24 +119,19 @@ class RabbitMQRelay(BrokerRelay[_Link]):
         answers = await self._confirms(publishes)
         return [self._answer(m, a) for m, a in zip(messages, answers, strict=True)]
 
-    def _answer(self, message: RelayMessage, answer: object) -> Exception | None:
-        aio_pika = _aio_pika()
-        exceptions = aio_pika.exceptions
-        if not isinstance(answer, BaseException):
-            return None
-        if isinstance(answer, exceptions.PublishError):
+    def _refusal(self, message: RelayMessage, exc: Exception) -> RelayError | None:
+        exceptions = _aio_pika().exceptions
+        if isinstance(exc, exceptions.PublishError):
             return Unroutable(
                 f"RabbitMQ returned event {message.event_id}: exchange {self.exchange!r} routes "
                 f"{message.destination!r} to no queue"
             )
-        if isinstance(answer, exceptions.DeliveryError):
+        if isinstance(exc, exceptions.DeliveryError):
             return RelayError(
                 f"RabbitMQ nacked event {message.event_id} ({message.destination!r})",
                 refused=True,
             )
-        if not isinstance(answer, Exception):
-            raise answer  # cancelled: not a broker's answer
-        return self._failure(answer)
+        return None
 
     async def _disconnect(self, link: _Link) -> None:
         await link.connection.close()

@@ -24,12 +24,13 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigurationError, MissingDependency, RelayError
+from ..errors import ConfigurationError, RelayError
 from . import (
     EVENT_ID_HEADER,
     BrokerRelay,
     Destination,
     RelayMessage,
+    client_module,
     parse_event_id,
     topic_destination,
 )
@@ -43,11 +44,8 @@ _OWN = ("outbox-event-id", "outbox-topic", "outbox-key", "outbox-created-at")
 
 
 def _redis() -> Any:
-    try:
-        import redis.asyncio
-    except ImportError as exc:  # pragma: no cover - the extra is installed in the tests
-        raise MissingDependency("the Redis relay needs redis-py: install outboxkit[redis]") from exc
-    return redis
+    client_module("redis.asyncio", "redis")
+    return client_module("redis", "redis")
 
 
 class RedisRelay(BrokerRelay["redis.asyncio.Redis"]):
@@ -118,11 +116,10 @@ class RedisRelay(BrokerRelay["redis.asyncio.Redis"]):
         replies = await pipe.execute(raise_on_error=False)
         return [self._answer(m, r) for m, r in zip(messages, replies, strict=True)]
 
-    def _answer(self, message: RelayMessage, reply: object) -> Exception | None:
-        if not isinstance(reply, BaseException):
-            return None
+    def _refusal(self, message: RelayMessage, exc: Exception) -> RelayError | None:
+        # In a pipeline's replies an error is the server's answer to that one command.
         return RelayError(
-            f"Redis refused event {message.event_id} ({message.destination!r}): {str(reply)[:300]}",
+            f"Redis refused event {message.event_id} ({message.destination!r}): {str(exc)[:300]}",
             refused=True,
         )
 
