@@ -48,10 +48,12 @@ from .errors import (
     MissingDependency,
     OutboxError,
     Reject,
+    RelayError,
     SchemaError,
     StoreError,
     StoreUnavailable,
     UnknownStore,
+    Unroutable,
 )
 from .hookspecs import hookimpl
 from .memory import MemoryStore, MemoryTransaction
@@ -98,6 +100,7 @@ __all__ = [
     "Poller",
     "Published",
     "Reject",
+    "RelayError",
     "RetryScheduled",
     "SchemaError",
     "State",
@@ -110,6 +113,7 @@ __all__ = [
     "Transition",
     "Unrouted",
     "UnknownStore",
+    "Unroutable",
     "Waiter",
     "__version__",
     "hookimpl",
