@@ -144,6 +144,8 @@ class BrokerRelay(Generic[C]):
         url: the broker's URL; its password never appears in a message or a repr.
         destination: ``Callable[[Event], str]``; the topic by default.
         confirm_timeout: seconds to wait for a batch's confirms; the unconfirmed then fail.
+            Keep it well under the poller's lease (30 s by default): events whose lease ran
+            out while the relay waited are not recorded, and are published again.
     """
 
     def __init__(
@@ -151,7 +153,7 @@ class BrokerRelay(Generic[C]):
         url: str,
         *,
         destination: Destination = topic_destination,
-        confirm_timeout: float = 30.0,
+        confirm_timeout: float = 10.0,
     ) -> None:
         if not isinstance(url, str) or not url:
             raise ConfigurationError(f"url must be a broker URL, got {redact(url)!r:.80}")

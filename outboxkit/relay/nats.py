@@ -76,7 +76,7 @@ class NatsRelay(BrokerRelay[_Link]):
         url: str,
         *,
         destination: Destination = topic_destination,
-        confirm_timeout: float = 30.0,
+        confirm_timeout: float = 10.0,
         max_pending: int = 4000,
     ) -> None:
         _nats()

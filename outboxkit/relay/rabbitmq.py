@@ -74,7 +74,7 @@ class RabbitMQRelay(BrokerRelay[_Link]):
         *,
         exchange: str,
         destination: Destination = topic_destination,
-        confirm_timeout: float = 30.0,
+        confirm_timeout: float = 10.0,
     ) -> None:
         _aio_pika()
         super().__init__(url, destination=destination, confirm_timeout=confirm_timeout)

@@ -69,7 +69,7 @@ class RedisRelay(BrokerRelay["redis.asyncio.Redis"]):
         url: str,
         *,
         destination: Destination = topic_destination,
-        confirm_timeout: float = 30.0,
+        confirm_timeout: float = 10.0,
         maxlen: int | None = None,
         client_name: str = "outboxkit-relay",
     ) -> None:
