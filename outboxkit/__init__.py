@@ -49,10 +49,12 @@ from .errors import (
     MissingDependency,
     OutboxError,
     Reject,
+    RelayError,
     SchemaError,
     StoreError,
     StoreUnavailable,
     UnknownStore,
+    Unroutable,
 )
 from .hookspecs import hookimpl
 from .memory import MemoryStore, MemoryTransaction
@@ -100,6 +102,7 @@ __all__ = [
     "Poller",
     "Published",
     "Reject",
+    "RelayError",
     "RetryScheduled",
     "SchemaError",
     "State",
@@ -112,6 +115,7 @@ __all__ = [
     "Transition",
     "Unrouted",
     "UnknownStore",
+    "Unroutable",
     "Waiter",
     "__version__",
     "hookimpl",

@@ -192,12 +192,35 @@ class AsyncPoller(handling.Shell):
         for name in run.handlers:
             if not await self._keep_lease(deliveries, batch, run, extending):
                 break
-            delivery = await self._deliver(deliveries, run.claim, specs[name])
+            spec = specs[name]
+            if spec.relay is None:
+                delivery = await self._deliver(deliveries, run.claim, spec)
+            else:
+                delivery = await self._relay(deliveries, batch, run, spec)
             batch.delivered(run, delivery)
             if delivery.outcome is Outcome.CRASHED:
                 handling.lease_lost(outbox, run.claim, name)
                 break
         batch.finish(run)
+
+    async def _relay(
+        self, deliveries: AsyncDeliveries, batch: ClaimedBatch, run: EventRun, spec: HandlerSpec
+    ) -> Delivery:
+        """``Poller._relay``, awaiting ``Relay.publish``. With ``concurrency``, the batch's
+        events for a relay are still published together, by the worker that reaches the first
+        (an event handed to the relay by another worker waits for that worker's answer)."""
+        assert spec.relay is not None
+        if not batch.was_relayed(spec.name, run.claim):
+            claims = batch.relay_claims(spec.name, run, self.outbox.bus.names_for)
+            try:
+                answers: object = await spec.relay.publish([c.event for c in claims])
+            except Exception as exc:  # a relay's bug: every event fails with it
+                answers = [exc] * len(claims)
+            batch.relayed(spec.name, claims, handling.relay_answers(spec, len(claims), answers))
+        answer = batch.relay_result(spec.name, run.claim)
+        return await self._deliver(
+            deliveries, run.claim, handling.relayed(spec, answer, asyncio=True)
+        )
 
     async def _keep_lease(
         self,

@@ -16,6 +16,8 @@ so callers never need to import a driver to catch them::
     ├── LeaseLostError                         the claim token is stale: another poller owns the event
     ├── Reject                                 raised BY a handler: a business rejection, never retried
     ├── HandlerCrashed                         a handler broke its delivery transaction (committed, closed it)
+    ├── RelayError                             a relay's message was not confirmed (nack, timeout, lost link)
+    │   └── Unroutable                         nothing takes the message (no queue bound, no stream)
     └── DrainError                             the test drain hit max_rounds or unexpected handler errors
 """
 
@@ -33,10 +35,12 @@ __all__ = [
     "MissingDependency",
     "OutboxError",
     "Reject",
+    "RelayError",
     "SchemaError",
     "StoreError",
     "StoreUnavailable",
     "UnknownStore",
+    "Unroutable",
     "chain",
 ]
 
@@ -101,6 +105,28 @@ class Reject(OutboxError):
 
 class HandlerCrashed(OutboxError):
     """A handler broke the delivery transaction it was given (committed or closed it)."""
+
+
+class RelayError(OutboxError):
+    """A relay's message was not confirmed by the broker: it was refused (nack), its confirm did
+    not come in time, or the connection was lost first. The event is retried like a failed
+    handler's.
+
+    Attributes:
+        refused: the broker answered (a nack, no route): the connection is still good.
+    """
+
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
+
+
+class Unroutable(RelayError):
+    """The broker took the message but nothing consumes it: RabbitMQ returned a mandatory
+    message no queue is bound for, or no JetStream stream covers the NATS subject."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, refused=True)
 
 
 class DrainError(OutboxError):

@@ -8,6 +8,7 @@ the store and the handler; everything else they do alike lives here or in ``outb
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import threading
@@ -16,7 +17,7 @@ from contextlib import AbstractContextManager, nullcontext
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .bus import HandlerSpec
+from .bus import DeliveryContext, HandlerSpec
 from .core.batch import ClaimedBatch, EventRun, Settled
 from .core.machine import DeadLetter, Publish, Retry, SettleNow, outcome_of
 from .core.model import (
@@ -39,7 +40,7 @@ from .core.model import (
 from .core.options import PollerOptions
 from .core.payload import build_event
 from .core.text import describe_exception, storable
-from .errors import ConfigurationError, Reject
+from .errors import ConfigurationError, Reject, RelayError
 from .waiter import Wakeable
 
 if TYPE_CHECKING:
@@ -64,6 +65,8 @@ __all__ = [
     "lost",
     "reason_of",
     "rejected",
+    "relay_answers",
+    "relayed",
     "started",
     "succeeded",
     "unrouted",
@@ -353,6 +356,41 @@ def awaitable_returned(spec: HandlerSpec, result: object) -> HandlerError:
             "blocking poller cannot await it; run async handlers with outbox.async_poller()"
         )
     )
+
+
+# -- relays ---------------------------------------------------------------------------------------
+
+
+def relay_answers(spec: HandlerSpec, count: int, answers: object) -> list[Exception | None]:
+    """What ``spec``'s relay answered for ``count`` events, checked: anything but a list of
+    ``count`` entries, each ``None`` or an ``Exception``, fails every event, naming it (a
+    relay's bug is never recorded as a delivery)."""
+    if (
+        isinstance(answers, list)
+        and len(answers) == count
+        and all(a is None or isinstance(a, Exception) for a in answers)
+    ):
+        return answers
+    failure = RelayError(
+        f"relay {spec.name!r} answered {type(answers).__name__} for {count} event(s); "
+        "publish must return one None or Exception per event"
+    )
+    return [failure] * count
+
+
+def relayed(spec: HandlerSpec, answer: Exception | None, *, asyncio: bool) -> HandlerSpec:
+    """A relay's subscription as a handler whose run is the broker's ``answer`` for one event:
+    a confirm returns, anything else is raised; the shell then records it as any
+    non-transactional handler's run."""
+
+    def confirmed(event: Event, ctx: DeliveryContext) -> None:
+        if answer is not None:
+            raise answer
+
+    async def confirmed_async(event: Event, ctx: DeliveryContext) -> None:
+        confirmed(event, ctx)
+
+    return dataclasses.replace(spec, fn=confirmed_async if asyncio else confirmed)
 
 
 # -- what a handler's run was ---------------------------------------------------------------------

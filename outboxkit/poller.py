@@ -149,12 +149,33 @@ class Poller(handling.Shell):
             # R13: keep the batch's leases alive; never start a handler once ours is gone.
             if not self._keep_lease(deliveries, batch, run):
                 break
-            delivery = self._deliver(deliveries, run.claim, specs[name])
+            spec = specs[name]
+            if spec.relay is None:
+                delivery = self._deliver(deliveries, run.claim, spec)
+            else:
+                delivery = self._relay(deliveries, batch, run, spec)
             batch.delivered(run, delivery)
             if delivery.outcome is Outcome.CRASHED:  # the lease was lost under the handler
                 handling.lease_lost(outbox, run.claim, name)
                 break
         batch.finish(run)
+
+    def _relay(
+        self, deliveries: Deliveries, batch: ClaimedBatch, run: EventRun, spec: HandlerSpec
+    ) -> Delivery:
+        """A relay's delivery of ``run``'s event: on the round's first event for the relay, it
+        publishes every one the batch holds for it together; each is then recorded in its turn
+        as a non-transactional handler's run (R7), delivered only if confirmed."""
+        assert spec.relay is not None
+        if not batch.was_relayed(spec.name, run.claim):
+            claims = batch.relay_claims(spec.name, run, self.outbox.bus.names_for)
+            try:
+                answers: object = spec.relay.publish_blocking([c.event for c in claims])
+            except Exception as exc:  # a relay's bug: every event fails with it
+                answers = [exc] * len(claims)
+            batch.relayed(spec.name, claims, handling.relay_answers(spec, len(claims), answers))
+        answer = batch.relay_result(spec.name, run.claim)
+        return self._deliver(deliveries, run.claim, handling.relayed(spec, answer, asyncio=False))
 
     def _keep_lease(self, deliveries: Deliveries, batch: ClaimedBatch, run: EventRun) -> bool:
         outbox = self.outbox

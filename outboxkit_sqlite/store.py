@@ -511,8 +511,7 @@ class SQLiteStore(SQLStore):
         statement = self._queries["insert_event_older"]
         with self._mapped(f"enqueue {len(events)} event(s)"):
             return [
-                conn.execute(statement, _row(event, created)[:-1]).fetchone()[0]
-                for event in events
+                conn.execute(statement, _row(event, created)[:-1]).fetchone()[0] for event in events
             ]
 
     def _check_schema(self) -> None:

@@ -17,6 +17,10 @@ The life of a batch::
     results = store.settle_many(batch.to_write())             # one write for the round
     batch.wrote(items, results); batch.committed()            # announced once committed
     store.release(batch.unstarted())                          # a stopped poller's rest
+
+A relay (``EventBus.relay``) is handed the batch's events it matches together: on the first
+of them, ``relay_claims`` says which; ``relayed`` keeps the broker's answers until each event's
+turn comes (``relay_result``).
 """
 
 from __future__ import annotations
@@ -99,6 +103,7 @@ class ClaimedBatch:
         self._running: dict[str, EventRun] = {}
         self._to_write: list[Settled] = []  # decided, not written yet
         self._written: list[Settled] = []  # written, not committed yet
+        self._relayed: dict[tuple[str, str], Exception | None] = {}  # (relay, token) -> answer
 
     # -- what comes next ------------------------------------------------------------------------
 
@@ -161,6 +166,42 @@ class ClaimedBatch:
         if not run.lost:
             run.lost = True
             self.report.lease_lost.append(run.claim.event.id)
+
+    # -- relays -----------------------------------------------------------------------------------
+
+    def relay_claims(
+        self, relay: str, run: EventRun, subscribed: Callable[[str], Sequence[str]]
+    ) -> list[Claim]:
+        """The claims to hand relay ``relay`` now, in claim order: ``run``'s, and every
+        unstarted one whose plan will run it (not yet recorded for it, not settled at once).
+
+        Args:
+            subscribed: the handler names subscribed to a topic, in order.
+        """
+        claims = [run.claim]
+        for claim in self._unstarted:
+            names = tuple(subscribed(claim.event.topic))
+            if relay not in names or relay in claim.done:
+                continue
+            planned = plan(claim, names, max_retries=self.max_retries, backoff=self.backoff)
+            if isinstance(planned, Run) and relay in planned.handlers:
+                claims.append(claim)
+        return claims
+
+    def relayed(
+        self, relay: str, claims: Sequence[Claim], answers: Sequence[Exception | None]
+    ) -> None:
+        """Keep the broker's answers for ``claims`` (``None``: confirmed)."""
+        for claim, answer in zip(claims, answers, strict=True):
+            self._relayed[relay, claim.token] = answer
+
+    def was_relayed(self, relay: str, claim: Claim) -> bool:
+        """Whether ``claim``'s event was handed to ``relay`` in this round already."""
+        return (relay, claim.token) in self._relayed
+
+    def relay_result(self, relay: str, claim: Claim) -> Exception | None:
+        """The broker's answer for ``claim`` (taken): ``None`` if confirmed, else why not."""
+        return self._relayed.pop((relay, claim.token))
 
     # -- what happened ------------------------------------------------------------------------------
 
