@@ -206,7 +206,9 @@ class AsyncPostgresStore(AsyncSQLStore):
         """``PostgresStore.batch`` for async code: one transaction for a claimed batch on a
         pooled async connection, a savepoint per delivery, one commit at the end."""
         async with self._open_transaction("the batch") as conn:
-            yield AsyncBatch(self, conn)
+            batch = AsyncBatch(self, conn)
+            yield batch
+            await batch.write_kept()
             check_usable(conn, self._store.where, "the batch")
 
     # -- wake-ups and the end ---------------------------------------------------------------------
@@ -238,8 +240,8 @@ class AsyncPostgresStore(AsyncSQLStore):
 
 
 class AsyncDelivery(Transaction[AsyncConnection]):
-    """One async delivery transaction (see ``AsyncPostgresStore.delivery``); a delivery of its
-    own opens when ``open`` is awaited (or a follow-up enqueued), one in a batch at once."""
+    """One async delivery transaction (see ``AsyncPostgresStore.delivery``), or a savepoint of
+    a batch's: it opens when ``open`` is awaited (or a follow-up enqueued)."""
 
     def __init__(self, side: AsyncPostgresStore, flow: Flow[AsyncConnection]) -> None:
         super().__init__(flow)
@@ -316,9 +318,9 @@ async def delivering(
     now: datetime | None,
     batch: AsyncBatch | None = None,
 ) -> AsyncIterator[AsyncDelivery]:
-    """``delivery.delivering`` on an async connection (the same ``Flow``): a delivery of its
-    own opens when ``tx.open()`` is awaited, or at its end when what it queued needs the
-    transaction; one that never opens is its fenced record alone. A batch's opens at once.
+    """``delivery.delivering`` on an async connection (the same ``Flow``): it opens when
+    ``tx.open()`` is awaited, or at its end when what it queued needs the transaction; one that
+    never opens is its fenced record alone or, in a batch, kept for the batch's settlement.
 
     Raises:
         LeaseLostError: the token is stale (nothing is written).
@@ -329,14 +331,15 @@ async def delivering(
     flow = Flow(side._store, conn, claim, now, batch)
     tx = AsyncDelivery(side, flow)
     try:
-        if batch is not None:
-            await tx.open()  # a batch's savepoints open at once (no kept records here)
         yield tx
         if flow.open_error is not None:
             raise flow.open_error  # the handler swallowed it: the delivery fails all the same
         if flow.must_open():
             await tx.open()
-        flow.closed(await _sync(conn, flow.closing()))
+        if batch is not None and not flow.is_open:
+            batch.keep(claim, flow.records[0])  # written, fenced, with the batch's settlement
+        else:
+            flow.closed(await _sync(conn, flow.closing()))
     except BaseException as exc:
         error = flow.error_for(exc)
         await _abort(conn, flow.aborting())

@@ -17,7 +17,7 @@ from typing import Any
 
 from ..core.model import Claim, DeadKey
 from ..store import SettleItem
-from .base import Row, SQLStore
+from .base import KeptRecords, Row, SQLStore
 
 __all__ = ["AsyncSQLBatch", "AsyncSQLStore"]
 
@@ -89,16 +89,28 @@ class AsyncSQLStore(ABC):
         return store._settled(items, rows)
 
 
-class AsyncSQLBatch:
-    """``SQLBatch`` for async code: the batch's lease extensions and its ``settle_many`` on
-    the batch's own async connection. Its ``delivery`` (a savepoint) is the store's own."""
+class AsyncSQLBatch(KeptRecords):
+    """``SQLBatch`` for async code: the batch's lease extensions, its kept records and its
+    ``settle_many`` on the batch's own async connection. Its ``delivery`` (a savepoint) is the
+    store's own."""
 
     def __init__(self, side: AsyncSQLStore, conn: Any) -> None:
+        super().__init__()
         self._side = side
         self._conn = conn
 
     def _check_open(self) -> None:
         """Raise if the batch's transaction is no longer the one the store opened."""
+
+    async def write_kept(self) -> None:
+        """``SQLBatch.write_kept``: the kept records in one statement, each fenced by token."""
+        if not self._kept:
+            return
+        rows = self._take_kept()
+        self._check_open()
+        store = self._side._store
+        with store._mapped(f"record {len(rows)} deliveries", self._conn):
+            await self._side._rows(self._conn, *store._kept_query(rows))
 
     async def extend(
         self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None
@@ -110,9 +122,18 @@ class AsyncSQLBatch:
             return await self._side._extend_on(self._conn, claims, lease, now)
 
     async def settle_many(self, items: Sequence[SettleItem], *, now: datetime | None) -> list[bool]:
-        """``settle_many`` inside the batch's transaction: true once the batch commits."""
+        """``settle_many`` inside the batch's transaction: true once the batch commits (with
+        the kept records, as ``SQLBatch.settle_many``)."""
         if not items:
+            await self.write_kept()
             return []
         self._check_open()
-        with self._side._store._mapped(f"settle {len(items)} event(s)", self._conn):
+        store = self._side._store
+        together = store._settle_kept_query(items, self._kept, now)
+        if together is not None:
+            self._kept = []
+            with store._mapped(f"settle and record {len(items)} event(s)", self._conn):
+                return store._settled(items, await self._side._rows(self._conn, *together))
+        await self.write_kept()
+        with store._mapped(f"settle {len(items)} event(s)", self._conn):
             return await self._side._settle_many_on(self._conn, items, now)

@@ -55,7 +55,7 @@ from .rows import (
     still_owned,
 )
 
-__all__ = ["SQLBatch", "SQLStore"]
+__all__ = ["KeptRecords", "SQLBatch", "SQLStore"]
 
 Row = Sequence[Any]
 
@@ -167,21 +167,27 @@ class SQLStore(ABC):
     ) -> list[bool]:
         return self._settled(items, self._rows(conn, *self._settle_many_query(items, now)))
 
-    def _settle_recording_on(
-        self,
-        conn: Any,
-        items: Sequence[SettleItem],
-        kept: Sequence[tuple[Any, ...]],
-        now: datetime | None,
-    ) -> list[bool]:
-        """``settle_many_recording``: the settlement and the kept records (rows of
-        ``RECORD_COLUMNS``, each one of ``items``' events) in one statement."""
+    def _kept_query(self, kept: Sequence[tuple[Any, ...]]) -> tuple[str, dict[str, Any]]:
+        """``insert_records_fenced`` for kept records (rows of ``RECORD_COLUMNS``)."""
+        return "insert_records_fenced", self._records_params(kept)
+
+    def _settle_kept_query(
+        self, items: Sequence[SettleItem], kept: Sequence[tuple[Any, ...]], now: datetime | None
+    ) -> tuple[str, dict[str, Any]] | None:
+        """``settle_many_recording``: a batch's settlement and its kept records in one
+        statement, when the store has it and every kept record is one of ``items``' events
+        (the usual round); else None (the records go first, on their own)."""
+        if not kept or not self.settles_recording:
+            return None
+        settling = {(claim.event.id, claim.token) for claim, _, _ in items}
+        if not all((row[0], row[1]) in settling for row in kept):
+            return None
         _, params = self._settle_many_query(items, now)
         records = self._records_params(kept)
         del records["tokens"]  # fenced by the settlement's own token check
         params["record_ids"] = records.pop("ids")
         params.update(records)
-        return self._settled(items, self._rows(conn, "settle_many_recording", params))
+        return "settle_many_recording", params
 
     def _claim_query(
         self, batch_size: int, lease: timedelta, now: datetime | None, dead_key: DeadKey
@@ -321,33 +327,42 @@ class SQLStore(ABC):
         return event_from_row(row, self._stored_instant)
 
 
-class SQLBatch:
+class KeptRecords:
+    """The records of a batch's deliveries that never opened their savepoint (their handler
+    did not use the connection): written together, fenced by token, with or just before the
+    batch's settlement. Both sides' batches keep them so."""
+
+    def __init__(self) -> None:
+        self._kept: list[tuple[Any, ...]] = []
+
+    def keep(self, claim: Claim, params: Mapping[str, Any]) -> None:
+        """Keep a delivery's record (``record_params``) for the batch's settlement."""
+        self._kept.append(record_row(claim, params))
+
+    def _take_kept(self) -> list[tuple[Any, ...]]:
+        rows, self._kept = self._kept, []
+        return rows
+
+
+class SQLBatch(KeptRecords):
     """What a SQL store's batch transaction (``Store.batch``) does the same way: lease
     extensions and the round's ``settle_many``, on the batch's connection (another one would
     wait for the batch's own locks). Its ``delivery`` (a savepoint) is the store's own."""
 
     def __init__(self, store: SQLStore, conn: Any) -> None:
+        super().__init__()
         self._store = store
         self._conn = conn
-        # The records of deliveries that never opened their savepoint (their handler did not
-        # use the connection): written together, fenced by token, before the batch settles.
-        self._kept: list[tuple[Any, ...]] = []
-
-    def keep(self, claim: Claim, params: Mapping[str, Any]) -> None:
-        """Keep a delivery's record (``record_params``) for ``write_kept``."""
-        self._kept.append(record_row(claim, params))
 
     def write_kept(self) -> None:
         """Write the kept records in one statement, each fenced by its claim's token (a stale
         one writes nothing: its event's settlement finds the token stale too)."""
         if not self._kept:
             return
-        rows, self._kept = self._kept, []
+        rows = self._take_kept()
         self._check_open()
         with self._store._mapped(f"record {len(rows)} deliveries", self._conn):
-            self._store._rows(
-                self._conn, "insert_records_fenced", self._store._records_params(rows)
-            )
+            self._store._rows(self._conn, *self._store._kept_query(rows))
 
     def _check_open(self) -> None:
         """Raise if the batch's transaction is no longer the one the store opened."""
@@ -372,11 +387,11 @@ class SQLBatch:
             return []
         self._check_open()
         store = self._store
-        kept, settling = self._kept, {(c.event.id, c.token) for c, _, _ in items}
-        if kept and store.settles_recording and all((r[0], r[1]) in settling for r in kept):
+        together = store._settle_kept_query(items, self._kept, now)
+        if together is not None:
             self._kept = []
             with store._mapped(f"settle and record {len(items)} event(s)", self._conn):
-                return store._settle_recording_on(self._conn, items, kept, now)
+                return store._settled(items, store._rows(self._conn, *together))
         self.write_kept()
         with store._mapped(f"settle {len(items)} event(s)", self._conn):
             return store._settle_many_on(self._conn, items, now)

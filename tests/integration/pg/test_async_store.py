@@ -510,8 +510,13 @@ async def test_a_stale_token_is_lease_lost_and_nothing_is_written(
     assert pg_store.records(claim.event.id) == []
     async with side.batch(now=None) as batch:
         with pytest.raises(LeaseLostError, match="stale"):
-            async with batch.delivery(claim, now=None):
+            async with batch.delivery(claim, now=None) as tx:
+                await tx.open()
                 pytest.fail("the delivery ran")
+        async with batch.delivery(claim, now=None) as tx:  # never opened: kept by the batch
+            await tx.record("h", Outcome.SUCCEEDED)
+        assert await batch.settle_many([(claim, Publish(), None)], now=None) == [False]
+    assert pg_store.records(claim.event.id) == []
 
 
 @pytest.mark.asyncio

@@ -1,7 +1,8 @@
 """A PostgreSQL batch's settlement: the records its deliveries kept (handlers that never took
 the connection) are written with the settlement in one statement when every kept record is one
 of the events being settled, by ``insert_records_fenced`` before the settlement otherwise; a
-stale token settles nothing and records nothing either way."""
+stale token settles nothing and records nothing either way. The asyncio side's batch keeps them
+the same way."""
 
 from __future__ import annotations
 
@@ -114,3 +115,31 @@ def test_a_stale_token_settles_and_records_nothing(
     assert statements == ["settle_many_recording"]
     assert recorded(store, claims) == [claims[0].event.id, claims[2].event.id]
     assert published(store, claims) == [True, False, True]
+
+
+@pytest.mark.asyncio
+async def test_the_asyncio_batch_keeps_records_the_same_way(
+    store: PostgresStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    claims = claimed(store, 3)
+    side = store.async_store()
+    names: list[str] = []
+    run = side._rows
+
+    async def spy(conn: Any, name: str, params: Any) -> Any:
+        names.append(name)
+        return await run(conn, name, params)
+
+    monkeypatch.setattr(side, "_rows", spy)
+    try:
+        async with side.batch(now=None) as batch:
+            for claim in claims:
+                async with batch.delivery(claim, now=None) as tx:
+                    await tx.record("h", Outcome.SUCCEEDED)
+            settled = await batch.settle_many([(c, Publish(), None) for c in claims], now=None)
+    finally:
+        await side.close()
+    assert settled == [True, True, True]
+    assert names == ["settle_many_recording"]
+    assert recorded(store, claims) == [c.event.id for c in claims]
+    assert published(store, claims) == [True, True, True]
