@@ -5,6 +5,11 @@ of its own, built from the same conninfo and connection options (the app's pool'
 - A connection the server dropped while it sat in the pool (a restart, ``pg_terminate_backend``)
   is found without a round trip and swapped for a new one: an idle socket stays silent unless
   the server speaks first, which in practice means it is hanging up.
+- Before the store's own pool is made, one direct connection is tried: a server that refuses
+  (nothing listening, bad credentials, no such database) fails the first use at once with
+  ``CannotConnect`` naming the cause, instead of a pool retrying in the background, logging
+  each failure, until ``pool_timeout`` (what a one-shot ``outboxkit`` command relies on).
+  The pool is made only once that attempt succeeds.
 - When the pool has no connection to give, one direct attempt tells why (refused, bad
   credentials, no such database), so the message names the cause, not a timeout.
 - Messages name host, port and database; the password is taken out of every one (``where``,
@@ -32,7 +37,7 @@ from psycopg.pq import ConnStatus, TransactionStatus
 from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
 from outboxkit.core.text import scrub, secrets_of
-from outboxkit.errors import ConfigurationError, StoreError, StoreUnavailable
+from outboxkit.errors import CannotConnect, ConfigurationError, StoreError, StoreUnavailable
 
 from .loops import close_from_blocking, finish
 
@@ -188,7 +193,7 @@ class Pool:
             return dict(self.kwargs)
         return {k: v for k, v in self.kwargs.items() if k != "cursor_factory"}
 
-    def _get(self) -> ConnectionPool[Any] | Lender:
+    def _get(self, doing: str) -> ConnectionPool[Any] | Lender:
         pool = self._pool
         if pool is not None and not self._closed:
             return pool
@@ -196,9 +201,23 @@ class Pool:
             self.check_open()
             if self._pool is None:
                 assert self.conninfo is not None
+                self.probe(doing)
                 self._pool = ConnectionPool(self.conninfo, **self.options())
                 self._pool.open(wait=False)
             return self._pool
+
+    def probe(self, doing: str) -> None:
+        """One direct connection, closed at once: the server is there and takes the credentials.
+
+        Raises:
+            CannotConnect: it refused (the message names host, port and database, and why).
+        """
+        assert self.conninfo is not None
+        try:
+            with psycopg.connect(self.conninfo, **self.probe_kwargs()):
+                pass
+        except psycopg.Error as exc:
+            raise self.cannot_connect(exc, doing) from None
 
     def check_open(self) -> None:
         """Raises:
@@ -215,7 +234,7 @@ class Pool:
         Raises:
             StoreUnavailable: no connection could be had (the message says why).
         """
-        pool = self._get()
+        pool = self._get(doing)
         conn = self._getconn(pool, doing)
         try:
             yield conn
@@ -278,10 +297,11 @@ class Pool:
             kwargs["connect_timeout"] = _PROBE_TIMEOUT
         return kwargs
 
-    def cannot_connect(self, exc: psycopg.Error, doing: str) -> StoreUnavailable:
-        """The direct attempt failed: ``exc`` says why (refused, bad credentials...)."""
-        reason = self.scrub(str(exc).strip())
-        return StoreUnavailable(f"cannot connect to PostgreSQL at {self.where} ({doing}): {reason}")
+    def cannot_connect(self, exc: psycopg.Error, doing: str) -> CannotConnect:
+        """The direct attempt failed: ``exc`` says why (refused, bad credentials...), on one
+        line (libpq's messages span several: one per address it tried)."""
+        reason = " ".join(self.scrub(str(exc)).split())
+        return CannotConnect(f"cannot connect to PostgreSQL at {self.where} ({doing}): {reason}")
 
     def exhausted(self, doing: str) -> StoreUnavailable:
         """The direct attempt connected: the pool is full."""
