@@ -7,7 +7,9 @@ import json
 import os
 import pty
 import re
+import sqlite3
 import subprocess
+from contextlib import closing
 from datetime import timedelta
 from pathlib import Path
 
@@ -349,3 +351,21 @@ def test_on_a_terminal_purge_asks_first(
     assert stdout.strip().endswith(
         "purged 2 published event(s) older than 7d" if purged else "nothing purged"
     )
+
+
+def test_migrate_says_it_upgraded_an_older_sqlite_schema(cli: Cli, tmp_path: Path) -> None:
+    from outboxkit_sqlite import schema
+    from outboxkit_sqlite.tables import TableNames
+
+    path = tmp_path / "old.db"
+    with closing(sqlite3.connect(path, isolation_level=None)) as conn:
+        conn.execute("BEGIN IMMEDIATE")
+        schema.migrate(conn, TableNames(), applied_at=0, where=str(path), target=2)
+        conn.execute("COMMIT")
+    status = cli("status", "--json", "--store", f"sqlite:///{path}")
+    ok(status)  # read as it is: status does not upgrade it
+    with closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("SELECT max(version) FROM outbox_schema").fetchone() == (2,)
+    result = cli("migrate", "--store", f"sqlite:///{path}")
+    ok(result)
+    assert result.stdout.startswith(f"upgraded 2 -> {schema.SCHEMA_VERSION}: "), result
