@@ -5,11 +5,11 @@ of its own, built from the same conninfo and connection options (the app's pool'
 - A connection the server dropped while it sat in the pool (a restart, ``pg_terminate_backend``)
   is found without a round trip and swapped for a new one: an idle socket stays silent unless
   the server speaks first, which in practice means it is hanging up.
-- Before the store's own pool is made, one direct connection is tried: a server that refuses
-  (nothing listening, bad credentials, no such database) fails the first use at once with
-  ``CannotConnect`` naming the cause, instead of a pool retrying in the background, logging
-  each failure, until ``pool_timeout`` (what a one-shot ``outboxkit`` command relies on).
-  The pool is made only once that attempt succeeds.
+- Before the store's own pool is made (the asyncio side's too), one direct connection is
+  tried: a server that refuses (nothing listening, bad credentials, no such database) fails
+  the first use at once with ``CannotConnect`` naming the cause, instead of a pool retrying in
+  the background, logging each failure, until ``pool_timeout`` (what a one-shot ``outboxkit``
+  command relies on). The pool is made only once that attempt succeeds.
 - When the pool has no connection to give, one direct attempt tells why (refused, bad
   credentials, no such database), so the message names the cause, not a timeout.
 - Messages name host, port and database; the password is taken out of every one (``where``,
@@ -284,10 +284,9 @@ class Pool:
                 f"no PostgreSQL connection from the pool within {self.timeout:g} s ({doing})"
             )
         try:
-            with psycopg.connect(self.conninfo, **self.probe_kwargs()):
-                pass
-        except psycopg.Error as exc:
-            return self.cannot_connect(exc, doing)
+            self.probe(doing)
+        except CannotConnect as exc:
+            return exc
         return self.exhausted(doing)
 
     def probe_kwargs(self, *, asyncio: bool = False) -> dict[str, Any]:
@@ -356,6 +355,7 @@ class AsyncPool:
                 self._pool = None
             if self._pool is None:
                 assert self.sync.conninfo is not None
+                await self.probe(doing)
                 pool = AsyncConnectionPool(
                     self.sync.conninfo, configure=self._made_one, **self.sync.options(asyncio=True)
                 )
@@ -423,17 +423,29 @@ class AsyncPool:
             await pool.putconn(conn)
         raise sync.all_closed(doing)
 
-    async def unreachable(self, doing: str) -> StoreUnavailable:
-        """``Pool.unreachable``, the direct attempt made on an async connection."""
+    async def probe(self, doing: str) -> None:
+        """``Pool.probe`` on an async connection (before the pool is made, and to say why it
+        has none to give).
+
+        Raises:
+            CannotConnect: the server refused.
+        """
         sync = self.sync
         try:
             conn = await psycopg.AsyncConnection.connect(
                 sync.conninfo or "", **sync.probe_kwargs(asyncio=True)
             )
         except psycopg.Error as exc:
-            return sync.cannot_connect(exc, doing)
+            raise sync.cannot_connect(exc, doing) from None
         await conn.close()
-        return sync.exhausted(doing)
+
+    async def unreachable(self, doing: str) -> StoreUnavailable:
+        """``Pool.unreachable``, the direct attempt made on an async connection."""
+        try:
+            await self.probe(doing)
+        except CannotConnect as exc:
+            return exc
+        return self.sync.exhausted(doing)
 
     async def close(self) -> None:
         """Close the pool (on its own loop); the next use opens another one, unless the store
