@@ -8,7 +8,9 @@ up with (``outboxkit[web]`` pulls in nothing), where an ASGI stack would add thr
 What keeps it from hurting:
 
 - It binds ``127.0.0.1`` unless told otherwise, and answers only requests whose ``Host`` is the
-  address it serves (a page on another site cannot reach it through DNS rebinding).
+  address it serves (a page on another site cannot reach it through DNS rebinding). Bound to
+  every address (``0.0.0.0``) it cannot know its names, and takes any ``Host``; the token and
+  the same-origin check still hold.
 - Reading is ``GET``; changing data (requeue, purge) is ``POST`` only, and needs the token given
   at start (a field of the form, compared in constant time), and a request from the dashboard's
   own pages: its ``Origin`` header (or, when a browser sends none, its ``Referer``) must be the
@@ -78,6 +80,7 @@ class DashboardServer:
         self.port: int = self._httpd.server_address[1]
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._serving = False
 
     @property
     def origin(self) -> str:
@@ -87,8 +90,11 @@ class DashboardServer:
     def _host_port(self, host: str) -> str:
         return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
-    def allowed_hosts(self) -> set[str]:
-        """The ``Host`` header values this server answers."""
+    def allowed_hosts(self) -> set[str] | None:
+        """The ``Host`` header values this server answers; None (any) when it is bound to
+        every address (``0.0.0.0``, ``::``), where it cannot know the names it is reached by."""
+        if self.host in ("0.0.0.0", "::", ""):
+            return None
         names = {self.host}
         if self.host in ("127.0.0.1", "::1", "localhost"):
             names |= {"127.0.0.1", "localhost", "::1"}
@@ -99,6 +105,7 @@ class DashboardServer:
         self._sample_quietly()
         serving = threading.Thread(target=self._httpd.serve_forever, name="outboxkit-web")
         self._threads.append(serving)
+        self._serving = True
         if self.sample_every is not None:
             self._threads.append(
                 threading.Thread(target=self._sample_loop, name="outboxkit-web-sampler")
@@ -118,7 +125,9 @@ class DashboardServer:
     def stop(self) -> None:
         """Stop serving and sampling; idempotent."""
         self._stop.set()
-        self._httpd.shutdown()
+        if self._serving:  # shutdown() waits for a serve_forever that must have started
+            self._httpd.shutdown()
+            self._serving = False
         self._httpd.server_close()
         for thread in self._threads:
             thread.join(timeout=10)
@@ -229,14 +238,17 @@ class _Handler(BaseHTTPRequestHandler):
             )
 
     def _same_origin(self) -> bool:
+        """The post comes from a page this server served: its ``Origin`` (or ``Referer``) is
+        ``http://`` + the ``Host`` it was sent to (a host already checked)."""
+        host = self.headers.get("Host")
         origin = self.headers.get("Origin")
         if origin is not None:
-            return origin in {f"http://{h}" for h in self.owner.allowed_hosts()}
+            return host is not None and origin == f"http://{host}"
         referer = self.headers.get("Referer")
-        if referer is None:
+        if referer is None or host is None:
             return False
         parts = urlsplit(referer)
-        return parts.scheme == "http" and parts.netloc in self.owner.allowed_hosts()
+        return parts.scheme == "http" and parts.netloc == host
 
     def _form(self) -> dict[str, list[str]] | None:
         try:
@@ -256,7 +268,8 @@ class _Handler(BaseHTTPRequestHandler):
     # -- answers ------------------------------------------------------------------------------
 
     def _host_allowed(self) -> bool:
-        if self.headers.get("Host") in self.owner.allowed_hosts():
+        allowed = self.owner.allowed_hosts()
+        if allowed is None or self.headers.get("Host") in allowed:
             return True
         self._message(HTTPStatus.MISDIRECTED_REQUEST, "Refused", "unknown Host header")
         return False
