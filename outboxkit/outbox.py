@@ -514,8 +514,8 @@ class Outbox:
         """Create or upgrade the store's schema. Idempotent.
 
         Returns:
-            What was done (``str()`` of it: ``created schema v4``, ``upgraded 2 -> 4``,
-            ``already at v4``), or None when the store has no versioned schema.
+            What was done (``str()`` of it: ``created schema v5``, ``upgraded 4 -> 5``,
+            ``already at v5``), or None when the store has no versioned schema.
 
         Raises:
             SchemaError: the schema is newer than this version of outboxkit.

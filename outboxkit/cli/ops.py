@@ -132,7 +132,7 @@ def _confirmed(question: str, count: int, *, yes: bool) -> bool:
 @with_store_options
 def migrate(app: str | None, store_url: str | None, store_options: Sequence[Any]) -> None:
     """Create or upgrade the store's schema (idempotent), and say what was done: "created
-    schema v4", "upgraded 2 -> 4" or "already at v4"."""
+    schema v5", "upgraded 4 -> 5" or "already at v5"."""
     with open_outbox(
         app=app, store_url=store_url, store_options=store_options, migrating=True
     ) as outbox:

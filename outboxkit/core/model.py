@@ -218,8 +218,8 @@ class Stats:
 class Migration:
     """What ``migrate()`` did: the schema version found (0: there was none) and the one left.
 
-    ``str()`` says it for an operator: ``created schema v4``, ``upgraded 2 -> 4``,
-    ``already at v4``.
+    ``str()`` says it for an operator: ``created schema v5``, ``upgraded 4 -> 5``,
+    ``already at v5``.
     """
 
     before: int
