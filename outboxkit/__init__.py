@@ -31,6 +31,7 @@ from .core.model import (
     HandlerStarted,
     HandlerSucceeded,
     LeaseLost,
+    Migration,
     ObserverEvent,
     Outcome,
     Published,
@@ -40,6 +41,7 @@ from .core.model import (
     Unrouted,
 )
 from .errors import (
+    CannotConnect,
     ConfigurationError,
     DrainError,
     HandlerCrashed,
@@ -66,6 +68,7 @@ from .store import Store
 __version__ = "0.1.0"
 
 __all__ = [
+    "CannotConnect",
     "Claim",
     "Claimed",
     "Clock",
@@ -93,6 +96,7 @@ __all__ = [
     "MemoryStore",
     "MemoryTransaction",
     "Message",
+    "Migration",
     "MissingDependency",
     "ObserverEvent",
     "Outbox",

@@ -12,6 +12,7 @@ so callers never need to import a driver to catch them::
     ├── IllegalTransition                      the lifecycle has no such (state, transition) pair
     ├── StoreError                             the store failed (the database, not a handler)
     │   ├── StoreUnavailable                   cannot reach the database; pollers retry with backoff
+    │   │   └── CannotConnect                  the server refused the connection or its credentials
     │   └── SchemaError                        schema missing, older than this code, or newer than it
     ├── LeaseLostError                         the claim token is stale: another poller owns the event
     ├── Reject                                 raised BY a handler: a business rejection, never retried
@@ -26,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 __all__ = [
+    "CannotConnect",
     "ConfigurationError",
     "DrainError",
     "HandlerCrashed",
@@ -42,6 +44,7 @@ __all__ = [
     "UnknownStore",
     "Unroutable",
     "chain",
+    "migrate_hint",
 ]
 
 
@@ -81,6 +84,12 @@ class StoreError(OutboxError):
 
 class StoreUnavailable(StoreError):
     """The database cannot be reached right now; retrying later may work."""
+
+
+class CannotConnect(StoreUnavailable):
+    """A connection attempt failed outright: nothing listens at the address, the credentials or
+    the database name were refused. Pollers still wait it out (a server may be starting); a
+    one-shot ``outboxkit`` command treats it as wrong input (exit code 2)."""
 
 
 class SchemaError(StoreError):
@@ -131,6 +140,11 @@ class Unroutable(RelayError):
 
 class DrainError(OutboxError):
     """The test drain could not finish: see the message for the rounds or the errors."""
+
+
+def migrate_hint() -> str:
+    """How a message about a missing or older schema says what to do, for operators and code."""
+    return "run `outboxkit migrate` (or call migrate() on the store or outbox)"
 
 
 def chain(exc: BaseException) -> Iterator[BaseException]:

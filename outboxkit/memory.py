@@ -362,6 +362,7 @@ class MemoryStore:
     # -- Store protocol -------------------------------------------------------------------------
 
     def migrate(self) -> None:
+        """Nothing to create: the memory store has no versioned schema (returns None)."""
         self._check_open()
 
     def close(self) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -16,7 +16,16 @@ from .clock import Clock, MonotonicClock, SystemClock, as_timedelta, require_awa
 from .contrib import adapter_for
 from .core.backoff import BackoffPolicy
 from .core.duration import MAX_DURATION, before
-from .core.model import DEAD_KEY_CHOICES, DeadKey, DeadLetter, NewEvent, ObserverEvent, Stats
+from .core.model import (
+    DEAD_KEY_CHOICES,
+    DeadKey,
+    DeadLetter,
+    Event,
+    Migration,
+    NewEvent,
+    ObserverEvent,
+    Stats,
+)
 from .core.options import PollerOptions, TransactionMode
 from .core.payload import DEFAULT_MAX_PAYLOAD_BYTES, build_event
 from .errors import ConfigurationError, InvalidEvent, StoreError
@@ -501,13 +510,17 @@ class Outbox:
 
     # -- operations -----------------------------------------------------------------------------
 
-    def migrate(self) -> None:
+    def migrate(self) -> Migration | None:
         """Create or upgrade the store's schema. Idempotent.
+
+        Returns:
+            What was done (``str()`` of it: ``created schema v5``, ``upgraded 4 -> 5``,
+            ``already at v5``), or None when the store has no versioned schema.
 
         Raises:
             SchemaError: the schema is newer than this version of outboxkit.
         """
-        self.store.migrate()
+        return self.store.migrate()
 
     def stats(self) -> Stats:
         """Counts by state and topic, and the oldest due instant."""
@@ -557,16 +570,25 @@ class Outbox:
             records=tuple(self.store.records(wanted)),
         )
 
-    def requeue_dead(self, *, topic: str | None = None, page_size: int = PURGE_PAGE_SIZE) -> int:
+    def requeue_dead(
+        self, *, topic: str | None = None, page_size: int = PURGE_PAGE_SIZE, dry_run: bool = False
+    ) -> int:
         """Requeue every dead letter (of ``topic``), in pages of ``page_size`` (see :meth:`requeue`).
 
+        Args:
+            topic: only this topic's dead letters.
+            page_size: dead letters per page (1 to 1,000,000).
+            dry_run: change nothing; count the dead letters it would requeue.
+
         Returns:
-            How many dead events were requeued.
+            How many dead events were requeued (or would be, with ``dry_run``).
 
         Raises:
             ConfigurationError: an invalid page size.
         """
         _check_page_size(page_size)
+        if dry_run:
+            return self._count(lambda e: e.failed_at is not None, topic=topic)
         requeued = 0
         while page := self.store.dead_letters(topic=topic, limit=page_size):
             n = self.store.requeue([d.event.id for d in page], now=self.store_now())
@@ -591,11 +613,20 @@ class Outbox:
         dead_ids: Iterable[int] | None = None,
         dead_older_than: float | timedelta | None = None,
         page_size: int = PURGE_PAGE_SIZE,
+        dry_run: bool = False,
     ) -> int:
         """Delete old published events and/or chosen dead letters, in pages of ``page_size``.
 
+        Args:
+            published_older_than: published events older than this (seconds or a timedelta).
+            dead_ids: these dead letters (ids that are not dead are left alone).
+            dead_older_than: dead letters that failed longer ago than this.
+            page_size: events deleted per transaction (1 to 1,000,000).
+            dry_run: delete nothing; count what would be deleted, by the same cutoffs (it
+                reads the events page by page, as ``Store.events`` lists them).
+
         Returns:
-            How many events were deleted (with their delivery records).
+            How many events were deleted (with their delivery records), or would be.
 
         Raises:
             ConfigurationError: no criterion given, or an invalid duration or page size.
@@ -615,6 +646,8 @@ class Outbox:
         )
         ids = None if dead_ids is None else _ids(dead_ids)
         now = self.now()  # the store's clock: a host clock set ahead must not delete fresh rows
+        if dry_run:
+            return self._count_purge(now, published_age, ids, dead_age)
         deleted = 0
         if published_age is not None:
             cutoff = before(now, published_age)
@@ -625,6 +658,38 @@ class Outbox:
             while (n := self.store.purge_dead(ids=ids, before=dead_cutoff, limit=page_size)) > 0:
                 deleted += n
         return deleted
+
+    def _count_purge(
+        self,
+        now: datetime,
+        published_age: timedelta | None,
+        ids: Sequence[int] | None,
+        dead_age: timedelta | None,
+    ) -> int:
+        """What :meth:`purge` with these criteria would delete, by the store's own predicates."""
+        published_cutoff = None if published_age is None else before(now, published_age)
+        dead_cutoff = None if dead_age is None else before(now, dead_age)
+        wanted = None if ids is None else frozenset(ids)
+        dead_chosen = wanted is not None or dead_cutoff is not None
+
+        def purged(event: Event) -> bool:
+            if published_cutoff is not None and event.published_at is not None:
+                return event.published_at < published_cutoff
+            if not dead_chosen or event.failed_at is None:
+                return False
+            return (wanted is None or event.id in wanted) and (
+                dead_cutoff is None or event.failed_at < dead_cutoff
+            )
+
+        return self._count(purged)
+
+    def _count(self, matches: Callable[[Event], bool], *, topic: str | None = None) -> int:
+        """How many events (of ``topic``) match, read in pages: a dry run's count."""
+        count, after_id = 0, 0
+        while page := self.store.events(after_id=after_id, topic=topic, limit=PURGE_PAGE_SIZE):
+            count += sum(1 for event in page if matches(event))
+            after_id = page[-1].id
+        return count
 
     def prune(self, *, page_size: int = PURGE_PAGE_SIZE) -> int:
         """Delete published events older than ``retain_published``, with their delivery

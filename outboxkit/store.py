@@ -34,7 +34,17 @@ from datetime import datetime, timedelta
 from typing import Any, Protocol, runtime_checkable
 
 from .core.machine import Settlement
-from .core.model import Claim, DeadKey, DeadLetter, DeliveryRecord, Event, NewEvent, Outcome, Stats
+from .core.model import (
+    Claim,
+    DeadKey,
+    DeadLetter,
+    DeliveryRecord,
+    Event,
+    Migration,
+    NewEvent,
+    Outcome,
+    Stats,
+)
 from .waiter import AsyncClosingWaiter, ClosingWaiter
 
 __all__ = [
@@ -210,8 +220,12 @@ class Store(Deliveries, Protocol):
         """The options that go with ``url``."""
         ...
 
-    def migrate(self) -> None:
+    def migrate(self) -> Migration | None:
         """Create or upgrade the schema. Idempotent.
+
+        Returns:
+            What was done (the version found, the version left), or None for a store without
+            a versioned schema (the memory store; ``outboxkit migrate`` then says "up to date").
 
         Raises:
             SchemaError: the schema is newer than this code.

@@ -13,7 +13,7 @@ from typing import Any
 
 import psycopg
 
-from outboxkit.errors import SchemaError, StoreError, StoreUnavailable, chain
+from outboxkit.errors import SchemaError, StoreError, StoreUnavailable, chain, migrate_hint
 
 __all__ = ["ENDED_BY_HANDLER", "SQLSTATES", "error_class", "map_error", "session_ended_by_handler"]
 
@@ -90,7 +90,7 @@ def map_error(
     if kind is SchemaError:
         return SchemaError(
             f"PostgreSQL at {where}, schema {schema!r}: the outboxkit tables are missing or out "
-            f"of date ({doing}): {message}; run migrate()"
+            f"of date ({doing}): {message}; {migrate_hint()}"
         )
     return StoreError(f"PostgreSQL at {where}: {doing} failed: {type(exc).__name__}: {message}")
 

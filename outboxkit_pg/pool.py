@@ -5,6 +5,11 @@ of its own, built from the same conninfo and connection options (the app's pool'
 - A connection the server dropped while it sat in the pool (a restart, ``pg_terminate_backend``)
   is found without a round trip and swapped for a new one: an idle socket stays silent unless
   the server speaks first, which in practice means it is hanging up.
+- Before the store's own pool is made (the asyncio side's too), one direct connection is
+  tried: a server that refuses (nothing listening, bad credentials, no such database) fails
+  the first use at once with ``CannotConnect`` naming the cause, instead of a pool retrying in
+  the background, logging each failure, until ``pool_timeout`` (what a one-shot ``outboxkit``
+  command relies on). The pool is made only once that attempt succeeds.
 - When the pool has no connection to give, one direct attempt tells why (refused, bad
   credentials, no such database), so the message names the cause, not a timeout.
 - Messages name host, port and database; the password is taken out of every one (``where``,
@@ -32,7 +37,7 @@ from psycopg.pq import ConnStatus, TransactionStatus
 from psycopg_pool import AsyncConnectionPool, ConnectionPool, PoolTimeout
 
 from outboxkit.core.text import scrub, secrets_of
-from outboxkit.errors import ConfigurationError, StoreError, StoreUnavailable
+from outboxkit.errors import CannotConnect, ConfigurationError, StoreError, StoreUnavailable
 
 from .loops import close_from_blocking, finish
 
@@ -188,7 +193,7 @@ class Pool:
             return dict(self.kwargs)
         return {k: v for k, v in self.kwargs.items() if k != "cursor_factory"}
 
-    def _get(self) -> ConnectionPool[Any] | Lender:
+    def _get(self, doing: str) -> ConnectionPool[Any] | Lender:
         pool = self._pool
         if pool is not None and not self._closed:
             return pool
@@ -196,9 +201,23 @@ class Pool:
             self.check_open()
             if self._pool is None:
                 assert self.conninfo is not None
+                self.probe(doing)
                 self._pool = ConnectionPool(self.conninfo, **self.options())
                 self._pool.open(wait=False)
             return self._pool
+
+    def probe(self, doing: str) -> None:
+        """One direct connection, closed at once: the server is there and takes the credentials.
+
+        Raises:
+            CannotConnect: it refused (the message names host, port and database, and why).
+        """
+        assert self.conninfo is not None
+        try:
+            with psycopg.connect(self.conninfo, **self.probe_kwargs()):
+                pass
+        except psycopg.Error as exc:
+            raise self.cannot_connect(exc, doing) from None
 
     def check_open(self) -> None:
         """Raises:
@@ -215,7 +234,7 @@ class Pool:
         Raises:
             StoreUnavailable: no connection could be had (the message says why).
         """
-        pool = self._get()
+        pool = self._get(doing)
         conn = self._getconn(pool, doing)
         try:
             yield conn
@@ -265,10 +284,9 @@ class Pool:
                 f"no PostgreSQL connection from the pool within {self.timeout:g} s ({doing})"
             )
         try:
-            with psycopg.connect(self.conninfo, **self.probe_kwargs()):
-                pass
-        except psycopg.Error as exc:
-            return self.cannot_connect(exc, doing)
+            self.probe(doing)
+        except CannotConnect as exc:
+            return exc
         return self.exhausted(doing)
 
     def probe_kwargs(self, *, asyncio: bool = False) -> dict[str, Any]:
@@ -278,10 +296,11 @@ class Pool:
             kwargs["connect_timeout"] = _PROBE_TIMEOUT
         return kwargs
 
-    def cannot_connect(self, exc: psycopg.Error, doing: str) -> StoreUnavailable:
-        """The direct attempt failed: ``exc`` says why (refused, bad credentials...)."""
-        reason = self.scrub(str(exc).strip())
-        return StoreUnavailable(f"cannot connect to PostgreSQL at {self.where} ({doing}): {reason}")
+    def cannot_connect(self, exc: psycopg.Error, doing: str) -> CannotConnect:
+        """The direct attempt failed: ``exc`` says why (refused, bad credentials...), on one
+        line (libpq's messages span several: one per address it tried)."""
+        reason = " ".join(self.scrub(str(exc)).split())
+        return CannotConnect(f"cannot connect to PostgreSQL at {self.where} ({doing}): {reason}")
 
     def exhausted(self, doing: str) -> StoreUnavailable:
         """The direct attempt connected: the pool is full."""
@@ -336,6 +355,7 @@ class AsyncPool:
                 self._pool = None
             if self._pool is None:
                 assert self.sync.conninfo is not None
+                await self.probe(doing)
                 pool = AsyncConnectionPool(
                     self.sync.conninfo, configure=self._made_one, **self.sync.options(asyncio=True)
                 )
@@ -403,17 +423,29 @@ class AsyncPool:
             await pool.putconn(conn)
         raise sync.all_closed(doing)
 
-    async def unreachable(self, doing: str) -> StoreUnavailable:
-        """``Pool.unreachable``, the direct attempt made on an async connection."""
+    async def probe(self, doing: str) -> None:
+        """``Pool.probe`` on an async connection (before the pool is made, and to say why it
+        has none to give).
+
+        Raises:
+            CannotConnect: the server refused.
+        """
         sync = self.sync
         try:
             conn = await psycopg.AsyncConnection.connect(
                 sync.conninfo or "", **sync.probe_kwargs(asyncio=True)
             )
         except psycopg.Error as exc:
-            return sync.cannot_connect(exc, doing)
+            raise sync.cannot_connect(exc, doing) from None
         await conn.close()
-        return sync.exhausted(doing)
+
+    async def unreachable(self, doing: str) -> StoreUnavailable:
+        """``Pool.unreachable``, the direct attempt made on an async connection."""
+        try:
+            await self.probe(doing)
+        except CannotConnect as exc:
+            return exc
+        return self.sync.exhausted(doing)
 
     async def close(self) -> None:
         """Close the pool (on its own loop); the next use opens another one, unless the store

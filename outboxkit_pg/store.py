@@ -49,8 +49,8 @@ from outboxkit._sql.names import (
     validate_identifier,
 )
 from outboxkit._sql.rows import encode_headers, inserted_ids, resolve_ids
-from outboxkit.core.model import Claim, NewEvent
-from outboxkit.errors import ConfigurationError, SchemaError, StoreError
+from outboxkit.core.model import Claim, Migration, NewEvent
+from outboxkit.errors import ConfigurationError, SchemaError, StoreError, migrate_hint
 from outboxkit.store import Capabilities
 
 from .delivery import Batch, Delivery, delivering
@@ -344,7 +344,7 @@ class PostgresStore(SQLStore):
             return SchemaError(
                 f"PostgreSQL at {self.where} has no outboxkit schema in schema "
                 f"{self.names.schema!r} (table {self.names.versions!r} is missing): "
-                "run migrate() first"
+                f"{migrate_hint()}"
             )
         return self._error(exc, "read the schema version")
 
@@ -368,17 +368,20 @@ class PostgresStore(SQLStore):
             raise SchemaError(
                 f"PostgreSQL at {self.where}, schema {self.names.schema!r}: the outboxkit schema "
                 f"is at version {found}, older than version {SCHEMA_VERSION} this outboxkit "
-                "needs: run migrate()"
+                f"needs: {migrate_hint()}"
             )
 
     # -- schema ---------------------------------------------------------------------------------
 
-    def migrate(self) -> None:
+    def migrate(self) -> Migration:
         """Create or upgrade the schema (and the PostgreSQL schema itself when missing).
 
         Idempotent, and safe to run from several processes at once: the steps run in one
         transaction under an advisory lock. When the schema is current it only reads, so a role
         without DDL rights may call it.
+
+        Returns:
+            The version found (0: none) and the version left.
 
         Raises:
             SchemaError: the schema is newer than this code (naming both versions).
@@ -412,6 +415,7 @@ class PostgresStore(SQLStore):
                         conn, "record_version", {"version": version, "description": description}
                     )
         self._schema_checked = True
+        return Migration(before=found, after=max(found, SCHEMA_VERSION))
 
     def drop_schema(self) -> None:
         """Drop the store's PostgreSQL schema with everything in it (for test schemas).

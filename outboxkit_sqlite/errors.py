@@ -15,6 +15,7 @@ from outboxkit.errors import (
     StoreError,
     StoreUnavailable,
     chain,
+    migrate_hint,
 )
 
 __all__ = [
@@ -69,7 +70,7 @@ def map_error(exc: sqlite3.Error, where: str, doing: str) -> StoreError:
     if isinstance(exc, sqlite3.ProgrammingError) and "closed" in str(exc):
         return StoreError(f"SQLite store {where}: the connection is closed: {exc}")
     if isinstance(exc, sqlite3.OperationalError) and "no such table" in str(exc):
-        return SchemaError(f"{message} (is the schema migrated? call migrate())")
+        return SchemaError(f"{message} (no outboxkit schema: {migrate_hint()})")
     name = error_name(exc)
     for prefix in sorted(CODES, key=len, reverse=True):
         if name.startswith(prefix):

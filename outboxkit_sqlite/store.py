@@ -39,8 +39,14 @@ from typing import TYPE_CHECKING, Any, Self
 from outboxkit._sql.base import SQLStore
 from outboxkit._sql.names import check_count, check_options, check_seconds
 from outboxkit._sql.rows import encode_headers, inserted_ids, resolve_ids
-from outboxkit.core.model import Claim, DeadKey, NewEvent
-from outboxkit.errors import ConfigurationError, LeaseLostError, SchemaError, StoreError
+from outboxkit.core.model import Claim, DeadKey, Migration, NewEvent
+from outboxkit.errors import (
+    ConfigurationError,
+    LeaseLostError,
+    SchemaError,
+    StoreError,
+    migrate_hint,
+)
 from outboxkit.store import Capabilities
 from outboxkit.waiter import ClosingWaiter
 
@@ -81,6 +87,7 @@ _OPTIONS = frozenset(
         "busy_timeout",
         "wal_warn_bytes",
         "migrate",
+        "create",
     }
 )
 
@@ -131,6 +138,10 @@ class SQLiteStore(SQLStore):
         migrate: create or upgrade the schema on open (default). With False the schema is only
             checked, and :meth:`migrate` is yours to call: a newer schema is refused here, an
             older one at the first claim (a poller's first poll).
+        create: create the file when it is missing (default). With False a missing file is
+            refused (``ConfigurationError`` naming the path and ``outboxkit migrate``): what
+            ``outboxkit``'s commands other than ``migrate`` use, so that a mistyped path is an
+            error, not a new empty database.
 
     Raises:
         ConfigurationError: a bad option or table name; the directory is missing; the file or
@@ -153,6 +164,7 @@ class SQLiteStore(SQLStore):
         busy_timeout: float = DEFAULT_BUSY_TIMEOUT,
         wal_warn_bytes: int = DEFAULT_WAL_WARN_BYTES,
         migrate: bool = True,
+        create: bool = True,
     ) -> None:
         self.tables = TableNames.from_options(
             table_prefix, events_table, deliveries_table, schema_table
@@ -169,6 +181,11 @@ class SQLiteStore(SQLStore):
             self.path = Path(os.path.abspath(os.fspath(path)))
             self.url = f"sqlite:///{self.path.as_posix()}"
             _check_path(self.path)
+            if not create and not self.path.exists():
+                raise ConfigurationError(
+                    f"there is no SQLite database {self.path} (to create one, run "
+                    "`outboxkit migrate` on it)"
+                )
         self.capabilities = Capabilities(
             batches=True,
             transactional_handlers=True,
@@ -347,8 +364,11 @@ class SQLiteStore(SQLStore):
 
     # -- Store protocol -----------------------------------------------------------------------------
 
-    def migrate(self) -> None:
+    def migrate(self) -> Migration:
         """Create or upgrade the schema. Idempotent; safe while other processes use the file.
+
+        Returns:
+            The version found (0: none) and the version left.
 
         Raises:
             SchemaError: the schema is newer than this code (both versions named), or its tables
@@ -356,8 +376,11 @@ class SQLiteStore(SQLStore):
             StoreError: SQLite failed.
         """
         with self._write("migrate the schema") as conn:
-            schema.migrate(conn, self.tables, applied_at=self._instant(None), where=self._where)
+            found = schema.migrate(
+                conn, self.tables, applied_at=self._instant(None), where=self._where
+            )
         self._older = None
+        return Migration(before=found, after=schema.SCHEMA_VERSION)
 
     def close(self) -> None:
         """Close every connection, the asyncio side's too. The store is unusable afterwards;
@@ -519,7 +542,8 @@ class SQLiteStore(SQLStore):
         if self._older is not None:
             raise SchemaError(
                 f"SQLite database {self._where} has outboxkit schema version {self._older}, "
-                f"older than version {schema.SCHEMA_VERSION} this outboxkit needs: run migrate()"
+                f"older than version {schema.SCHEMA_VERSION} this outboxkit needs: "
+                f"{migrate_hint()}"
             )
 
     @contextmanager

@@ -5,6 +5,7 @@ The group (``group``) is built from the commands of its modules, each with one r
 - ``runner``: ``run``, pollers in this process or N supervised poller processes;
 - ``ops``: ``migrate``, ``status``, ``dead list|show|requeue|purge``, ``purge`` (the same
   ``Outbox`` methods an app calls in Python);
+- ``web``: ``web``, the dashboard (``outboxkit.contrib.web``);
 - ``demo``: ``demo``, the example shop;
 - ``conformance``: ``conformance``, the store conformance suite;
 - ``stores``: the outbox a command works on (``--app``, ``--store``, ``OUTBOXKIT_STORE``);
@@ -15,7 +16,8 @@ The group (``group``) is built from the commands of its modules, each with one r
 
 Errors are one line on stderr, never a traceback: wrong input (an APP that does not import, an
 attribute that is not an ``Outbox``, an unknown store scheme, a bad duration, an id that is not a
-dead letter) exits with 2; a store failure (the database is down, the schema is missing) with 1.
+dead letter, a database that refuses the connection or its credentials) exits with 2; another
+store failure (the schema is missing) with 1.
 
 Importing the package loads none of them: ``main``, ``cli`` and the names below are looked up
 when first used, so that ``outboxkit.cli.apps`` (the loader the pytest plugin and the

@@ -1,8 +1,9 @@
 """How a failing command ends: one line on stderr, never a traceback.
 
 Wrong input (an APP that does not import, an attribute that is not an ``Outbox``, an unknown
-store scheme, a bad duration, an id that is not a dead letter) exits with :data:`WRONG_INPUT`;
-a store failure (the database is down, the schema is missing) with :data:`FAILURE`.
+store scheme, a bad duration, an id that is not a dead letter, a database that refuses the
+connection or its credentials: ``CannotConnect``) exits with :data:`WRONG_INPUT`; another store
+failure (the schema is missing, the database failed during the command) with :data:`FAILURE`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import click
 
-from ..errors import ConfigurationError, OutboxError
+from ..errors import CannotConnect, ConfigurationError, OutboxError
 from .output import fail
 
 __all__ = ["FAILURE", "WRONG_INPUT", "InputError", "OneLineErrors"]
@@ -50,7 +51,7 @@ class OneLineErrors(click.Group):
             fail("aborted", FAILURE)
         except click.ClickException as exc:
             fail(exc.format_message(), exc.exit_code)
-        except ConfigurationError as exc:
+        except (ConfigurationError, CannotConnect) as exc:
             fail(str(exc), WRONG_INPUT)
         except OutboxError as exc:
             fail(str(exc), FAILURE)

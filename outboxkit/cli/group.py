@@ -10,6 +10,7 @@ from .demo.command import demo_command
 from .errors import OneLineErrors
 from .ops import dead, migrate, purge, status
 from .runner import run_command
+from .web import web_command
 
 __all__ = ["cli"]
 
@@ -24,5 +25,14 @@ def cli() -> None:
     """
 
 
-for _command in (run_command, migrate, status, dead, purge, demo_command, conformance_command):
+for _command in (
+    run_command,
+    migrate,
+    status,
+    dead,
+    purge,
+    web_command,
+    demo_command,
+    conformance_command,
+):
     cli.add_command(_command)

@@ -1,15 +1,21 @@
 """The ops commands: ``migrate``, ``status``, ``dead list|show|requeue|purge``, ``purge``.
 
 Each opens the outbox it works on (``stores.open_outbox``) and calls the same ``Outbox`` method
-an app calls in Python; what it prints goes through ``output.echo``.
+an app calls in Python; what it prints goes through ``output.echo``. None but ``migrate``
+creates or migrates a database.
+
+The destructive ones (``purge``, ``dead purge``, ``dead requeue --all``) take ``--dry-run``
+(count what would be touched, change nothing) and ``--yes``: without it they ask on a terminal,
+showing the count, and refuse elsewhere (a script must say ``--yes``), before opening the store.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import click
 
@@ -91,13 +97,47 @@ def _status_json(outbox: Outbox, stats: Stats, now: datetime) -> dict[str, Any]:
 # -- migrate, status ----------------------------------------------------------------------------
 
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def destructive(fn: F) -> F:
+    """``--dry-run`` and ``--yes``, for the commands that delete or requeue in bulk."""
+    fn = click.option(
+        "--yes", "-y", "yes", is_flag=True, help="Do it without asking (needed off a terminal)."
+    )(fn)
+    fn = click.option(
+        "--dry-run", "dry_run", is_flag=True, help="Count what would be touched; change nothing."
+    )(fn)
+    return fn
+
+
+def _refuse_without_terminal(command: str, *, yes: bool, dry_run: bool) -> None:
+    """Off a terminal, a destructive command runs only with ``--yes`` (or as a dry run)."""
+    if yes or dry_run or sys.stdin.isatty():
+        return
+    raise InputError(
+        f"`outboxkit {command}` changes data and there is no terminal to confirm on: "
+        "pass --yes to do it (or --dry-run to count what it would touch)"
+    )
+
+
+def _confirmed(question: str, count: int, *, yes: bool) -> bool:
+    """Whether to go on: ``--yes``, nothing to do, or the operator said yes on the terminal."""
+    if yes or count == 0:
+        return True
+    return click.confirm(f"{question}?", default=False)
+
+
 @click.command(short_help="Create or upgrade the store's schema.")
 @with_store_options
 def migrate(app: str | None, store_url: str | None, store_options: Sequence[Any]) -> None:
-    """Create or upgrade the store's schema (idempotent)."""
-    with open_outbox(app=app, store_url=store_url, store_options=store_options) as outbox:
-        outbox.migrate()
-        echo(f"schema up to date: {outbox.store!r}")
+    """Create or upgrade the store's schema (idempotent), and say what was done: "created
+    schema v5", "upgraded 4 -> 5" or "already at v5"."""
+    with open_outbox(
+        app=app, store_url=store_url, store_options=store_options, migrating=True
+    ) as outbox:
+        done = outbox.migrate()
+        echo(f"{done if done is not None else 'schema up to date'}: {outbox.store!r}")
 
 
 @click.command(short_help="Counts by state and topic, oldest due age, dead letters, leases.")
@@ -108,7 +148,9 @@ def status(
 ) -> None:
     """Events by state and topic; the age of the oldest due event (events parked for a retry
     backoff do not count: they are not due); dead letters; leases in flight."""
-    with open_outbox(app=app, store_url=store_url, store_options=store_options) as outbox:
+    with open_outbox(
+        app=app, store_url=store_url, store_options=store_options, existing=True
+    ) as outbox:
         stats = outbox.stats()
         data = _status_json(outbox, stats, outbox.now())
     if as_json:
@@ -167,7 +209,9 @@ def dead_list(
     as_json: bool,
 ) -> None:
     """Dead letters, oldest failure first."""
-    with open_outbox(app=app, store_url=store_url, store_options=store_options) as outbox:
+    with open_outbox(
+        app=app, store_url=store_url, store_options=store_options, existing=True
+    ) as outbox:
         letters = outbox.dead_letters(topic=topic, since=since, limit=limit)
     if as_json:
         print_json([_dead_json(d) for d in letters])
@@ -201,7 +245,9 @@ def dead_show(
     as_json: bool,
 ) -> None:
     """One dead letter: payload, attempts, last error, which handlers succeeded or rejected it."""
-    with open_outbox(app=app, store_url=store_url, store_options=store_options) as outbox:
+    with open_outbox(
+        app=app, store_url=store_url, store_options=store_options, existing=True
+    ) as outbox:
         letter = _dead_or_fail(outbox, event_id)
         subscribed = [s.name for s in outbox.bus.handlers_for(letter.event.topic)]
     recorded = {r.handler for r in letter.records}
@@ -263,28 +309,42 @@ def _check_dead(outbox: Outbox, ids: Sequence[int]) -> None:
 @click.argument("ids", metavar="[ID]...", nargs=-1, type=int)
 @click.option("--all", "every", is_flag=True, help="Every dead letter (of --topic).")
 @click.option("--topic", default=None, help="With --all: only this topic.")
+@destructive
 @with_store_options
 def dead_requeue(
     ids: Sequence[int],
     every: bool,
     topic: str | None,
+    dry_run: bool,
+    yes: bool,
     app: str | None,
     store_url: str | None,
     store_options: Sequence[Any],
 ) -> None:
     """Make dead letters due again with their attempts reset; handlers that already succeeded
-    or rejected them are not run again. Give IDs, or --all (with --topic)."""
+    or rejected them are not run again. Give IDs, or --all (with --topic): --all asks first
+    on a terminal, and needs --yes elsewhere."""
     if bool(ids) == every:
         raise click.UsageError("give dead-letter IDs or --all, not both")
     if topic is not None and not every:
         raise click.UsageError("--topic goes with --all")
-    with open_outbox(app=app, store_url=store_url, store_options=store_options) as outbox:
-        if every:
-            count = outbox.requeue_dead(topic=topic)
-        else:
+    if every:
+        _refuse_without_terminal("dead requeue --all", yes=yes, dry_run=dry_run)
+    with open_outbox(
+        app=app, store_url=store_url, store_options=store_options, existing=True
+    ) as outbox:
+        if not every:
             _check_dead(outbox, ids)
-            count = outbox.requeue(ids)
-    echo(f"requeued {count} dead letter(s)")
+            count = len(dict.fromkeys(ids)) if dry_run else outbox.requeue(ids)
+        else:
+            count = outbox.requeue_dead(topic=topic, dry_run=True)
+            of = "" if topic is None else f" of topic {topic!r}"
+            if not dry_run:
+                if not _confirmed(f"requeue {count} dead letter(s){of}", count, yes=yes):
+                    echo("nothing requeued")
+                    return
+                count = outbox.requeue_dead(topic=topic)
+    echo(f"{'would requeue' if dry_run else 'requeued'} {count} dead letter(s)")
 
 
 @dead.command("purge")
@@ -292,23 +352,36 @@ def dead_requeue(
 @click.option(
     "--older-than", type=DURATION, default=None, help="Dead letters failed this long ago."
 )
+@destructive
 @with_store_options
 def dead_purge(
     ids: Sequence[int],
     older_than: timedelta | None,
+    dry_run: bool,
+    yes: bool,
     app: str | None,
     store_url: str | None,
     store_options: Sequence[Any],
 ) -> None:
-    """Delete dead letters (and their delivery records): IDs, or --older-than 30d."""
+    """Delete dead letters (and their delivery records): IDs, or --older-than 30d. Asks first
+    on a terminal; needs --yes elsewhere."""
     if bool(ids) == (older_than is not None):
         raise click.UsageError("give dead-letter IDs or --older-than, not both")
-    with open_outbox(app=app, store_url=store_url, store_options=store_options) as outbox:
+    _refuse_without_terminal("dead purge", yes=yes, dry_run=dry_run)
+    with open_outbox(
+        app=app, store_url=store_url, store_options=store_options, existing=True
+    ) as outbox:
         if ids:
             _check_dead(outbox, ids)
-            count = outbox.purge(dead_ids=ids)
-        else:
-            count = outbox.purge(dead_older_than=older_than)
+        criteria: dict[str, Any] = {"dead_ids": ids} if ids else {"dead_older_than": older_than}
+        count = outbox.purge(**criteria, dry_run=True)
+        if dry_run:
+            echo(f"would purge {count} dead letter(s)")
+            return
+        if not _confirmed(f"delete {count} dead letter(s) for good", count, yes=yes):
+            echo("nothing purged")
+            return
+        count = outbox.purge(**criteria)
     echo(f"purged {count} dead letter(s)")
 
 
@@ -323,16 +396,32 @@ def dead_purge(
     required=True,
     help="Published this long ago or more, e.g. 7d.",
 )
+@destructive
 @with_store_options
 def purge(
     older_than: timedelta,
+    dry_run: bool,
+    yes: bool,
     app: str | None,
     store_url: str | None,
     store_options: Sequence[Any],
 ) -> None:
     """Delete published events (and their delivery records) older than --published-older-than,
     in pages of 1,000 rows. Pending events and dead letters are never touched. Pollers do the
-    same once a minute for the outbox's retain_published (7 days by default)."""
-    with open_outbox(app=app, store_url=store_url, store_options=store_options) as outbox:
+    same once a minute for the outbox's retain_published (7 days by default). Asks first on a
+    terminal; needs --yes elsewhere."""
+    _refuse_without_terminal("purge", yes=yes, dry_run=dry_run)
+    age = format_duration(older_than)
+    with open_outbox(
+        app=app, store_url=store_url, store_options=store_options, existing=True
+    ) as outbox:
+        count = outbox.purge(published_older_than=older_than, dry_run=True)
+        if dry_run:
+            echo(f"would purge {count} published event(s) older than {age}")
+            return
+        question = f"delete {count} published event(s) older than {age}"
+        if not _confirmed(question, count, yes=yes):
+            echo("nothing purged")
+            return
         count = outbox.purge(published_older_than=older_than)
-    echo(f"purged {count} published event(s) older than {format_duration(older_than)}")
+    echo(f"purged {count} published event(s) older than {age}")

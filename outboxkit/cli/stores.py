@@ -4,6 +4,12 @@
 A store URL and its options may come from the environment instead of the command line, where
 any user could read them (a URL may hold a password): ``OUTBOXKIT_STORE`` and
 ``OUTBOXKIT_STORE_OPTIONS``, a JSON object.
+
+The ops commands open a store without creating or migrating anything (``existing=True``): a
+SQLite store opens with ``create=False, migrate=False``, so a mistyped path is an error, not a
+new empty database, and only ``outboxkit migrate`` changes a schema (a PostgreSQL store never
+creates or migrates on open). ``migrate`` opens it with ``migrate=False`` itself, so that its
+own ``migrate()`` reports what it did.
 """
 
 from __future__ import annotations
@@ -56,9 +62,19 @@ def load_app(spec: str) -> Outbox:
     return outbox
 
 
+# Per URL scheme: the options that keep a store from creating or migrating on open.
+_NO_CREATE: dict[str, dict[str, Any]] = {"sqlite": {"create": False, "migrate": False}}
+_NO_MIGRATE: dict[str, dict[str, Any]] = {"sqlite": {"migrate": False}}
+
+
 @contextmanager
 def open_outbox(
-    *, app: str | None, store_url: str | None, store_options: Sequence[tuple[str, Any]]
+    *,
+    app: str | None,
+    store_url: str | None,
+    store_options: Sequence[tuple[str, Any]],
+    existing: bool = False,
+    migrating: bool = False,
 ) -> Iterator[Outbox]:
     """The outbox an ops command works on: the APP's, rebound to ``store_url`` if one is
     given (``--store`` or ``OUTBOXKIT_STORE``), or a plain one on ``store_url``. A store opened
@@ -69,6 +85,8 @@ def open_outbox(
         store_url: the store's URL, or None for the app's own store.
         store_options: ``(key, value)`` pairs for the store; none given reads
             ``OUTBOXKIT_STORE_OPTIONS``.
+        existing: the database must exist, and is neither created nor migrated on open.
+        migrating: the store is not migrated on open (the command migrates it).
 
     Yields:
         The outbox.
@@ -84,6 +102,9 @@ def open_outbox(
             f"no store: pass --store URL, set {STORE_ENV}, or pass --app module:attribute"
         )
     outbox = load_app(app) if app is not None else None
+    if store_url and (existing or migrating):
+        scheme = store_url.split("://", 1)[0].split("+", 1)[0].lower()
+        options = {**options, **(_NO_CREATE if existing else _NO_MIGRATE).get(scheme, {})}
     store = _open_store(store_url, options) if store_url else None
     try:
         if store is None:

@@ -26,6 +26,7 @@ __all__ = [
     "HandlerStarted",
     "HandlerSucceeded",
     "LeaseLost",
+    "Migration",
     "NewEvent",
     "ObserverEvent",
     "Outcome",
@@ -211,6 +212,30 @@ class Stats:
     @property
     def total(self) -> int:
         return self.pending + self.claimed + self.published + self.dead
+
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    """What ``migrate()`` did: the schema version found (0: there was none) and the one left.
+
+    ``str()`` says it for an operator: ``created schema v5``, ``upgraded 4 -> 5``,
+    ``already at v5``.
+    """
+
+    before: int
+    after: int
+
+    @property
+    def changed(self) -> bool:
+        """Whether anything was created or upgraded."""
+        return self.before != self.after
+
+    def __str__(self) -> str:
+        if self.before == 0:
+            return f"created schema v{self.after}"
+        if self.changed:
+            return f"upgraded {self.before} -> {self.after}"
+        return f"already at v{self.after}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -80,6 +80,7 @@ class Cli:
             [*outboxkit_command(), *args],
             cwd=self.cwd,
             env=self.env(env),
+            stdin=subprocess.DEVNULL,  # never the terminal pytest may run on
             capture_output=True,
             text=True,
             timeout=TIMEOUT,

@@ -114,7 +114,7 @@ def test_the_shop_app_delivers_the_requeued_dead_letters(tmp_path: Path) -> None
     demo = cli("demo", "--orders", "150")
     ok(demo)
     url = "sqlite:///outboxkit-demo.db"
-    requeued = cli("dead", "requeue", "--all", "--store", url)
+    requeued = cli("dead", "requeue", "--all", "--yes", "--store", url)
     ok(requeued)
     assert int(requeued.stdout.split()[1]) > 0  # the demo dead-letters a few receipts
     (hint,) = [x.strip() for x in demo.stdout.splitlines() if " outboxkit run " in x]

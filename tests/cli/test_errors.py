@@ -97,7 +97,7 @@ def seeded(store: Store, app: App) -> Seeded:
     [
         ["dead", "show"],
         ["dead", "requeue"],
-        ["dead", "purge"],
+        ["dead", "purge", "--yes"],
     ],
 )
 def test_an_id_that_is_not_a_dead_letter(

@@ -4,8 +4,14 @@ CliRunner and a real subprocess (every test runs four ways)."""
 from __future__ import annotations
 
 import json
+import os
+import pty
 import re
+import sqlite3
+import subprocess
+from contextlib import closing
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 
@@ -26,19 +32,41 @@ def ok(result: object) -> None:
     assert "Traceback" not in str(result), result
 
 
-def test_migrate_creates_the_schema(cli: Cli, target: Target) -> None:
+def _schema_version(target: Target) -> int:
     if target.backend == "pg":
-        before = cli("status", *target.cli_args())
-        assert before.code == 1, before  # a store failure, not wrong input
-        assert "migrate" in before.stderr
-        assert len(before.stderr.strip().splitlines()) == 1, before
+        from outboxkit_pg.store import SCHEMA_VERSION
+    else:
+        from outboxkit_sqlite.schema import SCHEMA_VERSION
+    return SCHEMA_VERSION
+
+
+def test_migrate_creates_the_schema_and_says_so(cli: Cli, target: Target) -> None:
+    before = cli("status", *target.cli_args())
+    # No schema yet: on PostgreSQL a store failure (exit 1), on SQLite no file at all, which
+    # status does not create (wrong input, exit 2); both name the command that makes one.
+    assert before.code == (1 if target.backend == "pg" else 2), before
+    assert "`outboxkit migrate`" in before.stderr, before
+    assert len(before.stderr.strip().splitlines()) == 1, before
+    version = _schema_version(target)
     result = cli("migrate", *target.cli_args())
     ok(result)
-    assert "schema up to date" in result.stdout
-    ok(cli("migrate", *target.cli_args()))  # idempotent
+    assert result.stdout.startswith(f"created schema v{version}: "), result
+    again = cli("migrate", *target.cli_args())  # idempotent
+    ok(again)
+    assert again.stdout.startswith(f"already at v{version}: "), again
     after = cli("status", "--json", *target.cli_args())
     ok(after)
     assert json.loads(after.stdout)["total"] == 0
+
+
+def test_read_only_commands_create_no_database(cli: Cli, tmp_path: Path) -> None:
+    missing = tmp_path / "missing.db"
+    for command in (["status"], ["dead", "list"], ["dead", "show", "1"]):
+        result = cli(*command, "--store", f"sqlite:///{missing}")
+        assert result.code == 2, result
+        assert f"there is no SQLite database {missing}" in result.stderr, result
+        assert "`outboxkit migrate`" in result.stderr, result
+        assert not missing.exists(), result
 
 
 def test_status_counts_by_state_and_topic(cli: Cli, target: Target, seeded: Seeded) -> None:
@@ -170,9 +198,11 @@ def test_dead_requeue(cli: Cli, target: Target, store: Store, seeded: Seeded) ->
     assert event is not None and event.state is State.PENDING and event.attempts == 0
     assert {r.handler for r in store.records(seeded.dead_old)} == {"reserve", "audit"}  # stay done
 
-    none_left = cli("dead", "requeue", "--all", "--topic", "order.placed", *target.cli_args())
+    none_left = cli(
+        "dead", "requeue", "--all", "--topic", "order.placed", "--yes", *target.cli_args()
+    )
     assert none_left.stdout.strip() == "requeued 0 dead letter(s)"
-    every = cli("dead", "requeue", "--all", *target.cli_args())
+    every = cli("dead", "requeue", "--all", "--yes", *target.cli_args())
     ok(every)
     assert every.stdout.strip() == "requeued 1 dead letter(s)"
     assert store.stats(now=None).dead == 0
@@ -181,19 +211,19 @@ def test_dead_requeue(cli: Cli, target: Target, store: Store, seeded: Seeded) ->
 def test_dead_requeue_all_of_a_topic(
     cli: Cli, target: Target, store: Store, seeded: Seeded
 ) -> None:
-    result = cli("dead", "requeue", "--all", "--topic", "invoice.due", *target.cli_args())
+    result = cli("dead", "requeue", "--all", "--topic", "invoice.due", "--yes", *target.cli_args())
     ok(result)
     assert result.stdout.strip() == "requeued 1 dead letter(s)"
     assert [d.event.id for d in store.dead_letters()] == [seeded.dead_old]
 
 
 def test_dead_purge(cli: Cli, target: Target, store: Store, seeded: Seeded) -> None:
-    result = cli("dead", "purge", str(seeded.dead_new), *target.cli_args())
+    result = cli("dead", "purge", str(seeded.dead_new), "--yes", *target.cli_args())
     ok(result)
     assert result.stdout.strip() == "purged 1 dead letter(s)"
     assert store.get(seeded.dead_new) is None
 
-    old = cli("dead", "purge", "--older-than", "5d", *target.cli_args())
+    old = cli("dead", "purge", "--older-than", "5d", "--yes", *target.cli_args())
     ok(old)
     assert old.stdout.strip() == "purged 1 dead letter(s)"
     assert store.get(seeded.dead_old) is None
@@ -203,7 +233,7 @@ def test_dead_purge(cli: Cli, target: Target, store: Store, seeded: Seeded) -> N
 
 
 def test_purge_published(cli: Cli, target: Target, store: Store, seeded: Seeded) -> None:
-    result = cli("purge", "--published-older-than", "7d", *target.cli_args())
+    result = cli("purge", "--published-older-than", "7d", "--yes", *target.cli_args())
     ok(result)
     assert result.stdout.strip() == "purged 2 published event(s) older than 7d"
     for event_id in seeded.published_old:
@@ -212,7 +242,130 @@ def test_purge_published(cli: Cli, target: Target, store: Store, seeded: Seeded)
     stats = store.stats(now=None)
     assert (stats.published, stats.dead, stats.pending) == (1, 2, 3)
 
-    recent = cli("purge", "--published-older-than", "30m", *target.cli_args())
+    recent = cli("purge", "--published-older-than", "30m", "--yes", *target.cli_args())
     assert recent.stdout.strip() == "purged 1 published event(s) older than 30m"
     stats = store.stats(now=None)
     assert (stats.published, stats.dead, stats.pending) == (0, 2, 3)  # dead and pending stay
+
+
+DESTRUCTIVE = [
+    pytest.param(["purge", "--published-older-than", "7d"], "purge", 2, id="purge"),
+    pytest.param(["dead", "purge", "--older-than", "5d"], "dead purge", 1, id="dead-purge-older"),
+    pytest.param(["dead", "requeue", "--all"], "dead requeue --all", 2, id="dead-requeue-all"),
+]
+
+
+def _everything(store: Store) -> list[object]:
+    events = store.events(limit=1000)
+    return [(e, store.records(e.id)) for e in events]
+
+
+@pytest.mark.parametrize(("command", "name", "count"), DESTRUCTIVE)
+def test_a_dry_run_counts_and_changes_nothing(
+    cli: Cli,
+    target: Target,
+    store: Store,
+    seeded: Seeded,
+    command: list[str],
+    name: str,
+    count: int,
+) -> None:
+    before = _everything(store)
+    result = cli(*command, "--dry-run", *target.cli_args())
+    ok(result)
+    assert re.search(rf"^would \w+ {count} ", result.stdout), result
+    assert _everything(store) == before
+
+
+def test_a_dry_run_of_dead_ids_counts_them(
+    cli: Cli, target: Target, store: Store, seeded: Seeded
+) -> None:
+    before = _everything(store)
+    ids = [str(seeded.dead_old), str(seeded.dead_new)]
+    requeue = cli("dead", "requeue", *ids, "--dry-run", *target.cli_args())
+    ok(requeue)
+    assert requeue.stdout.strip() == "would requeue 2 dead letter(s)"
+    purge = cli("dead", "purge", ids[0], "--dry-run", *target.cli_args())
+    ok(purge)
+    assert purge.stdout.strip() == "would purge 1 dead letter(s)"
+    assert _everything(store) == before
+
+
+@pytest.mark.parametrize(("command", "name", "count"), DESTRUCTIVE)
+def test_off_a_terminal_destructive_commands_need_yes(
+    cli: Cli,
+    target: Target,
+    store: Store,
+    seeded: Seeded,
+    command: list[str],
+    name: str,
+    count: int,
+) -> None:
+    before = _everything(store)
+    result = cli(*command, *target.cli_args())
+    assert result.code == 2, result
+    (line,) = result.stderr.strip().splitlines()
+    assert f"`outboxkit {name}`" in line and "pass --yes" in line, result
+    assert _everything(store) == before
+    done = cli(*command, "--yes", *target.cli_args())
+    ok(done)
+    assert re.search(rf"^\w+ {count} ", done.stdout), done
+    assert _everything(store) != before
+
+
+def test_dead_purge_by_id_needs_yes_too(
+    cli: Cli, target: Target, store: Store, seeded: Seeded
+) -> None:
+    result = cli("dead", "purge", str(seeded.dead_new), *target.cli_args())
+    assert result.code == 2, result
+    assert "pass --yes" in result.stderr, result
+    assert store.get(seeded.dead_new) is not None
+
+
+@pytest.mark.parametrize(("answer", "purged"), [("n", False), ("y", True)])
+def test_on_a_terminal_purge_asks_first(
+    process_cli: Cli, target: Target, store: Store, seeded: Seeded, answer: str, purged: bool
+) -> None:
+    from .conftest import TIMEOUT, outboxkit_command
+
+    parent, child = pty.openpty()
+    try:
+        proc = subprocess.Popen(
+            [*outboxkit_command(), "purge", "--published-older-than", "7d", *target.cli_args()],
+            cwd=process_cli.cwd,
+            env=process_cli.env(),
+            stdin=child,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        os.write(parent, f"{answer}\n".encode())
+        stdout, stderr = proc.communicate(timeout=TIMEOUT)
+    finally:
+        os.close(parent)
+        os.close(child)
+    assert proc.returncode == 0, (stdout, stderr)
+    assert "delete 2 published event(s) older than 7d? [y/N]" in stdout, stdout
+    gone = [store.get(i) is None for i in seeded.published_old]
+    assert gone == [purged, purged]
+    assert stdout.strip().endswith(
+        "purged 2 published event(s) older than 7d" if purged else "nothing purged"
+    )
+
+
+def test_migrate_says_it_upgraded_an_older_sqlite_schema(cli: Cli, tmp_path: Path) -> None:
+    from outboxkit_sqlite import schema
+    from outboxkit_sqlite.tables import TableNames
+
+    path = tmp_path / "old.db"
+    with closing(sqlite3.connect(path, isolation_level=None)) as conn:
+        conn.execute("BEGIN IMMEDIATE")
+        schema.migrate(conn, TableNames(), applied_at=0, where=str(path), target=2)
+        conn.execute("COMMIT")
+    status = cli("status", "--json", "--store", f"sqlite:///{path}")
+    ok(status)  # read as it is: status does not upgrade it
+    with closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("SELECT max(version) FROM outbox_schema").fetchone() == (2,)
+    result = cli("migrate", "--store", f"sqlite:///{path}")
+    ok(result)
+    assert result.stdout.startswith(f"upgraded 2 -> {schema.SCHEMA_VERSION}: "), result

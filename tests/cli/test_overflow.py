@@ -21,7 +21,9 @@ REFUSED = [
     pytest.param(["dead", "list", "--limit", HUGE], "limit", id="dead-list-limit"),
     pytest.param(["dead", "show", HUGE], "event ids must be integers from 1", id="dead-show-id"),
     pytest.param(["dead", "requeue", HUGE], "event ids must be integers from 1", id="requeue-id"),
-    pytest.param(["dead", "purge", HUGE], "event ids must be integers from 1", id="purge-id"),
+    pytest.param(
+        ["dead", "purge", HUGE, "--yes"], "event ids must be integers from 1", id="purge-id"
+    ),
 ]
 RUN_REFUSED = [
     pytest.param(["--lease", "9999999d"], "lease must be at most 3660 days", id="lease"),
@@ -30,9 +32,11 @@ RUN_REFUSED = [
     pytest.param(["--max-retries", HUGE], "max_retries", id="max-retries"),
 ]
 HANDLED = [
-    pytest.param(["purge", "--published-older-than", "999999d"], "purged 0", id="purge"),
+    pytest.param(["purge", "--published-older-than", "999999d", "--yes"], "purged 0", id="purge"),
     pytest.param(["dead", "list", "--since", "999999d"], "no dead letters", id="dead-list-since"),
-    pytest.param(["dead", "purge", "--older-than", "999999d"], "purged 0", id="dead-purge"),
+    pytest.param(
+        ["dead", "purge", "--older-than", "999999d", "--yes"], "purged 0", id="dead-purge"
+    ),
 ]
 
 

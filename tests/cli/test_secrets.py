@@ -79,7 +79,7 @@ def _bad_url(url: str, change: dict[str, Any]) -> str:
 def test_no_error_path_prints_the_password(
     cli: Cli, pg_url: str, change: dict[str, Any], options: list[str], command: str
 ) -> None:
-    extra = ["--published-older-than", "7d"] if command == "purge" else []
+    extra = ["--published-older-than", "7d", "--yes"] if command == "purge" else []
     with fresh_schema(pg_url, "oksecret") as schema:
         options = [o.format(schema=schema) for o in options]
         result = cli(*command.split(), "--store", _bad_url(pg_url, change), *options, *extra)

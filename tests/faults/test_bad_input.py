@@ -153,7 +153,7 @@ def test_older_schema_sqlite(tmp_path: Path, old: int) -> None:
                 Outbox(store).enqueue(conn, "t", {}, dedupe_key="once")
         _assert_first_poll_fails(
             store,
-            rf"version {old}, older than version {schema.SCHEMA_VERSION} .*run migrate\(\)",
+            rf"version {old}, older than version {schema.SCHEMA_VERSION} .*run `outboxkit migrate`",
         )
         store.migrate()
         bus = EventBus()
@@ -168,7 +168,7 @@ def test_missing_schema_pg(pg_url: str, pg_schema: str) -> None:
 
     store = PostgresStore(pg_url, schema=pg_schema)
     try:
-        _assert_first_poll_fails(store, "run migrate")
+        _assert_first_poll_fails(store, "run `outboxkit migrate`")
     finally:
         store.close()
 
@@ -189,7 +189,7 @@ def test_older_schema_pg(pg_url: str, pg_schema: str, admin: Any) -> None:
     )
     store = PostgresStore(pg_url, schema=pg_schema)
     try:
-        _assert_first_poll_fails(store, r"older than version \d+ .*run migrate")
+        _assert_first_poll_fails(store, r"older than version \d+ .*run `outboxkit migrate`")
     finally:
         store.close()
 

@@ -167,6 +167,27 @@ def test_dead_letter_and_requeue_dead(store: Store) -> None:
         outbox.requeue_dead(page_size=0)
 
 
+def test_a_dry_run_counts_what_purge_and_requeue_dead_would_touch(store: Store) -> None:
+    clock = FrozenClock(START)
+    outbox = Outbox(store, make_bus(), clock=clock, retain_published=None)
+    ids = seed(store, clock, outbox)
+    everything = [(e, store.records(e.id)) for e in store.events()]
+    # The same cutoffs as the real thing: 7 published 10 days ago, 9 within 30 days; the one
+    # dead letter failed 30 days ago.
+    assert outbox.purge(published_older_than=timedelta(days=7), dry_run=True) == 7
+    assert outbox.purge(published_older_than=timedelta(hours=1), dry_run=True) == 9
+    assert outbox.purge(dead_older_than=timedelta(days=29), dry_run=True) == 1
+    assert outbox.purge(dead_older_than=timedelta(days=31), dry_run=True) == 0
+    not_dead = ids["old"][0]
+    assert outbox.purge(dead_ids=[*ids["dead"], not_dead], dry_run=True) == 1
+    both = {"published_older_than": timedelta(days=7), "dead_older_than": timedelta(days=29)}
+    assert outbox.purge(**both, dry_run=True) == 8
+    assert outbox.requeue_dead(dry_run=True) == 1
+    assert outbox.requeue_dead(topic="invoice.due", dry_run=True) == 0
+    assert [(e, store.records(e.id)) for e in store.events()] == everything  # nothing changed
+    assert outbox.purge(**both) == 8  # and the real purge agrees
+
+
 # -- the pruner in the poller loop (memory store: the timing is the clock's) --------------------
 
 

@@ -28,7 +28,16 @@ from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-from outboxkit.core.model import Claim, DeadKey, DeadLetter, DeliveryRecord, Event, NewEvent, Stats
+from outboxkit.core.model import (
+    Claim,
+    DeadKey,
+    DeadLetter,
+    DeliveryRecord,
+    Event,
+    Migration,
+    NewEvent,
+    Stats,
+)
 from outboxkit.errors import ConfigurationError
 from outboxkit.store import Capabilities, SettleItem
 from outboxkit.waiter import ClosingWaiter
@@ -130,8 +139,8 @@ class DjangoStore:
 
     # -- the Store protocol, on the inner store --------------------------------------------------
 
-    def migrate(self) -> None:
-        self.inner.migrate()
+    def migrate(self) -> Migration | None:
+        return self.inner.migrate()
 
     def close(self) -> None:
         if self._inner is not None:
@@ -479,7 +488,7 @@ class _DjangoPostgres(_PostgresStore):
                 raise self._error(exc.__cause__, doing) from exc
             raise
 
-    def migrate(self) -> None:
+    def migrate(self) -> Migration:
         from django.db import connections
         from psycopg.pq import TransactionStatus
 
@@ -488,9 +497,8 @@ class _DjangoPostgres(_PostgresStore):
             with self._atomic("migrate the schema") as raw:
                 if raw.info.transaction_status == TransactionStatus.IDLE:
                     raw.execute("SELECT 1")
-                super().migrate()
-            return
-        super().migrate()
+                return super().migrate()
+        return super().migrate()
 
     @contextmanager
     def transaction(self) -> Iterator[Any]:

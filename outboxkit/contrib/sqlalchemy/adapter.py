@@ -13,7 +13,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
-from outboxkit.errors import ConfigurationError, SchemaError, StoreError
+from outboxkit.errors import ConfigurationError, SchemaError, StoreError, migrate_hint
 
 if TYPE_CHECKING:
     from outboxkit.core.model import NewEvent
@@ -173,6 +173,6 @@ def _error(exc: DBAPIError, count: int) -> StoreError:
     reason = str(exc.orig).strip() if exc.orig is not None else str(exc)
     if any(marker in reason.lower() for marker in _MISSING_TABLE):
         return SchemaError(
-            f"enqueue through SQLAlchemy found no outboxkit tables ({reason}): run migrate()"
+            f"enqueue through SQLAlchemy found no outboxkit tables ({reason}): {migrate_hint()}"
         )
     return StoreError(f"enqueue {count} event(s) through SQLAlchemy failed: {reason}")

@@ -99,7 +99,10 @@ def test_a_database_without_the_outbox_tables_is_a_schema_error(tmp_path: Path) 
     store = SQLiteStore(tmp_path / "outbox.db")
     engine = create_engine(f"sqlite+pysqlite:///{(tmp_path / 'other.db').as_posix()}")
     try:
-        with Session(engine) as session, pytest.raises(SchemaError, match="run migrate"):
+        with (
+            Session(engine) as session,
+            pytest.raises(SchemaError, match="run `outboxkit migrate`"),
+        ):
             Outbox(store, load_entry_points=False).enqueue(session, "a", {})
     finally:
         engine.dispose()

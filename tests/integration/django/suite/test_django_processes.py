@@ -107,7 +107,7 @@ def test_migrate_is_idempotent_and_dead_list_is_empty(outbox_store):
 def test_purge_runs_through_the_outboxkit_command(outbox_store):
     enqueue_ticks(1)
     assert manage("outboxkit", "run", "--until-idle").returncode == 0
-    purge = manage("outboxkit", "purge", "--published-older-than", "0s")
+    purge = manage("outboxkit", "purge", "--published-older-than", "0s", "--yes")
     assert purge.returncode == 0, purge.stderr
     assert outbox_store.events() == []
 

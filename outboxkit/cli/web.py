@@ -1,0 +1,77 @@
+"""``outboxkit web``: the dashboard (``outboxkit.contrib.web``) on a store, until Ctrl-C."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import click
+
+from ..core.text import redact_url
+from .errors import InputError
+from .output import echo
+from .params import DURATION
+from .stores import open_outbox, with_store_options
+
+__all__ = ["web_command"]
+
+
+@click.command("web", short_help="A dashboard in the browser: backlog, dead letters, failures.")
+@with_store_options
+@click.option(
+    "--host", default="127.0.0.1", show_default=True, help="The address to bind (this machine)."
+)
+@click.option(
+    "--port", type=click.IntRange(0, 65535), default=8025, show_default=True, help="0: any free."
+)
+@click.option(
+    "--token",
+    envvar="OUTBOXKIT_WEB_TOKEN",
+    show_envvar=True,
+    default=None,
+    help="The secret requeue and purge need (at least 8 characters); default: generated and "
+    "printed once.",
+)
+@click.option(
+    "--sample-every",
+    type=DURATION,
+    default="5s",
+    show_default=True,
+    help="How often the backlog chart samples the store's stats.",
+)
+def web_command(
+    app: str | None,
+    store_url: str | None,
+    store_options: Sequence[Any],
+    host: str,
+    port: int,
+    token: str | None,
+    sample_every: timedelta,
+) -> None:
+    """Serve the dashboard: counters and backlog over time, the oldest due events, dead
+    letters (show, requeue, purge), failures by handler. Binds 127.0.0.1 unless --host says
+    otherwise; requeue and purge need the token. Creates and migrates nothing."""
+    from ..contrib.web import Dashboard, DashboardServer
+
+    if sample_every.total_seconds() < 0.1:
+        raise InputError("--sample-every must be at least 100ms")
+    with open_outbox(
+        app=app, store_url=store_url, store_options=store_options, existing=True
+    ) as outbox:
+        outbox.stats()  # the store answers (and has a schema) before anything is served
+        name = redact_url(store_url) if store_url else None
+        dashboard = Dashboard(outbox, token=token, name=name)
+        try:
+            server = DashboardServer(
+                dashboard, host=host, port=port, sample_every=sample_every.total_seconds()
+            )
+        except OSError as exc:
+            raise InputError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
+        echo(f"outboxkit dashboard on {server.origin}/ for {outbox.store!r}")
+        if token is None:
+            echo(f"action token (requeue, purge; shown only now): {dashboard.token}")
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            echo("stopped")

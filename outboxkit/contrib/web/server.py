@@ -1,0 +1,297 @@
+"""The dashboard's HTTP server: the standard library's ``ThreadingHTTPServer``, one thread per
+request, and a thread that samples ``stats()`` for the backlog chart.
+
+Why the standard library: the dashboard is a few server-rendered pages and two form posts, for
+one operator at a time; ``http.server`` does that with no dependency to install, audit or keep
+up with (``outboxkit[web]`` pulls in nothing), where an ASGI stack would add three.
+
+What keeps it from hurting:
+
+- It binds ``127.0.0.1`` unless told otherwise, and answers only requests whose ``Host`` is the
+  address it serves (a page on another site cannot reach it through DNS rebinding). Bound to
+  every address (``0.0.0.0``) it cannot know its names, and takes any ``Host``; the token and
+  the same-origin check still hold.
+- Reading is ``GET``; changing data (requeue, purge) is ``POST`` only, and needs the token given
+  at start (a field of the form, compared in constant time), and a request from the dashboard's
+  own pages: its ``Origin`` header (or, when a browser sends none, its ``Referer``) must be the
+  dashboard's own origin. A cross-site form post fails both: it has a foreign ``Origin`` and no
+  token. The token is never logged (the request log names the method and path only).
+- Pages forbid framing and scripts (``Content-Security-Policy``), are not cached, and show every
+  stored value as escaped text (``pages.text``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from ...errors import OutboxError
+from . import pages
+from .dashboard import SCAN_LIMIT, Dashboard
+
+__all__ = ["DashboardServer"]
+
+log = logging.getLogger("outboxkit.web")
+
+_MAX_BODY = 4096
+_SECURITY_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'none'; style-src 'unsafe-inline'; img-src 'self'; form-action 'self'; "
+        "frame-ancestors 'none'; base-uri 'none'"
+    ),
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",
+    "Cache-Control": "no-store",
+}
+
+
+class DashboardServer:
+    """Serves a :class:`Dashboard` over HTTP.
+
+    Args:
+        dashboard: what to show.
+        host: the address to bind (``127.0.0.1`` by default: this machine only).
+        port: the port; 0 picks a free one (``port`` then says which).
+        sample_every: seconds between samples of ``stats()`` for the backlog chart; None takes
+            none but the first (the caller calls ``dashboard.sample()``, as the tests do).
+
+    Raises:
+        OSError: the address cannot be bound.
+    """
+
+    def __init__(
+        self,
+        dashboard: Dashboard,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 8025,
+        sample_every: float | None = 5.0,
+    ) -> None:
+        self.dashboard = dashboard
+        self.sample_every = sample_every
+        self._httpd = ThreadingHTTPServer((host, port), _handler_class(self))
+        self._httpd.daemon_threads = True
+        self.host = host
+        self.port: int = self._httpd.server_address[1]
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._serving = False
+
+    @property
+    def origin(self) -> str:
+        """``http://host:port``: the only origin whose posts are taken."""
+        return f"http://{self._host_port(self.host)}"
+
+    def _host_port(self, host: str) -> str:
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    def allowed_hosts(self) -> set[str] | None:
+        """The ``Host`` header values this server answers; None (any) when it is bound to
+        every address (``0.0.0.0``, ``::``), where it cannot know the names it is reached by."""
+        if self.host in ("0.0.0.0", "::", ""):
+            return None
+        names = {self.host}
+        if self.host in ("127.0.0.1", "::1", "localhost"):
+            names |= {"127.0.0.1", "localhost", "::1"}
+        return {self._host_port(name) for name in names}
+
+    def start(self) -> None:
+        """Serve in background threads (and sample, if ``sample_every`` is set)."""
+        self._sample_quietly()
+        serving = threading.Thread(target=self._httpd.serve_forever, name="outboxkit-web")
+        self._threads.append(serving)
+        self._serving = True
+        if self.sample_every is not None:
+            self._threads.append(
+                threading.Thread(target=self._sample_loop, name="outboxkit-web-sampler")
+            )
+        for thread in self._threads:
+            thread.daemon = True
+            thread.start()
+
+    def serve_forever(self) -> None:
+        """Serve in this thread until :meth:`stop` (or KeyboardInterrupt)."""
+        self.start()
+        try:
+            self._stop.wait()
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        """Stop serving and sampling; idempotent."""
+        self._stop.set()
+        if self._serving:  # shutdown() waits for a serve_forever that must have started
+            self._httpd.shutdown()
+            self._serving = False
+        self._httpd.server_close()
+        for thread in self._threads:
+            thread.join(timeout=10)
+        self._threads.clear()
+
+    def _sample_loop(self) -> None:
+        assert self.sample_every is not None
+        while not self._stop.wait(self.sample_every):
+            self._sample_quietly()
+
+    def _sample_quietly(self) -> None:
+        try:
+            self.dashboard.sample()
+        except OutboxError as exc:
+            log.warning("the dashboard could not read the store's stats: %s", exc)
+
+
+def _handler_class(server: DashboardServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(_Handler):
+        owner = server
+
+    return Handler
+
+
+class _Handler(BaseHTTPRequestHandler):
+    owner: DashboardServer
+    server_version = "outboxkit-web"
+    sys_version = ""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        # The request line only: a form's body (where the token is) is never logged.
+        log.debug("%s %s", self.command, urlsplit(self.path).path)
+
+    # -- GET ----------------------------------------------------------------------------------
+
+    def do_GET(self) -> None:
+        if not self._host_allowed():
+            return
+        path = urlsplit(self.path).path
+        try:
+            if path == "/":
+                self._send(HTTPStatus.OK, self._overview())
+            elif (event_id := _event_id(path)) is not None:
+                event, letter = self.owner.dashboard.event(event_id)
+                if event is None:
+                    self._message(HTTPStatus.NOT_FOUND, "No such event", f"no event {event_id}")
+                else:
+                    self._send(HTTPStatus.OK, pages.event_page(event, letter))
+            else:
+                self._message(HTTPStatus.NOT_FOUND, "Not found", "no such page")
+        except OutboxError as exc:
+            self._message(HTTPStatus.SERVICE_UNAVAILABLE, "The store failed", str(exc))
+
+    def _overview(self) -> str:
+        dashboard = self.owner.dashboard
+        stats = dashboard.outbox.stats()
+        now = dashboard.outbox.now()
+        events = dashboard.scan()
+        return pages.overview(
+            store=dashboard.name,
+            stats=stats,
+            now=now,
+            samples=dashboard.samples,
+            due=dashboard.oldest_due(events, now),
+            dead=dashboard.dead_letters(),
+            failures=dashboard.failures_by_handler(events),
+            scanned=len(events),
+            scan_limit=SCAN_LIMIT,
+        )
+
+    # -- POST ---------------------------------------------------------------------------------
+
+    def do_POST(self) -> None:
+        if not self._host_allowed():
+            return
+        if not self._same_origin():
+            self._message(
+                HTTPStatus.FORBIDDEN,
+                "Refused",
+                "cross-site request refused: actions are taken only from the dashboard's own pages",
+            )
+            return
+        form = self._form()
+        if form is None:
+            return
+        token = form.get("token", [None])[0]
+        if not self.owner.dashboard.check_token(token):
+            self._message(HTTPStatus.FORBIDDEN, "Refused", "a valid token is needed for this")
+            return
+        parts = urlsplit(self.path).path.strip("/").split("/")
+        action = self.owner.dashboard.actions().get(parts[-1]) if len(parts) == 3 else None
+        event_id = _event_id("/" + "/".join(parts[:2])) if len(parts) == 3 else None
+        if action is None or event_id is None:
+            self._message(HTTPStatus.NOT_FOUND, "Not found", "no such action")
+            return
+        try:
+            done = action(event_id)
+        except OutboxError as exc:
+            self._message(HTTPStatus.SERVICE_UNAVAILABLE, "The store failed", str(exc))
+            return
+        verb = "requeued" if parts[-1] == "requeue" else "purged"
+        if done:
+            log.info("dashboard: %s dead letter %d", verb, event_id)
+            self._message(HTTPStatus.OK, "Done", f"{verb} dead letter {event_id}")
+        else:
+            self._message(
+                HTTPStatus.CONFLICT, "Nothing done", f"event {event_id} is not a dead letter"
+            )
+
+    def _same_origin(self) -> bool:
+        """The post comes from a page this server served: its ``Origin`` (or ``Referer``) is
+        ``http://`` + the ``Host`` it was sent to (a host already checked)."""
+        host = self.headers.get("Host")
+        origin = self.headers.get("Origin")
+        if origin is not None:
+            return host is not None and origin == f"http://{host}"
+        referer = self.headers.get("Referer")
+        if referer is None or host is None:
+            return False
+        parts = urlsplit(referer)
+        return parts.scheme == "http" and parts.netloc == host
+
+    def _form(self) -> dict[str, list[str]] | None:
+        try:
+            length = int(self.headers.get("Content-Length", "0"))
+        except ValueError:
+            length = -1
+        if not 0 <= length <= _MAX_BODY:
+            self._message(HTTPStatus.BAD_REQUEST, "Bad request", "the form is too large")
+            return None
+        kind = self.headers.get("Content-Type", "").split(";", 1)[0].strip()
+        if kind != "application/x-www-form-urlencoded":
+            self._message(HTTPStatus.BAD_REQUEST, "Bad request", "a form post is expected")
+            return None
+        body = self.rfile.read(length).decode("utf-8", errors="replace")
+        return parse_qs(body, keep_blank_values=True)
+
+    # -- answers ------------------------------------------------------------------------------
+
+    def _host_allowed(self) -> bool:
+        allowed = self.owner.allowed_hosts()
+        if allowed is None or self.headers.get("Host") in allowed:
+            return True
+        self._message(HTTPStatus.MISDIRECTED_REQUEST, "Refused", "unknown Host header")
+        return False
+
+    def _message(self, status: HTTPStatus, title: str, message: str) -> None:
+        self._send(status, pages.message_page(title, message))
+
+    def _send(self, status: HTTPStatus, page: str) -> None:
+        body = page.encode("utf-8")
+        self.send_response(status)
+        self.send_header("Content-Type", "text/html; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        for name, value in _SECURITY_HEADERS.items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+
+def _event_id(path: str) -> int | None:
+    """The id in ``/events/ID``, or None."""
+    parts = path.strip("/").split("/")
+    if len(parts) != 2 or parts[0] != "events" or not parts[1].isdigit():
+        return None
+    event_id = int(parts[1])
+    return event_id if 0 < event_id < 2**63 else None
