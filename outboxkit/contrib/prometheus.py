@@ -213,6 +213,11 @@ class StoreCollector:
             "outboxkit_in_flight_events", "Events leased by a poller now.", value=stats.claimed
         )
         yield gauge("outboxkit_dead_letter_events", "Dead-lettered events.", value=stats.dead)
+        yield gauge(
+            "outboxkit_held_keys",
+            "Keys with a dead event (held, their later events waiting, under dead_key='hold').",
+            value=stats.held_keys,
+        )
         age = 0.0
         if stats.oldest_due_at is not None and now is not None:
             age = max((now - stats.oldest_due_at).total_seconds(), 0.0)
