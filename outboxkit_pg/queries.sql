@@ -332,8 +332,7 @@ SELECT e.id, r.handler, r.outcome, r.attempt, coalesce(r.at, now()), r.reason
               %(reasons)b::text[])
        WITH ORDINALITY AS r (id, token, handler, outcome, attempt, at, reason, ord)
   JOIN {events} AS e ON e.id = r.id AND e.claim_token = r.token
- WHERE e.id = ANY(%(ids)b::bigint[])
-   AND coalesce(e.published_at, e.failed_at) IS NULL
+ WHERE coalesce(e.published_at, e.failed_at) IS NULL
  ORDER BY r.ord
    FOR UPDATE OF e
 RETURNING event_id
@@ -343,8 +342,7 @@ RETURNING event_id
 UPDATE {events} AS e
    SET locked_until = coalesce(%(now)s::timestamptz, now()) + %(lease)s::interval
   FROM unnest(%(ids)b::bigint[], %(tokens)b::uuid[]) AS c (id, token)
- WHERE e.id = ANY(%(ids)b::bigint[])
-   AND e.id = c.id
+ WHERE e.id = c.id
    AND e.claim_token = c.token
    AND coalesce(e.published_at, e.failed_at) IS NULL
 RETURNING e.claim_token::text, e.locked_until
@@ -352,8 +350,11 @@ RETURNING e.claim_token::text, e.locked_until
 -- name: settle_many
 -- R8 for a round's events in one statement, each fenced by its token; one array element per
 -- event of each of SETTLE_COLUMNS (outboxkit._sql.rows.settle_row). Returns the ids settled.
--- The id = ANY(...) condition lets the planner reach the rows through the primary key: joined
--- with the unnest alone it estimates one row and scans the whole table (so do extend, release).
+-- The rows are reached by joining the unnest to the primary key (a probe per element), with no
+-- id = ANY(...) beside it: with one the planner scans the key for the whole array and then
+-- compares every row with every element (500 events: 43 ms against 2.7 ms for the probes,
+-- measured on 210,000 analyzed rows; worse once the statement is prepared). So do extend,
+-- release, insert_records_fenced and settle_many_recording.
 UPDATE {events} AS e
    SET published_at = CASE WHEN s.publish
                            THEN coalesce(%(now)s::timestamptz, now()) ELSE e.published_at END,
@@ -369,8 +370,7 @@ UPDATE {events} AS e
               %(dead)b::boolean[], %(retry_after)b::interval[], %(keeps_error)b::boolean[],
               %(errors)b::text[])
        AS s (id, token, publish, dead, retry_after, keeps_error, error)
- WHERE e.id = ANY(%(ids)b::bigint[])
-   AND e.id = s.id
+ WHERE e.id = s.id
    AND e.claim_token = s.token
    AND coalesce(e.published_at, e.failed_at) IS NULL
 RETURNING e.id
@@ -397,8 +397,7 @@ WITH settled AS (
                   %(dead)b::boolean[], %(retry_after)b::interval[], %(keeps_error)b::boolean[],
                   %(errors)b::text[])
            AS s (id, token, publish, dead, retry_after, keeps_error, error)
-     WHERE e.id = ANY(%(ids)b::bigint[])
-       AND e.id = s.id
+     WHERE e.id = s.id
        AND e.claim_token = s.token
        AND coalesce(e.published_at, e.failed_at) IS NULL
     RETURNING e.id
@@ -420,8 +419,7 @@ UPDATE {events} AS e
        claim_token = NULL,
        attempts = greatest(e.attempts - 1, 0)
   FROM unnest(%(ids)b::bigint[], %(tokens)b::uuid[]) AS c (id, token)
- WHERE e.id = ANY(%(ids)b::bigint[])
-   AND e.id = c.id
+ WHERE e.id = c.id
    AND e.claim_token = c.token
    AND coalesce(e.published_at, e.failed_at) IS NULL
 RETURNING e.id
