@@ -9,7 +9,7 @@ app's own record of it, see ``tests/faults/_ordering``), no event of a key ran b
 previous one was settled; nothing lost, no ledger row twice, nothing stuck or dead, no double
 claim.
 
-Sizes: 2,000 events, 4 kills and 2 freezes; with ``OUTBOXKIT_FAULTS_SCALE=large``, 20,000 events,
+Sizes: 1,200 events, 4 kills and 2 freezes; with ``OUTBOXKIT_FAULTS_SCALE=large``, 20,000 events,
 12 kills and 6 freezes.
 """
 
@@ -40,13 +40,15 @@ from tests.integration.pg._workers import create_app_tables, wait_until
 
 pytestmark = [pytest.mark.pg, pytest.mark.faults]
 
-EVENTS = scale(pr=2000, large=20000)
+EVENTS = scale(pr=1200, large=20000)
 PUBLISHERS = 2
 POLLERS = 4
 BATCH = 10
 LEASE = 2.0
 KILLS = scale(pr=4, large=12)
 FREEZES = scale(pr=2, large=6)
+FAULT_EVERY = scale(pr=1.0, large=6.0)  # seconds between two faults
+TIMEOUT = scale(pr=240, large=900)  # bound of each phase, seconds
 
 
 def test_key_order_under_sigkill_and_lease_expiry(
@@ -66,27 +68,27 @@ def test_key_order_under_sigkill_and_lease_expiry(
     create_app_tables(admin, pg_schema)
     create_pg_tables(admin, pg_schema)
     options = {"batch_size": BATCH, "lease": LEASE, "interval": 0.2}
-    with OrderingFleet(pg_url, pg_schema, tmp_path, options) as fleet:
+    with OrderingFleet(pg_url, pg_schema, tmp_path, options, max_seconds=2 * TIMEOUT) as fleet:
         for _ in range(POLLERS):
             fleet.spawn()
         assert fleet.wait_ready(60), "poller processes did not start"
-        deadline = time.time() + 240
+        deadline = time.time() + TIMEOUT
         for seed in range(PUBLISHERS):
             fleet.publish(seed, EVENTS // PUBLISHERS, deadline)
         chaos(
             fleet,
             kills=KILLS,
             freezes=FREEZES,
-            every=1.0,
+            every=FAULT_EVERY,
             freeze_for=LEASE + 1.0,
             rng=rng,
-            timeout=240,
+            timeout=TIMEOUT,
         )
         published = fleet.published()
         watcher = PostgresStore(pg_url, schema=pg_schema)
         try:
             # The fleet delivers the rest by itself (bounded): the kills were the faults.
-            wait_until(lambda: _settled(watcher), 240, step=0.5)
+            wait_until(lambda: _settled(watcher), TIMEOUT, step=0.5)
         finally:
             watcher.close()
         exit_codes = fleet.shutdown()

@@ -7,7 +7,7 @@ fault-free drain and the same figures: handlers first ran in commit order for ev
 began before the previous event of its key was settled; nothing lost, no ledger row twice,
 nothing stuck or dead, no double claim.
 
-Sizes: 2,000 events, 4 kills and 2 freezes; with ``OUTBOXKIT_FAULTS_SCALE=large``, 20,000 events,
+Sizes: 1,200 events, 4 kills and 2 freezes; with ``OUTBOXKIT_FAULTS_SCALE=large``, 20,000 events,
 12 kills and 6 freezes.
 """
 
@@ -36,13 +36,15 @@ from tests.faults._scale import scale
 
 pytestmark = [pytest.mark.faults]
 
-EVENTS = scale(pr=2000, large=20000)
+EVENTS = scale(pr=1200, large=20000)
 PUBLISHERS = 2
 POLLERS = 4
 BATCH = 10
 LEASE = 2.0
 KILLS = scale(pr=4, large=12)
 FREEZES = scale(pr=2, large=6)
+FAULT_EVERY = scale(pr=1.0, large=6.0)  # seconds between two faults
+TIMEOUT = scale(pr=240, large=900)  # bound of each phase, seconds
 
 
 def test_key_order_under_sigkill_and_lease_expiry(
@@ -54,26 +56,28 @@ def test_key_order_under_sigkill_and_lease_expiry(
     url, store_options = open_outbox_file(path)
     create_sqlite_tables(path)
     options = {"batch_size": BATCH, "lease": LEASE, "interval": 0.1}
-    with OrderingFleet(url, "", tmp_path, options, sqlite_options=store_options) as fleet:
+    with OrderingFleet(
+        url, "", tmp_path, options, sqlite_options=store_options, max_seconds=2 * TIMEOUT
+    ) as fleet:
         for _ in range(POLLERS):
             fleet.spawn()
         assert fleet.wait_ready(60), "poller processes did not start"
-        deadline = time.time() + 240
+        deadline = time.time() + TIMEOUT
         for seed in range(PUBLISHERS):
             fleet.publish(seed, EVENTS // PUBLISHERS, deadline)
         chaos(
             fleet,
             kills=KILLS,
             freezes=FREEZES,
-            every=1.0,
+            every=FAULT_EVERY,
             freeze_for=LEASE + 1.0,
             rng=rng,
-            timeout=240,
+            timeout=TIMEOUT,
         )
         published = fleet.published()
         with SQLiteStore(path) as watcher:
             # The fleet delivers the rest by itself (bounded): the kills were the faults.
-            wait_until(lambda: _settled(watcher), 240, step=0.5)
+            wait_until(lambda: _settled(watcher), TIMEOUT, step=0.5)
         exit_codes = fleet.shutdown()
         kills, freezes = fleet.kills, fleet.freezes
         traces, runs = fleet.traces(), fleet.runs()
