@@ -57,7 +57,7 @@ from outboxkit import Event, EventBus, Message, Outbox, open_store
 from outboxkit.core.backoff import ExponentialBackoff
 from outboxkit_sqlite import SQLiteStore
 from tests.faults._harness_sqlite import APP_TIMEOUT
-from tests.integration.pg._workers import Fleet, log_to, serve_traced
+from tests.integration.pg._workers import Fleet, log_to, read_traces, serve_traced
 from tests.integration.sqlite._workers import _reporting
 
 TOPIC = "account"
@@ -410,10 +410,13 @@ class OrderFigures:
     order: int  # pairs (a, b) of a key where b first ran before a
     overlap: int  # pairs where a ran at or after b's first run
     unrun: int  # events never run
+    expired: (
+        int  # claims never settled nor released: leases run out under a killed or frozen poller
+    )
 
     def line(self) -> str:
         return (
-            f"keys={self.keys} runs={self.runs} retries={self.retries} "
+            f"keys={self.keys} runs={self.runs} retries={self.retries} expired={self.expired} "
             f"order_violations={self.order} overlaps={self.overlap} unrun={self.unrun}"
         )
 
@@ -436,9 +439,10 @@ def read_runs(paths: Iterable[Path]) -> dict[int, list[int]]:
 
 
 def order_figures(
-    commits: Iterable[tuple[int, int, int, str]], paths: Iterable[Path]
+    commits: Iterable[tuple[int, int, int, str]], paths: Iterable[Path], traces: Iterable[Path]
 ) -> OrderFigures:
-    """Check the runs against the commit order: ``commits`` rows are (n, pos, event id, key)."""
+    """Check the runs against the commit order (``commits`` rows are (n, pos, event id, key));
+    count the expired leases in the pollers' claim ``traces``."""
     starts = read_runs(paths)
     (retries,) = starts.pop(-1)
     by_key: dict[str, list[tuple[int, int, int]]] = {}
@@ -461,6 +465,7 @@ def order_figures(
         order=order,
         overlap=overlap,
         unrun=unrun,
+        expired=sum(1 for window in read_traces(traces) if not window.ended_early),
     )
 
 

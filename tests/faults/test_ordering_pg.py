@@ -104,7 +104,9 @@ def test_key_order_under_sigkill_and_lease_expiry(
         drain_runs.close()
         store.close()
     result = figures(admin, pg_schema, EVENTS, traces)
-    order = order_figures(pg_commits(admin, pg_schema), [*runs, tmp_path / "runs-drain.jsonl"])
+    order = order_figures(
+        pg_commits(admin, pg_schema), [*runs, tmp_path / "runs-drain.jsonl"], traces
+    )
     wall = time.monotonic() - started
     with capsys.disabled():
         print(
@@ -117,6 +119,7 @@ def test_key_order_under_sigkill_and_lease_expiry(
     assert (kills, freezes) == (KILLS, FREEZES)
     assert (order.order, order.overlap, order.unrun) == (0, 0, 0)
     assert order.retries > 0  # the injected failures happened, and were retried
+    assert order.expired > 0  # and leases ran out under killed or frozen pollers
     assert result.invariants() == (0, 0, 0, 0, 0)
     assert result.dup_ext == 0  # no non-transactional handler here
     assert exit_codes.count(0) == POLLERS

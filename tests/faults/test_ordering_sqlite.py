@@ -92,7 +92,7 @@ def test_key_order_under_sigkill_and_lease_expiry(
     finally:
         drain_runs.close()
     result = figures(path, EVENTS, traces)
-    order = order_figures(sqlite_commits(path), [*runs, drain_log])
+    order = order_figures(sqlite_commits(path), [*runs, drain_log], traces)
     wall = time.monotonic() - started
     with capsys.disabled():
         print(
@@ -106,6 +106,7 @@ def test_key_order_under_sigkill_and_lease_expiry(
     assert (kills, freezes) == (KILLS, FREEZES)
     assert (order.order, order.overlap, order.unrun) == (0, 0, 0)
     assert order.retries > 0  # the injected failures happened, and were retried
+    assert order.expired > 0  # and leases ran out under killed or frozen pollers
     assert result.invariants() == (0, 0, 0, 0, 0)
     assert result.dup_ext == 0  # no non-transactional handler here
     assert exit_codes.count(0) == POLLERS
