@@ -187,7 +187,9 @@ def run_pg(args: argparse.Namespace) -> None:
                 tx.execute(sql.SQL("ANALYZE {}.outbox_events").format(sql.Identifier(schema)))
             stores[name] = store
         if args.explain:
-            explain(stores["keyed"], args.pg_url)
+            for name in ("keyed", "keyed-clustered"):
+                print(f"-- the {name} claim's plan", flush=True)
+                explain(stores[name], args.pg_url)
         report("PG", args, stores)
 
     def fresh() -> Any:
@@ -202,7 +204,7 @@ def run_pg(args: argparse.Namespace) -> None:
 
 
 def explain(store: PostgresStore, url: str) -> None:
-    """``EXPLAIN (ANALYZE, BUFFERS)`` of the keyed claim, in a transaction rolled back."""
+    """``EXPLAIN (ANALYZE, BUFFERS)`` of a claim of 100, in a transaction rolled back."""
     name, params = store._claim_query(100, LEASE, None, "release")
     query = b"EXPLAIN (ANALYZE, BUFFERS) " + store._queries[name]
     with psycopg.connect(url) as conn:
@@ -234,7 +236,7 @@ def main() -> None:
     parser.add_argument("--drain", type=int, default=5_000, help="events per drain")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="10,000 due, 1,000 keys, 2 rounds")
-    parser.add_argument("--explain", action="store_true", help="print the keyed claim's plan")
+    parser.add_argument("--explain", action="store_true", help="print the keyed claims' plans")
     parser.add_argument("--pg-url", default=pg_url_default())
     args = parser.parse_args()
     if args.quick:
