@@ -44,7 +44,7 @@ import signal
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,7 +57,7 @@ from outboxkit import Event, EventBus, Message, Outbox, open_store
 from outboxkit.core.backoff import ExponentialBackoff
 from outboxkit_sqlite import SQLiteStore
 from tests.faults._harness_sqlite import APP_TIMEOUT
-from tests.integration.pg._workers import Fleet, log_to, read_traces, serve_traced
+from tests.integration.pg._workers import Fleet, log_to, read_traces, serve_traced, wait_until
 from tests.integration.sqlite._workers import _reporting
 
 TOPIC = "account"
@@ -183,14 +183,32 @@ def batch(rng: random.Random) -> list[Message]:
 # -- child processes ----------------------------------------------------------------------------
 
 
+def publish_loop(
+    count: int,
+    seed: int,
+    deadline: float,
+    result: dict[str, Any],
+    commit: Callable[[list[Message]], list[int]],
+) -> None:
+    """``count`` keyed events, PER_TRANSACTION per ``commit(messages) -> ids`` (one app
+    transaction each); the ids in ``result["ids"]``; a TimeoutError past ``deadline``."""
+    rng = random.Random(seed)
+    sent = 0
+    while sent < count:
+        if time.time() > deadline:
+            raise TimeoutError(f"publisher: deadline passed at {sent} of {count}")
+        ids = commit(batch(rng)[: count - sent])
+        result["ids"].extend(ids)
+        sent += len(ids)
+
+
 def publish_pg(
     url: str, schema: str, seed: int, count: int, result_path: str, deadline: float
 ) -> None:
-    """A PostgreSQL publisher: ``count`` keyed events, PER_TRANSACTION per app transaction,
-    each transaction ending with its app_commits rows (see the module docstring)."""
+    """A PostgreSQL publisher (``publish_loop``): each transaction ends with its app_commits
+    rows (see the module docstring)."""
     result: dict[str, Any] = {"role": "publisher", "ids": []}
     with _reporting(result_path, result):
-        rng = random.Random(seed)
         store = open_store(url, schema=schema)
         tick = sql.SQL("UPDATE {} SET n = n + 1 RETURNING n").format(
             sql.Identifier(schema, "app_clock")
@@ -202,26 +220,17 @@ def publish_pg(
         try:
             outbox = Outbox(store, EventBus(), load_entry_points=False)
             with psycopg.connect(url) as app:
-                sent = 0
-                while sent < count:
-                    if time.time() > deadline:
-                        raise TimeoutError(f"publisher: deadline passed at {sent} of {count}")
-                    messages = batch(rng)[: count - sent]
+
+                def commit(messages: list[Message]) -> list[int]:
                     with app.transaction():
                         ids = outbox.enqueue_many(app, messages)
                         row = app.execute(tick).fetchone()
                         assert row is not None
-                        app.execute(
-                            note,
-                            (
-                                row[0],
-                                list(range(len(ids))),
-                                ids,
-                                [m.key for m in messages],
-                            ),
-                        )
-                    result["ids"].extend(ids)
-                    sent += len(ids)
+                        keys = [m.key for m in messages]
+                        app.execute(note, (row[0], list(range(len(ids))), ids, keys))
+                    return ids
+
+                publish_loop(count, seed, deadline, result, commit)
         finally:
             store.close()
 
@@ -237,17 +246,13 @@ def publish_sqlite(
     """``publish_pg`` on SQLite, through the app's own ``sqlite3`` connection."""
     result: dict[str, Any] = {"role": "publisher", "ids": []}
     with _reporting(result_path, result):
-        rng = random.Random(seed)
         store = SQLiteStore.from_url(url, **store_options)
         try:
             outbox = Outbox(store, EventBus(), load_entry_points=False)
             assert store.path is not None
             with closing(sqlite3.connect(store.path, timeout=APP_TIMEOUT)) as conn:
-                sent = 0
-                while sent < count:
-                    if time.time() > deadline:
-                        raise TimeoutError(f"publisher: deadline passed at {sent} of {count}")
-                    messages = batch(rng)[: count - sent]
+
+                def commit(messages: list[Message]) -> list[int]:
                     with conn:  # the app's transaction (Python's default handling)
                         ids = outbox.enqueue_many(conn, messages)
                         conn.execute("UPDATE app_clock SET n = n + 1")
@@ -259,8 +264,9 @@ def publish_sqlite(
                                 for p, (i, m) in enumerate(zip(ids, messages, strict=True))
                             ],
                         )
-                    result["ids"].extend(ids)
-                    sent += len(ids)
+                    return ids
+
+                publish_loop(count, seed, deadline, result, commit)
         finally:
             store.close()
 
@@ -397,6 +403,56 @@ def chaos(
             fleet.spawn()
         else:
             fleet.freeze(victim, freeze_for)
+
+
+@dataclass(frozen=True)
+class FleetRun:
+    """What the fault phase left: publishers' results, pollers' exit codes, faults, files."""
+
+    published: list[dict[str, Any]]
+    exit_codes: list[int | None]
+    kills: int
+    freezes: int
+    traces: list[Path]
+    runs: list[Path]
+
+
+def run_fleet(
+    fleet: OrderingFleet,
+    settled: Callable[[], bool],
+    *,
+    pollers: int,
+    publishers: int,
+    events: int,
+    kills: int,
+    freezes: int,
+    every: float,
+    freeze_for: float,
+    timeout: float,
+    rng: random.Random,
+) -> FleetRun:
+    """The fault phase: ``pollers`` pollers, ``publishers`` publishers of ``events`` in all,
+    ``chaos``; then (bounded by ``timeout``) until ``settled()`` (nothing pending or leased),
+    the fleet delivering the rest by itself; then the fleet's shutdown."""
+    for _ in range(pollers):
+        fleet.spawn()
+    assert fleet.wait_ready(60), "poller processes did not start"
+    deadline = time.time() + timeout
+    for seed in range(publishers):
+        fleet.publish(seed, events // publishers, deadline)
+    chaos(
+        fleet,
+        kills=kills,
+        freezes=freezes,
+        every=every,
+        freeze_for=freeze_for,
+        rng=rng,
+        timeout=timeout,
+    )
+    published = fleet.published()
+    wait_until(settled, timeout, step=0.5)
+    exit_codes = fleet.shutdown()
+    return FleetRun(published, exit_codes, fleet.kills, fleet.freezes, fleet.traces(), fleet.runs())
 
 
 # -- what the parent checks ---------------------------------------------------------------------

@@ -28,15 +28,15 @@ from tests.faults._harness import drain_until_done, figures
 from tests.faults._ordering import (
     OrderingFleet,
     RunLog,
-    chaos,
     create_pg_tables,
     order_figures,
     outbox_for,
     pg_commits,
     pg_ledger,
+    run_fleet,
 )
 from tests.faults._scale import scale
-from tests.integration.pg._workers import create_app_tables, wait_until
+from tests.integration.pg._workers import create_app_tables
 
 pytestmark = [pytest.mark.pg, pytest.mark.faults]
 
@@ -68,32 +68,24 @@ def test_key_order_under_sigkill_and_lease_expiry(
     create_app_tables(admin, pg_schema)
     create_pg_tables(admin, pg_schema)
     options = {"batch_size": BATCH, "lease": LEASE, "interval": 0.2}
-    with OrderingFleet(pg_url, pg_schema, tmp_path, options, max_seconds=2 * TIMEOUT) as fleet:
-        for _ in range(POLLERS):
-            fleet.spawn()
-        assert fleet.wait_ready(60), "poller processes did not start"
-        deadline = time.time() + TIMEOUT
-        for seed in range(PUBLISHERS):
-            fleet.publish(seed, EVENTS // PUBLISHERS, deadline)
-        chaos(
-            fleet,
-            kills=KILLS,
-            freezes=FREEZES,
-            every=FAULT_EVERY,
-            freeze_for=LEASE + 1.0,
-            rng=rng,
-            timeout=TIMEOUT,
-        )
-        published = fleet.published()
-        watcher = PostgresStore(pg_url, schema=pg_schema)
-        try:
-            # The fleet delivers the rest by itself (bounded): the kills were the faults.
-            wait_until(lambda: _settled(watcher), TIMEOUT, step=0.5)
-        finally:
-            watcher.close()
-        exit_codes = fleet.shutdown()
-        kills, freezes = fleet.kills, fleet.freezes
-        traces, runs = fleet.traces(), fleet.runs()
+    watcher = PostgresStore(pg_url, schema=pg_schema)
+    try:
+        with OrderingFleet(pg_url, pg_schema, tmp_path, options, max_seconds=2 * TIMEOUT) as fleet:
+            run = run_fleet(
+                fleet,
+                lambda: _settled(watcher),
+                pollers=POLLERS,
+                publishers=PUBLISHERS,
+                events=EVENTS,
+                kills=KILLS,
+                freezes=FREEZES,
+                every=FAULT_EVERY,
+                freeze_for=LEASE + 1.0,
+                timeout=TIMEOUT,
+                rng=rng,
+            )
+    finally:
+        watcher.close()
     drain_runs = RunLog(tmp_path / "runs-drain.jsonl")
     store = PostgresStore(pg_url, schema=pg_schema)
     try:
@@ -103,27 +95,27 @@ def test_key_order_under_sigkill_and_lease_expiry(
     finally:
         drain_runs.close()
         store.close()
-    result = figures(admin, pg_schema, EVENTS, traces)
+    result = figures(admin, pg_schema, EVENTS, run.traces)
     order = order_figures(
-        pg_commits(admin, pg_schema), [*runs, tmp_path / "runs-drain.jsonl"], traces
+        pg_commits(admin, pg_schema), [*run.runs, tmp_path / "runs-drain.jsonl"], run.traces
     )
     wall = time.monotonic() - started
     with capsys.disabled():
         print(
             f"\n[faults:ordering-pg] {EVENTS} events, {order.keys} keys, {PUBLISHERS} publishers,"
-            f" {POLLERS} pollers, {kills} kills, {freezes} freezes, {wall:.1f}s: {order.line()}"
+            f" {POLLERS} pollers, {run.kills} kills, {run.freezes} freezes, {wall:.1f}s: {order.line()}"
             f" {result.line()}"
         )
-    assert [p["errors"] for p in published] == [[]] * PUBLISHERS, published
-    assert sum(len(p["ids"]) for p in published) == EVENTS
-    assert (kills, freezes) == (KILLS, FREEZES)
+    assert [p["errors"] for p in run.published] == [[]] * PUBLISHERS, run.published
+    assert sum(len(p["ids"]) for p in run.published) == EVENTS
+    assert (run.kills, run.freezes) == (KILLS, FREEZES)
     assert (order.order, order.overlap, order.unrun) == (0, 0, 0)
     assert order.retries > 0  # the injected failures happened, and were retried
     assert order.expired > 0  # and leases ran out under killed or frozen pollers
     assert result.invariants() == (0, 0, 0, 0, 0)
     assert result.dup_ext == 0  # no non-transactional handler here
-    assert exit_codes.count(0) == POLLERS
-    assert set(exit_codes) <= {0, -9}
+    assert run.exit_codes.count(0) == POLLERS
+    assert set(run.exit_codes) <= {0, -9}
 
 
 def _settled(store: PostgresStore) -> bool:

@@ -21,14 +21,14 @@ import pytest
 
 from outboxkit_sqlite import SQLiteStore
 from tests.faults._harness import drain_until_done
-from tests.faults._harness_sqlite import figures, integrity, open_outbox_file, wait_until
+from tests.faults._harness_sqlite import figures, integrity, open_outbox_file
 from tests.faults._ordering import (
     OrderingFleet,
     RunLog,
-    chaos,
     create_sqlite_tables,
     order_figures,
     outbox_for,
+    run_fleet,
     sqlite_commits,
     sqlite_ledger,
 )
@@ -56,31 +56,25 @@ def test_key_order_under_sigkill_and_lease_expiry(
     url, store_options = open_outbox_file(path)
     create_sqlite_tables(path)
     options = {"batch_size": BATCH, "lease": LEASE, "interval": 0.1}
-    with OrderingFleet(
-        url, "", tmp_path, options, sqlite_options=store_options, max_seconds=2 * TIMEOUT
-    ) as fleet:
-        for _ in range(POLLERS):
-            fleet.spawn()
-        assert fleet.wait_ready(60), "poller processes did not start"
-        deadline = time.time() + TIMEOUT
-        for seed in range(PUBLISHERS):
-            fleet.publish(seed, EVENTS // PUBLISHERS, deadline)
-        chaos(
+    with (
+        SQLiteStore(path) as watcher,
+        OrderingFleet(
+            url, "", tmp_path, options, sqlite_options=store_options, max_seconds=2 * TIMEOUT
+        ) as fleet,
+    ):
+        run = run_fleet(
             fleet,
+            lambda: _settled(watcher),
+            pollers=POLLERS,
+            publishers=PUBLISHERS,
+            events=EVENTS,
             kills=KILLS,
             freezes=FREEZES,
             every=FAULT_EVERY,
             freeze_for=LEASE + 1.0,
-            rng=rng,
             timeout=TIMEOUT,
+            rng=rng,
         )
-        published = fleet.published()
-        with SQLiteStore(path) as watcher:
-            # The fleet delivers the rest by itself (bounded): the kills were the faults.
-            wait_until(lambda: _settled(watcher), TIMEOUT, step=0.5)
-        exit_codes = fleet.shutdown()
-        kills, freezes = fleet.kills, fleet.freezes
-        traces, runs = fleet.traces(), fleet.runs()
     checked = integrity(path)
     drain_log = tmp_path / "runs-drain.jsonl"
     drain_runs = RunLog(drain_log)
@@ -91,26 +85,26 @@ def test_key_order_under_sigkill_and_lease_expiry(
             )
     finally:
         drain_runs.close()
-    result = figures(path, EVENTS, traces)
-    order = order_figures(sqlite_commits(path), [*runs, drain_log], traces)
+    result = figures(path, EVENTS, run.traces)
+    order = order_figures(sqlite_commits(path), [*run.runs, drain_log], run.traces)
     wall = time.monotonic() - started
     with capsys.disabled():
         print(
             f"\n[faults:ordering-sqlite] {EVENTS} events, {order.keys} keys, {PUBLISHERS}"
-            f" publishers, {POLLERS} pollers, {kills} kills, {freezes} freezes, {wall:.1f}s:"
+            f" publishers, {POLLERS} pollers, {run.kills} kills, {run.freezes} freezes, {wall:.1f}s:"
             f" {order.line()} {result.line()}"
         )
     assert checked == "ok"
-    assert [p["errors"] for p in published] == [[]] * PUBLISHERS, published
-    assert sum(len(p["ids"]) for p in published) == EVENTS
-    assert (kills, freezes) == (KILLS, FREEZES)
+    assert [p["errors"] for p in run.published] == [[]] * PUBLISHERS, run.published
+    assert sum(len(p["ids"]) for p in run.published) == EVENTS
+    assert (run.kills, run.freezes) == (KILLS, FREEZES)
     assert (order.order, order.overlap, order.unrun) == (0, 0, 0)
     assert order.retries > 0  # the injected failures happened, and were retried
     assert order.expired > 0  # and leases ran out under killed or frozen pollers
     assert result.invariants() == (0, 0, 0, 0, 0)
     assert result.dup_ext == 0  # no non-transactional handler here
-    assert exit_codes.count(0) == POLLERS
-    assert set(exit_codes) <= {0, -9}
+    assert run.exit_codes.count(0) == POLLERS
+    assert set(run.exit_codes) <= {0, -9}
 
 
 def _settled(store: SQLiteStore) -> bool:
