@@ -234,26 +234,35 @@ RETURNING id, (SELECT pg_notify(%(channel)s, '') WHERE %(notify)s::boolean)
 -- first, skipping rows another claimer or a delivery transaction holds; the LIMIT applies
 -- there, so the UPDATE can never touch more rows than the batch. The subselect brings back
 -- the handlers already recorded, so Claim.done needs no second round trip. R15: a keyed event
--- only while no earlier event of its key (by key_seq, its commit order, see migration_3) is
--- unpublished and not dead (with %(hold)s: unpublished): one probe of key_index per keyed
--- candidate, and a claim holds at most one event of a key.
+-- only while it is its key's head, the lowest key_seq (its commit order, see migration_3) of
+-- the key's events that are unpublished and not dead (with %(hold)s: unpublished), so a claim
+-- holds at most one event of a key. The head is a LATERAL subquery on the key alone (one probe
+-- of key_index), not a NOT EXISTS on (key, key_seq): the planner can then memoize it per key,
+-- and the events waiting behind a head cost a cache hit each instead of a probe (a key's
+-- waiting events are often neighbours in due order: 100,000 due events in 10,000 keys of 10
+-- consecutive ones, 891 of the 991 rows walked for a batch of 100 were hits, measured). A
+-- LATERAL with a LIMIT can only run as a parameterized nested loop, so the plan never turns
+-- into a join over the whole table. A keyed event without key_seq keeps its old rule (never
+-- blocked).
 WITH due AS MATERIALIZED (
-    SELECT id
-      FROM {events}
-     WHERE published_at IS NULL
-       AND failed_at IS NULL
-       AND available_at <= coalesce(%(now)s::timestamptz, now())
-       AND (locked_until IS NULL OR locked_until <= coalesce(%(now)s::timestamptz, now()))
-       AND (key IS NULL OR NOT EXISTS (
-             SELECT 1
+    SELECT e.id
+      FROM {events} AS e
+      LEFT JOIN LATERAL (
+             SELECT b.key_seq AS head
                FROM {events} AS b
-              WHERE b.key = {events}.key
-                AND b.key_seq < {events}.key_seq
+              WHERE b.key = e.key
                 AND b.published_at IS NULL
-                AND (b.failed_at IS NULL OR %(hold)s::boolean)))
-     ORDER BY available_at, id
+                AND (b.failed_at IS NULL OR %(hold)s::boolean)
+              ORDER BY b.key_seq
+              LIMIT 1) AS h ON e.key IS NOT NULL
+     WHERE e.published_at IS NULL
+       AND e.failed_at IS NULL
+       AND e.available_at <= coalesce(%(now)s::timestamptz, now())
+       AND (e.locked_until IS NULL OR e.locked_until <= coalesce(%(now)s::timestamptz, now()))
+       AND (e.key IS NULL OR e.key_seq IS NULL OR e.key_seq <= h.head)
+     ORDER BY e.available_at, e.id
      LIMIT %(batch_size)s
-       FOR UPDATE SKIP LOCKED
+       FOR UPDATE OF e SKIP LOCKED
 )
 UPDATE {events} AS e
    SET locked_until = coalesce(%(now)s::timestamptz, now()) + %(lease)s::interval,

@@ -30,6 +30,7 @@ from outboxkit import (
     StoreUnavailable,
     ThreadWaiter,
 )
+from outboxkit.core.model import DeadKey
 from outboxkit.store import SettleItem
 from outboxkit.testing import Recorder
 
@@ -70,8 +71,15 @@ class LoggingStore(MemoryStore):
         super().__init__()
         self.log: list[tuple[str, int, str]] = []  # (what, event id, token)
 
-    def claim(self, *, batch_size: int, lease: timedelta, now: datetime | None) -> list[Claim]:
-        claims = super().claim(batch_size=batch_size, lease=lease, now=now)
+    def claim(
+        self,
+        *,
+        batch_size: int,
+        lease: timedelta,
+        now: datetime | None,
+        dead_key: DeadKey = "release",
+    ) -> list[Claim]:
+        claims = super().claim(batch_size=batch_size, lease=lease, now=now, dead_key=dead_key)
         self.log.extend(("claim", c.event.id, c.token) for c in claims)
         return claims
 
@@ -381,11 +389,18 @@ class FailingClaims:
         self._errors = list(errors)
         self.claim_calls = 0
 
-    def claim(self, *, batch_size: int, lease: timedelta, now: datetime | None) -> list[Claim]:
+    def claim(
+        self,
+        *,
+        batch_size: int,
+        lease: timedelta,
+        now: datetime | None,
+        dead_key: DeadKey = "release",
+    ) -> list[Claim]:
         self.claim_calls += 1
         if self._errors:
             raise self._errors.pop(0)
-        return self._inner.claim(batch_size=batch_size, lease=lease, now=now)
+        return self._inner.claim(batch_size=batch_size, lease=lease, now=now, dead_key=dead_key)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)

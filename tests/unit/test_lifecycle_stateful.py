@@ -61,6 +61,7 @@ from outboxkit import (
     hookimpl,
 )
 from outboxkit.core.machine import DeadLetter, Publish, Retry, decide_settlement, handlers_to_run
+from outboxkit.core.model import DeadKey
 from outboxkit.store import settle_one
 
 # topic -> its handlers as (name, transactional), in subscription order
@@ -94,8 +95,15 @@ class SpyStore(MemoryStore):
         super().__init__()
         self.claim_log: list[Claim] = []
 
-    def claim(self, *, batch_size: int, lease: timedelta, now: datetime | None) -> list[Claim]:
-        claims = super().claim(batch_size=batch_size, lease=lease, now=now)
+    def claim(
+        self,
+        *,
+        batch_size: int,
+        lease: timedelta,
+        now: datetime | None,
+        dead_key: DeadKey = "release",
+    ) -> list[Claim]:
+        claims = super().claim(batch_size=batch_size, lease=lease, now=now, dead_key=dead_key)
         self.claim_log.extend(claims)
         return claims
 

@@ -414,7 +414,7 @@ def test_custom_names(pg_url: str) -> None:
                 tables = conn.execute(
                     "SELECT tablename FROM pg_tables WHERE schemaname = %s ORDER BY 1", (schema,)
                 ).fetchall()
-            assert tables == [("app_deliveries",), ("app_schema",), ("evts",)]
+            assert tables == [("app_deliveries",), ("app_schema",), ("evts",), ("evts_keys",)]
         finally:
             store.close()
 

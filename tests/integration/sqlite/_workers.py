@@ -22,7 +22,7 @@ from typing import Any
 
 from outboxkit import EventBus, Message, Outbox, open_store
 from outboxkit.core.machine import Settlement
-from outboxkit.core.model import Claim
+from outboxkit.core.model import Claim, DeadKey
 from outboxkit_sqlite import SQLiteStore
 
 LEDGER_SQL = (
@@ -50,8 +50,15 @@ class ClaimLog(SQLiteStore):
         if window is not None:
             window["until"] = time.time()
 
-    def claim(self, *, batch_size: int, lease: timedelta, now: datetime | None) -> list[Claim]:
-        claims = super().claim(batch_size=batch_size, lease=lease, now=now)
+    def claim(
+        self,
+        *,
+        batch_size: int,
+        lease: timedelta,
+        now: datetime | None,
+        dead_key: DeadKey = "release",
+    ) -> list[Claim]:
+        claims = super().claim(batch_size=batch_size, lease=lease, now=now, dead_key=dead_key)
         held_from = time.time()
         for c in claims:
             self.windows[c.token] = {"event": c.event.id, "from": held_from, "until": None}
