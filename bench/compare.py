@@ -365,7 +365,9 @@ def _bare_worker(job: Job, barrier: Barrier) -> Drained:
     c = job.contender
     store = PostgresStore(job.target, schema=job.schema, notify=False)
     q = store._queries
-    claim_params = {"now": None, "batch_size": c.batch_size, "lease": "30 seconds"}
+    _, claim_params = store._claim_query(
+        c.batch_size, datetime.timedelta(seconds=30), None, "release"
+    )
     handled = 0
     with psycopg.connect(job.target, autocommit=True) as conn:
         barrier.wait()

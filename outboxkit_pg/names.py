@@ -83,6 +83,11 @@ class Names:
         validate_table_names(self.events, self.deliveries, self.versions, derived=_derived)
         validate_identifier(self.channel, "channel")
 
+    @property
+    def keys(self) -> str:
+        """The per-key numbering table (R15), named after the events table."""
+        return _index_name(self.events, "keys")
+
     def slots(self) -> dict[str, sql.Composable]:
         """What fills the ``{...}`` slots of the templates."""
         return {
@@ -95,7 +100,7 @@ class Names:
             "dead_index": sql.Identifier(_index_name(self.events, "dead")),
             "guard_function": sql.Identifier(self.schema, _index_name(self.events, "guard")),
             "guard_trigger": sql.Identifier(_index_name(self.events, "guard")),
-            "keys": sql.Identifier(self.schema, _index_name(self.events, "keys")),
+            "keys": sql.Identifier(self.schema, self.keys),
             "key_index": sql.Identifier(_index_name(self.events, "key_order")),
             "dedupe_index": sql.Identifier(_index_name(self.events, "dedupe")),
             "channel": sql.Identifier(self.channel),

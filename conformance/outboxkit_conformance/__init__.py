@@ -32,8 +32,9 @@ The tests are split by concern, one mixin per module, which ``StoreConformance``
 ``EnqueueTests`` (``_enqueue``), ``ClaimTests`` (``_claim``), ``DeliveryTests`` (``_delivery``),
 ``SettleTests`` (``_settle``), ``BatchTests`` (``_batch``), ``OperationsTests``
 (``_operations``), ``TimeTests`` (``_time``), ``TextTests`` (``_text``), ``ConcurrencyTests``
-(``_concurrency``) and ``LifecycleTests`` (``_lifecycle``). A store still in the making may
-subclass a few of them instead.
+(``_concurrency``), ``LifecycleTests`` (``_lifecycle``) and, since 1.4.0, ``OrderingTests``
+(``_ordering``: per-key order, ``dead_key``, dedupe keys, ``available_at``; ``Store.claim``
+takes ``dead_key``). A store still in the making may subclass a few of them instead.
 """
 
 from __future__ import annotations

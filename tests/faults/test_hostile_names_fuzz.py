@@ -474,7 +474,12 @@ def test_pg_valid_edge_names_work(
             " WHERE n.nspname = %s AND c.relkind = 'r'",
             (schema,),
         ).fetchall()
-        assert {t for (t,) in tables} == {names.events, names.deliveries, names.versions}
+        assert {t for (t,) in tables} == {
+            names.events,
+            names.deliveries,
+            names.versions,
+            names.keys,
+        }
     finally:
         admin.execute("UNLISTEN *")
         store.close()

@@ -26,6 +26,7 @@ MIXINS = [
     suite.TextTests,
     suite.ConcurrencyTests,
     suite.LifecycleTests,
+    suite.OrderingTests,
 ]
 
 

@@ -16,7 +16,7 @@ import pytest
 from psycopg import errors, sql
 from psycopg.conninfo import make_conninfo
 
-from outboxkit import Event, EventBus, Outbox, StoreError
+from outboxkit import Event, EventBus, Message, Outbox, StoreError
 from outboxkit_pg import PostgresStore
 
 from .conftest import fresh_schema
@@ -40,6 +40,11 @@ def grant_poller(conn: psycopg.Connection[Any], schema: str, role: str) -> None:
     conn.execute(
         sql.SQL("GRANT SELECT ON {} TO {}").format(sql.Identifier(schema, "outbox_schema"), r)
     )
+    conn.execute(
+        sql.SQL("GRANT SELECT, INSERT, UPDATE ON {} TO {}").format(
+            sql.Identifier(schema, "outbox_events_keys"), r
+        )
+    )
 
 
 def grant_app(conn: psycopg.Connection[Any], schema: str, role: str) -> None:
@@ -47,7 +52,12 @@ def grant_app(conn: psycopg.Connection[Any], schema: str, role: str) -> None:
     s, r = sql.Identifier(schema), sql.Identifier(role)
     events = sql.Identifier(schema, "outbox_events")
     conn.execute(sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(s, r))
-    conn.execute(sql.SQL("GRANT INSERT, SELECT (id) ON {} TO {}").format(events, r))
+    conn.execute(sql.SQL("GRANT INSERT, SELECT (id, dedupe_key) ON {} TO {}").format(events, r))
+    conn.execute(
+        sql.SQL("GRANT SELECT, INSERT, UPDATE ON {} TO {}").format(
+            sql.Identifier(schema, "outbox_events_keys"), r
+        )
+    )
     conn.execute(
         sql.SQL("GRANT SELECT ON {} TO {}").format(sql.Identifier(schema, "outbox_schema"), r)
     )
@@ -95,8 +105,13 @@ def test_poller_role_drains_with_dml_grants_only(
             app_store = PostgresStore(as_role(pg_url, app), schema=schema)
             stores.append(app_store)
             with psycopg.connect(as_role(pg_url, app)) as conn, conn.transaction():
-                ids = Outbox(app_store).enqueue_many(conn, [("order", {"n": n}) for n in range(50)])
-            assert len(ids) == 50
+                ids = Outbox(app_store).enqueue_many(conn, [("order", {"n": n}) for n in range(48)])
+                # keyed (the keys table) and deduplicated (the dedupe look-up), with the
+                # README's grants
+                keyed = Message("order", {"n": 48}, key="k", dedupe_key="order-48")
+                ids += Outbox(app_store).enqueue_many(conn, [keyed, keyed])
+                ids.append(Outbox(app_store).enqueue(conn, "order", {"n": 49}, key="k"))
+            assert len(set(ids)) == 50
             with pytest.raises(StoreError, match="permission denied"):
                 app_store.claim(batch_size=1, lease=timedelta(seconds=30), now=None)
 
