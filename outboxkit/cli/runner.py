@@ -556,6 +556,8 @@ def _poll_here(
     summary = _Summary(outbox, throughput, settings.log_every.total_seconds())
     with _signals(stopping.on_signal):
         worker = threading.Thread(target=work, name="outboxkit-poller", daemon=True)
+        if progress is not None:
+            progress.maybe_show()  # drawn at once, however soon the drain ends
         worker.start()
         while not done.wait(_TICK):
             stopping.check()
