@@ -102,6 +102,26 @@ def test_status_shows_leases_in_flight(
     assert "in-flight leases: 1" in human
 
 
+def test_status_shows_keys_held_by_a_dead_event(cli: Cli, target: Target, store: Store) -> None:
+    from outboxkit import EventBus, Outbox
+
+    bus = EventBus()
+
+    @bus.handler("order.placed", name="h")
+    def fail(event: object, ctx: object) -> None:
+        raise RuntimeError("down")
+
+    outbox = Outbox(store, bus, max_retries=0, dead_key="hold", load_entry_points=False)
+    with store.transaction() as conn:
+        outbox.enqueue(conn, "order.placed", {"n": 1}, key="order-1")
+        outbox.enqueue(conn, "order.placed", {"n": 2}, key="order-1")
+    assert len(outbox.poller().run_once().dead_lettered) == 1  # the key's head; the key waits
+    data = json.loads(cli("status", "--json", *target.cli_args()).stdout)
+    assert (data["held_keys"], data["dead"], data["pending"]) == (1, 1, 1)
+    human = cli("status", *target.cli_args()).stdout
+    assert "keys with a dead event: 1 " in human
+
+
 def test_ops_find_the_store_by_app_or_environment(
     cli: Cli, target: Target, app: App, seeded: Seeded
 ) -> None:
