@@ -260,7 +260,7 @@ class AsyncDelivery(Transaction[AsyncConnection]):
         try:
             flow.opened(await _sync(flow.conn, flow.opening()))
         except BaseException as exc:
-            error = flow.open_error = flow.error_for(exc)
+            error = flow.open_failed(exc)
             if error is exc:
                 raise
             raise error from exc

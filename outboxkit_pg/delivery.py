@@ -129,7 +129,7 @@ def open_flow(flow: Flow[Connection]) -> None:
     try:
         flow.opened(_sync(flow.conn, flow.opening()))
     except BaseException as exc:
-        error = flow.open_error = flow.error_for(exc)
+        error = flow.open_failed(exc)
         if error is exc:
             raise
         raise error from exc

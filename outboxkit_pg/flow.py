@@ -192,6 +192,12 @@ class Flow(Generic[C]):
         self.is_open = True
         self._phase = _HANDLER
 
+    def open_failed(self, exc: BaseException) -> BaseException:
+        """The error the failed opening ``exc`` is (``error_for``), kept as the delivery's
+        error (``open_error``) whatever the handler that asked for the connection makes of it."""
+        self.open_error = self.error_for(exc)
+        return self.open_error
+
     def must_open(self) -> bool:
         """Whether the transaction must be opened before it can end: it is not open yet, and
         its end is not the single record that ``closing`` fences in one statement (or, in a
