@@ -20,6 +20,7 @@ Order: a pipeline's commands run in order, so a stream gets a batch's events in 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -92,10 +93,12 @@ class RedisRelay(BrokerRelay["redis.asyncio.Redis"]):
         from redis.backoff import NoBackoff
 
         # No retry inside the client: a pipeline sent again after a broken connection would
-        # add its entries twice without the relay knowing; the relay retries, per event.
+        # add its entries twice without the relay knowing; the relay retries, per event. No
+        # socket_timeout either: redis-py would then arm a timer for each reply it reads;
+        # ``_send`` bounds the batch's replies as a whole instead.
         client: redis.asyncio.Redis = module.asyncio.Redis.from_url(
             self.url,
-            socket_timeout=self.confirm_timeout,
+            socket_connect_timeout=self.confirm_timeout,
             retry=Retry(NoBackoff(), 0),
             client_name=self.client_name,
         )
@@ -113,7 +116,7 @@ class RedisRelay(BrokerRelay["redis.asyncio.Redis"]):
                 maxlen=self.maxlen,
                 approximate=True,
             )
-        replies = await pipe.execute(raise_on_error=False)
+        replies = await asyncio.wait_for(pipe.execute(raise_on_error=False), self.confirm_timeout)
         return [self._answer(m, r) for m, r in zip(messages, replies, strict=True)]
 
     def _refusal(self, message: RelayMessage, exc: Exception) -> RelayError | None:

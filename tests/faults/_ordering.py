@@ -377,6 +377,44 @@ class OrderingFleet(Fleet):
         super().__exit__(*exc)
 
 
+def holding(fleet: OrderingFleet) -> list[Any]:
+    """The live pollers holding a claim now, by their traces: claimed, neither settled nor
+    released yet (a fault there leaves a lease to run out)."""
+    busy = []
+    for index, process in enumerate(fleet.processes):
+        if not process.is_alive():
+            continue
+        path = fleet.trace_dir / f"poller-{index}.jsonl"
+        if not path.exists():
+            continue
+        open_tokens: set[str] = set()
+        for raw in path.read_text(encoding="utf-8").splitlines():
+            try:
+                line = json.loads(raw)
+            except ValueError:  # a line being written
+                continue
+            if line["kind"] == "claim":
+                open_tokens.add(line["token"])
+            elif line["kind"] in ("settle", "release"):
+                open_tokens.discard(line["token"])
+        if open_tokens:
+            busy.append(process)
+    return busy
+
+
+def holding_victim(fleet: OrderingFleet, rng: random.Random, *, within: float) -> Any:
+    """A poller to fault: one holding a claim, looked for during ``within`` seconds (a fault
+    on an idle poller would leave no lease to expire), else any live one."""
+    deadline = time.monotonic() + within
+    pause = threading.Event()
+    while time.monotonic() < deadline:
+        busy = holding(fleet)
+        if busy:
+            return rng.choice(busy)
+        pause.wait(0.02)  # the fault schedule, not a check
+    return rng.choice(fleet.live())
+
+
 def chaos(
     fleet: OrderingFleet,
     *,
@@ -397,7 +435,7 @@ def chaos(
     while plan and time.monotonic() < deadline:
         pause.wait(every)  # the fault schedule, not a check
         fault = plan.pop()
-        victim = rng.choice(fleet.live())
+        victim = holding_victim(fleet, rng, within=every)
         if fault == "kill":
             fleet.kill(victim)
             fleet.spawn()
