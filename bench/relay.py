@@ -16,7 +16,12 @@ For each broker (RabbitMQ, NATS JetStream, Redis Streams), in one process, on Po
   publish the event and await its confirm, one by one, under the default per-event poller;
   over ``--events / 10`` events (it is slow), compared by rate.
 
-Only the drain is timed (enqueue and setup excluded). Each round runs the three, the order
+- **rules floor** (not a reference, reported apart): the bare database doing the writes
+  outboxkit's rules ask for (a committed lease at claim, a delivery record per event, a
+  settlement fenced by token), with the minimal loop's publisher: how much of the minimal
+  loop's lead is the rules' own work.
+
+Only the drain is timed (enqueue and setup excluded). Each round runs them all, the order
 rotating from round to round; the figures are the median events/s of each, and the ratios
 outboxkit / minimal loop and outboxkit / one at a time.
 
@@ -232,6 +237,15 @@ async def run_outboxkit_asyncio(pg_url: str, broker: Broker, events: int, batch:
     return await run_outboxkit(pg_url, broker, events, batch, asyncio_poller=True)
 
 
+def fill(conn: psycopg.Connection[Any], table: sql.Identifier, topic: str, events: int) -> None:
+    """``events`` rows of ``topic`` into a bare loop's table, in one transaction."""
+    with conn.cursor() as cur, conn.transaction():
+        cur.executemany(
+            sql.SQL("INSERT INTO {} (topic, payload) VALUES (%s, %s)").format(table),
+            [(topic, json.dumps(payload(i))) for i in range(events)],
+        )
+
+
 async def run_minimal(pg_url: str, broker: Broker, events: int, batch: int) -> float:
     with pg_schema(pg_url, "bench_relay_min") as schema:
         table = sql.Identifier(schema, "m_events")
@@ -243,12 +257,7 @@ async def run_minimal(pg_url: str, broker: Broker, events: int, batch: int) -> f
                     "published_at timestamptz)"
                 ).format(table)
             )
-            topic = f"{broker.prefix}.order.placed"
-            with conn.cursor() as cur, conn.transaction():
-                cur.executemany(
-                    sql.SQL("INSERT INTO {} (topic, payload) VALUES (%s, %s)").format(table),
-                    [(topic, json.dumps(payload(i))) for i in range(events)],
-                )
+            fill(conn, table, f"{broker.prefix}.order.placed", events)
         select = sql.SQL(
             "SELECT id, topic, payload::text, headers::text FROM {} WHERE published_at IS NULL "
             "ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED"
@@ -263,6 +272,78 @@ async def run_minimal(pg_url: str, broker: Broker, events: int, batch: int) -> f
                         break
                     await broker.publish_batch(rows)
                     await aconn.execute(mark, ([r[0] for r in rows],))
+            elapsed = time.perf_counter() - started
+    return events / elapsed
+
+
+async def run_rules_floor(pg_url: str, broker: Broker, events: int, batch: int) -> float:
+    """Not a reference: the bare database doing the writes outboxkit's rules ask for, with the
+    same publisher as the minimal loop, to say where the minimal loop's lead comes from. The
+    claim is a committed lease (R3: the attempt counted, a token); after the confirms, one
+    transaction writes a delivery record per event (R6) and settles the batch fenced by the
+    tokens (R8). Its tables are outboxkit's shapes (the due index, the records' primary key)
+    without the records' foreign key."""
+    with pg_schema(pg_url, "bench_relay_floor") as schema:
+        table = sql.Identifier(schema, "f_events")
+        records = sql.Identifier(schema, "f_records")
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            conn.execute(
+                sql.SQL(
+                    "CREATE TABLE {} (id bigserial PRIMARY KEY, topic text NOT NULL, "
+                    "payload jsonb NOT NULL, headers jsonb NOT NULL DEFAULT '{{}}', "
+                    "available_at timestamptz NOT NULL DEFAULT now(), "
+                    "attempts integer NOT NULL DEFAULT 0, locked_until timestamptz, "
+                    "claim_token uuid, published_at timestamptz) WITH (fillfactor = 80)"
+                ).format(table)
+            )
+            conn.execute(
+                sql.SQL("CREATE INDEX ON {} (available_at, id) WHERE published_at IS NULL").format(
+                    table
+                )
+            )
+            conn.execute(
+                sql.SQL(
+                    "CREATE TABLE {} (event_id bigint NOT NULL, handler text NOT NULL, "
+                    "outcome text NOT NULL, attempt integer NOT NULL, "
+                    "recorded_at timestamptz NOT NULL DEFAULT now(), "
+                    "PRIMARY KEY (event_id, handler))"
+                ).format(records)
+            )
+            fill(conn, table, f"{broker.prefix}.order.placed", events)
+        claim = sql.SQL(
+            "UPDATE {t} AS e SET locked_until = now() + interval '30 seconds', "
+            "attempts = e.attempts + 1, claim_token = gen_random_uuid() "
+            "FROM (SELECT id FROM {t} WHERE published_at IS NULL AND available_at <= now() "
+            "AND (locked_until IS NULL OR locked_until <= now()) ORDER BY available_at, id "
+            "LIMIT %s FOR UPDATE SKIP LOCKED) AS due WHERE e.id = due.id "
+            "RETURNING e.id, e.topic, e.payload::text, e.headers::text, e.claim_token, e.attempts"
+        ).format(t=table)
+        record = sql.SQL(
+            "INSERT INTO {r} (event_id, handler, outcome, attempt) "
+            "SELECT e.id, 'relay', 'succeeded', r.attempt "
+            "FROM unnest(%s::bigint[], %s::uuid[], %s::integer[]) AS r (id, token, attempt) "
+            "JOIN {t} AS e ON e.id = r.id AND e.claim_token = r.token"
+        ).format(r=records, t=table)
+        settle = sql.SQL(
+            "UPDATE {t} AS e SET published_at = now(), locked_until = NULL, claim_token = NULL "
+            "FROM unnest(%s::bigint[], %s::uuid[]) AS r (id, token) "
+            "WHERE e.id = r.id AND e.claim_token = r.token"
+        ).format(t=table)
+        async with await psycopg.AsyncConnection.connect(pg_url, autocommit=True) as aconn:
+            started = time.perf_counter()
+            while True:
+                rows = await (await aconn.execute(claim, (batch,))).fetchall()
+                if not rows:
+                    break
+                await broker.publish_batch([(r[0], r[1], r[2], r[3]) for r in rows])
+                ids, tokens, attempts = (
+                    [r[0] for r in rows],
+                    [r[4] for r in rows],
+                    [r[5] for r in rows],
+                )
+                async with aconn.transaction():
+                    await aconn.execute(record, (ids, tokens, attempts))
+                    await aconn.execute(settle, (ids, tokens))
             elapsed = time.perf_counter() - started
     return events / elapsed
 
@@ -297,6 +378,7 @@ CONTENDERS: dict[str, Callable[[str, Broker, int, int], Awaitable[float]]] = {
     "outboxkit async": run_outboxkit_asyncio,
     "minimal loop": run_minimal,
     "one at a time": run_one_at_a_time,
+    "rules floor": run_rules_floor,
 }
 
 
@@ -346,7 +428,10 @@ def main() -> None:
             f"ratio vs minimal {med['outboxkit'] / med['minimal loop']:.2f}x  "
             f"vs one at a time {med['outboxkit'] / med['one at a time']:.1f}x\n"
             f"{'':8}  asyncio poller {med['outboxkit async']:9,.0f}/s  "
-            f"ratio vs minimal {med['outboxkit async'] / med['minimal loop']:.2f}x"
+            f"ratio vs minimal {med['outboxkit async'] / med['minimal loop']:.2f}x\n"
+            f"{'':8}  rules floor (bare SQL, not a reference) {med['rules floor']:9,.0f}/s  "
+            f"= {med['rules floor'] / med['minimal loop']:.2f}x the minimal loop; "
+            f"outboxkit {med['outboxkit'] / med['rules floor']:.2f}x the floor"
         )
     print("\nmedians:")
     for line in summary:

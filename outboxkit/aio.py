@@ -34,7 +34,7 @@ from .errors import (
     SchemaError,
     StoreError,
 )
-from .store import AsyncDeliveries, AsyncStore
+from .store import AsyncDeliveries, AsyncStore, record_each_async
 from .waiter import AsyncClosingWaiter, AsyncWaiter, LoopWaiter
 
 if TYPE_CHECKING:
@@ -97,6 +97,9 @@ class AsyncPoller(handling.Shell):
         if waiter is None:
             self._owned = self.store.make_waiter()
         self.waiter: AsyncWaiter = waiter or self._owned or LoopWaiter()
+        # Set (and replaced) whenever a relay's publish ends: the workers whose events it held
+        # wait on it (``_relay``).
+        self._relay_answered = asyncio.Event()
 
     def _described(self) -> str:
         return f", concurrency={self.concurrency}"
@@ -210,17 +213,32 @@ class AsyncPoller(handling.Shell):
         events for a relay are still published together, by the worker that reaches the first
         (an event handed to the relay by another worker waits for that worker's answer)."""
         assert spec.relay is not None
+        outbox = self.outbox
+        while batch.is_handed(spec.name, run.claim):  # another worker is publishing it
+            await self._relay_answered.wait()
         if not batch.was_relayed(spec.name, run.claim):
-            claims = batch.relay_claims(spec.name, run, self.outbox.bus.names_for)
+            claims = batch.relay_claims(spec.name, run, outbox.bus.names_for)
             try:
-                answers: object = await spec.relay.publish([c.event for c in claims])
-            except Exception as exc:  # a relay's bug: every event fails with it
-                answers = [exc] * len(claims)
-            batch.relayed(spec.name, claims, handling.relay_answers(spec, len(claims), answers))
+                try:
+                    answers: object = await spec.relay.publish([c.event for c in claims])
+                except Exception as exc:  # a relay's bug: every event fails with it
+                    answers = [exc] * len(claims)
+                checked = handling.relay_answers(spec, len(claims), answers)
+                confirmed = [c for c, a in zip(claims, checked, strict=True) if a is None]
+                written = await record_each_async(
+                    deliveries, spec.name, confirmed, now=outbox.store_now()
+                )
+                batch.relayed(spec.name, claims, handling.relay_recorded(checked, written))
+            finally:
+                batch.unhanded(spec.name, claims)  # answered, or given up: no one waits on
+                self._relay_answered.set()
+                self._relay_answered = asyncio.Event()
         answer = batch.relay_result(spec.name, run.claim)
-        return await self._deliver(
-            deliveries, run.claim, handling.relayed(spec, answer, asyncio=True)
-        )
+        if isinstance(answer, Reject):  # not a broker's answer, but recorded as one
+            return await self._deliver(
+                deliveries, run.claim, handling.relayed(spec, answer, asyncio=True)
+            )
+        return handling.relay_delivery(outbox, run.claim, spec, answer)
 
     async def _keep_lease(
         self,

@@ -40,7 +40,7 @@ from .core.model import (
 from .core.options import PollerOptions
 from .core.payload import build_event
 from .core.text import describe_exception, storable
-from .errors import ConfigurationError, Reject, RelayError
+from .errors import ConfigurationError, LeaseLostError, Reject, RelayError
 from .waiter import Wakeable
 
 if TYPE_CHECKING:
@@ -66,6 +66,8 @@ __all__ = [
     "reason_of",
     "rejected",
     "relay_answers",
+    "relay_delivery",
+    "relay_recorded",
     "relayed",
     "started",
     "succeeded",
@@ -376,6 +378,36 @@ def relay_answers(spec: HandlerSpec, count: int, answers: object) -> list[Except
         "publish must return one None or Exception per event"
     )
     return [failure] * count
+
+
+def relay_recorded(
+    answers: Sequence[Exception | None], written: Sequence[bool]
+) -> list[Exception | None]:
+    """The broker's ``answers`` once the confirmed events' records were written
+    (``written``, one per ``None`` answer, in order): a confirm whose record the store refused
+    (its token was stale) becomes a ``LeaseLostError``."""
+    results: list[Exception | None] = []
+    recorded = iter(written)
+    for answer in answers:
+        if answer is None and not next(recorded):
+            answer = LeaseLostError("the lease was lost before the relay's record was written")
+        results.append(answer)
+    return results
+
+
+def relay_delivery(
+    outbox: Outbox, claim: Claim, spec: HandlerSpec, answer: Exception | None
+) -> Delivery:
+    """A relay's delivery of one event from what became of it (``relay_recorded``): recorded,
+    lost, or failed with the broker's answer; reported like any handler's run. (A ``Reject``
+    is recorded by the shell's own delivery path first.)"""
+    at = outbox.clock.now()
+    started(outbox, claim, spec, at)
+    if answer is None:
+        return succeeded(outbox, claim, spec, at)
+    if isinstance(answer, LeaseLostError):
+        return lost(claim, spec, at)
+    return failed(outbox, claim, spec, at, answer)
 
 
 def relayed(spec: HandlerSpec, answer: Exception | None, *, asyncio: bool) -> HandlerSpec:

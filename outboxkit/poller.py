@@ -28,7 +28,7 @@ from .errors import (
     SchemaError,
     StoreError,
 )
-from .store import Deliveries
+from .store import Deliveries, record_each
 from .waiter import ClosingWaiter, ThreadWaiter, Waiter
 
 if TYPE_CHECKING:
@@ -164,18 +164,28 @@ class Poller(handling.Shell):
         self, deliveries: Deliveries, batch: ClaimedBatch, run: EventRun, spec: HandlerSpec
     ) -> Delivery:
         """A relay's delivery of ``run``'s event: on the round's first event for the relay, it
-        publishes every one the batch holds for it together; each is then recorded in its turn
-        as a non-transactional handler's run (R7), delivered only if confirmed."""
+        publishes every one the batch holds for it together, and the confirmed ones are
+        recorded together, each fenced by its token, as non-transactional runs (R7:
+        ``record_each``; a batch keeps them for its settlement). Each event's delivery is then
+        reported in its turn: recorded, lost, or failed with the broker's answer."""
         assert spec.relay is not None
+        outbox = self.outbox
         if not batch.was_relayed(spec.name, run.claim):
-            claims = batch.relay_claims(spec.name, run, self.outbox.bus.names_for)
+            claims = batch.relay_claims(spec.name, run, outbox.bus.names_for)
             try:
                 answers: object = spec.relay.publish_blocking([c.event for c in claims])
             except Exception as exc:  # a relay's bug: every event fails with it
                 answers = [exc] * len(claims)
-            batch.relayed(spec.name, claims, handling.relay_answers(spec, len(claims), answers))
+            checked = handling.relay_answers(spec, len(claims), answers)
+            confirmed = [c for c, a in zip(claims, checked, strict=True) if a is None]
+            written = record_each(deliveries, spec.name, confirmed, now=outbox.store_now())
+            batch.relayed(spec.name, claims, handling.relay_recorded(checked, written))
         answer = batch.relay_result(spec.name, run.claim)
-        return self._deliver(deliveries, run.claim, handling.relayed(spec, answer, asyncio=False))
+        if isinstance(answer, Reject):  # not a broker's answer, but recorded as one
+            return self._deliver(
+                deliveries, run.claim, handling.relayed(spec, answer, asyncio=False)
+            )
+        return handling.relay_delivery(outbox, run.claim, spec, answer)
 
     def _keep_lease(self, deliveries: Deliveries, batch: ClaimedBatch, run: EventRun) -> bool:
         outbox = self.outbox

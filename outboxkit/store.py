@@ -45,6 +45,7 @@ from .core.model import (
     Outcome,
     Stats,
 )
+from .errors import LeaseLostError
 from .waiter import AsyncClosingWaiter, ClosingWaiter
 
 __all__ = [
@@ -53,12 +54,16 @@ __all__ = [
     "AsyncDeliveries",
     "AsyncDeliveryTransaction",
     "AsyncStore",
+    "AsyncRecordsMany",
     "BatchTransaction",
     "Capabilities",
     "Deliveries",
     "DeliveryTransaction",
+    "RecordsMany",
     "SettleItem",
     "Store",
+    "record_each",
+    "record_each_async",
     "settle_one",
 ]
 
@@ -446,3 +451,71 @@ def settle_one(
     """``settle_many`` for one event: whether it was settled (for operators and tests)."""
     (settled,) = deliveries.settle_many([(claim, settlement, error)], now=now)
     return settled
+
+
+# -- many records at once (optional) ----------------------------------------------------------
+
+
+@runtime_checkable
+class RecordsMany(Protocol):
+    """What ``Deliveries`` may also offer: the success records of many runs that used no
+    connection at once (a relay's confirmed publishes). The SQL stores' batches have it; the
+    shell does without it through ``record_each``."""
+
+    def record_many(
+        self, handler: str, claims: Sequence[Claim], *, now: datetime | None
+    ) -> list[bool]:
+        """Record ``handler`` as succeeded for each of ``claims``, each fenced by its claim's
+        token, as ``delivery`` + ``record`` would one by one.
+
+        Returns:
+            Per claim, False where its token was found stale (nothing written for it). A batch
+            keeps the records for its settlement and answers True: a stale token then shows
+            as a refused settlement, as with a delivery's kept record.
+        """
+        ...
+
+
+@runtime_checkable
+class AsyncRecordsMany(Protocol):
+    """``RecordsMany`` for ``AsyncDeliveries``."""
+
+    async def record_many(
+        self, handler: str, claims: Sequence[Claim], *, now: datetime | None
+    ) -> list[bool]: ...
+
+
+def record_each(
+    deliveries: Deliveries, handler: str, claims: Sequence[Claim], *, now: datetime | None
+) -> list[bool]:
+    """``RecordsMany.record_many`` through ``deliveries.delivery``, one claim at a time."""
+    if isinstance(deliveries, RecordsMany):
+        return deliveries.record_many(handler, claims, now=now)
+    written: list[bool] = []
+    for claim in claims:
+        try:
+            with deliveries.delivery(claim, now=now) as tx:
+                tx.record(handler, Outcome.SUCCEEDED)
+        except LeaseLostError:
+            written.append(False)
+        else:
+            written.append(True)
+    return written
+
+
+async def record_each_async(
+    deliveries: AsyncDeliveries, handler: str, claims: Sequence[Claim], *, now: datetime | None
+) -> list[bool]:
+    """``record_each`` for ``AsyncDeliveries``."""
+    if isinstance(deliveries, AsyncRecordsMany):
+        return await deliveries.record_many(handler, claims, now=now)
+    written: list[bool] = []
+    for claim in claims:
+        try:
+            async with deliveries.delivery(claim, now=now) as tx:
+                await tx.record(handler, Outcome.SUCCEEDED)
+        except LeaseLostError:
+            written.append(False)
+        else:
+            written.append(True)
+    return written

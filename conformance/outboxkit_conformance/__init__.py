@@ -35,6 +35,11 @@ The tests are split by concern, one mixin per module, which ``StoreConformance``
 (``_concurrency``), ``LifecycleTests`` (``_lifecycle``) and, since 1.4.0, ``OrderingTests``
 (``_ordering``: per-key order, ``dead_key``, dedupe keys, ``available_at``; ``Store.claim``
 takes ``dead_key``). A store still in the making may subclass a few of them instead.
+
+Since 1.5.0 ``LifecycleTests`` checks a relay end to end (one publish per batch in every mode,
+each confirm recorded once, the unconfirmed retried alone). A store's batch may offer
+``record_many`` (``outboxkit.store.RecordsMany``: a relay's confirms recorded together); the
+poller does without it, one ``delivery`` per confirm.
 """
 
 from __future__ import annotations
@@ -78,7 +83,7 @@ __all__ = [
     "load_factory",
 ]
 
-SUITE_VERSION = "1.4.0"
+SUITE_VERSION = "1.5.0"
 
 
 class StoreConformance(

@@ -11,7 +11,9 @@ Every check runs in every delivery mode of the ``outbox`` fixture of ``Conforman
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -29,6 +31,7 @@ from outboxkit import (
     Outcome,
     Published,
     Reject,
+    RelayError,
     RetryScheduled,
     Store,
     Unrouted,
@@ -203,6 +206,36 @@ class LifecycleTests(ConformanceBase):
         assert record.outcome is Outcome.SUCCEEDED
         assert self.follow_ups(store, clock, "mail.sent") == 1
 
+    def test_r7_a_relay_publishes_a_batch_once_and_records_each_confirm(
+        self, store: Store, outbox: Outbox, bus: EventBus, clock: FrozenClock
+    ) -> None:
+        """A relay gets the batch's events together (in every mode, ``concurrency`` too: one
+        publish per batch); each confirmed event is recorded once (the store's ``record_many``
+        where it has one), an unconfirmed one is retried alone."""
+        relay = _Relay(refuse_once={"r.third"})
+        bus.relay(relay, topics=["r.*"], name="relay")
+        topics = ["r.first", "r.second", "r.third", "r.fourth"]
+        ids = [self.enqueue(store, outbox, topic, {"n": n}) for n, topic in enumerate(topics)]
+        report = outbox.poller(batch_size=10).run_once()
+        assert relay.calls == [topics]
+        assert sorted(report.published) == sorted([ids[0], ids[1], ids[3]])
+        assert report.retried == [ids[2]]
+        for event_id in (ids[0], ids[1], ids[3]):
+            (record,) = store.records(event_id)
+            assert (record.handler, record.outcome, record.attempt) == (
+                "relay",
+                Outcome.SUCCEEDED,
+                1,
+            )
+        assert store.records(ids[2]) == []
+        failed = store.get(ids[2])
+        assert failed is not None and failed.last_error is not None
+        assert "refused r.third" in failed.last_error
+        clock.advance(60)
+        assert outbox.poller(batch_size=10).run_once().published == [ids[2]]
+        assert relay.calls == [topics, ["r.third"]]
+        assert [r.attempt for r in store.records(ids[2])] == [2]
+
     def test_r8_r11_dead_letter_after_max_retries(
         self, store: Store, outbox: Outbox, bus: EventBus, clock: FrozenClock, recorder: Recorder
     ) -> None:
@@ -349,3 +382,30 @@ class LifecycleTests(ConformanceBase):
 
 def _fail(event: Event, ctx: Any) -> None:
     raise RuntimeError("always")
+
+
+class _Relay:
+    """A relay that confirms every event but those of ``refuse_once``'s topics the first time,
+    and notes each publish's topics."""
+
+    def __init__(self, refuse_once: set[str]) -> None:
+        self.refuse_once = set(refuse_once)
+        self.calls: list[list[str]] = []
+
+    def publish_blocking(self, events: Sequence[Event]) -> list[Exception | None]:
+        self.calls.append([e.topic for e in events])
+        answers: list[Exception | None] = []
+        for event in events:
+            if event.topic in self.refuse_once:
+                self.refuse_once.discard(event.topic)
+                answers.append(RelayError(f"refused {event.topic}"))
+            else:
+                answers.append(None)
+        return answers
+
+    async def publish(self, events: Sequence[Event]) -> list[Exception | None]:
+        answers = self.publish_blocking(events)
+        # A broker's confirms take a round trip: the poller's other workers run meanwhile.
+        for _ in range(10):
+            await asyncio.sleep(0)
+        return answers

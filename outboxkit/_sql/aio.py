@@ -102,6 +102,14 @@ class AsyncSQLBatch(KeptRecords):
     def _check_open(self) -> None:
         """Raise if the batch's transaction is no longer the one the store opened."""
 
+    async def record_many(
+        self, handler: str, claims: Sequence[Claim], *, now: datetime | None
+    ) -> list[bool]:
+        """``SQLBatch.record_many``: kept, written with the batch's settlement."""
+        self._check_open()
+        self._keep_succeeded(self._side._store, handler, claims, now)
+        return [True] * len(claims)
+
     async def write_kept(self) -> None:
         """``SQLBatch.write_kept``: the kept records in one statement, each fenced by token."""
         if not self._kept:

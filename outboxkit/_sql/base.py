@@ -42,13 +42,14 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from ..core.machine import blocks_key
-from ..core.model import Claim, DeadKey, DeadLetter, DeliveryRecord, Event, State, Stats
+from ..core.model import Claim, DeadKey, DeadLetter, DeliveryRecord, Event, Outcome, State, Stats
 from ..store import SettleItem
 from .rows import (
     done_from_pairs,
     event_from_row,
     fold_stats,
     record_from_row,
+    record_params,
     record_row,
     settle_row,
     sort_claims,
@@ -343,6 +344,17 @@ class KeptRecords:
         rows, self._kept = self._kept, []
         return rows
 
+    def _keep_succeeded(
+        self, store: SQLStore, handler: str, claims: Sequence[Claim], now: Any
+    ) -> None:
+        """Keep a succeeded record of ``handler`` for each of ``claims`` (``record_many``)."""
+        at = store._instant(now)
+        succeeded = Outcome.SUCCEEDED
+        self._kept.extend(
+            record_row(claim, record_params(claim, handler, succeeded, None, at))
+            for claim in claims
+        )
+
 
 class SQLBatch(KeptRecords):
     """What a SQL store's batch transaction (``Store.batch``) does the same way: lease
@@ -366,6 +378,15 @@ class SQLBatch(KeptRecords):
 
     def _check_open(self) -> None:
         """Raise if the batch's transaction is no longer the one the store opened."""
+
+    def record_many(
+        self, handler: str, claims: Sequence[Claim], *, now: datetime | None
+    ) -> list[bool]:
+        """``RecordsMany.record_many``: the records are kept, written fenced by token with the
+        batch's settlement (as the deliveries that never took the connection keep theirs)."""
+        self._check_open()
+        self._keep_succeeded(self._store, handler, claims, now)
+        return [True] * len(claims)
 
     def extend(
         self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None

@@ -104,6 +104,7 @@ class ClaimedBatch:
         self._to_write: list[Settled] = []  # decided, not written yet
         self._written: list[Settled] = []  # written, not committed yet
         self._relayed: dict[tuple[str, str], Exception | None] = {}  # (relay, token) -> answer
+        self._handed: set[tuple[str, str]] = set()  # (relay, token): being published
 
     # -- what comes next ------------------------------------------------------------------------
 
@@ -173,7 +174,9 @@ class ClaimedBatch:
         self, relay: str, run: EventRun, subscribed: Callable[[str], Sequence[str]]
     ) -> list[Claim]:
         """The claims to hand relay ``relay`` now, in claim order: ``run``'s, and every
-        unstarted one whose plan will run it (not yet recorded for it, not settled at once).
+        unstarted one whose plan will run it (not yet recorded for it, not settled at once, not
+        being published by another of this batch's workers). They count as handed to the relay
+        until its answers come (``relayed``) or the publish is given up (``unhanded``).
 
         Args:
             subscribed: the handler names subscribed to a topic, in order.
@@ -181,12 +184,22 @@ class ClaimedBatch:
         claims = [run.claim]
         for claim in self._unstarted:
             names = tuple(subscribed(claim.event.topic))
-            if relay not in names or relay in claim.done:
+            if relay not in names or relay in claim.done or (relay, claim.token) in self._handed:
                 continue
             planned = plan(claim, names, max_retries=self.max_retries, backoff=self.backoff)
             if isinstance(planned, Run) and relay in planned.handlers:
                 claims.append(claim)
+        self._handed.update((relay, claim.token) for claim in claims)
         return claims
+
+    def is_handed(self, relay: str, claim: Claim) -> bool:
+        """Whether ``claim``'s event is being published by ``relay`` (for another worker)."""
+        return (relay, claim.token) in self._handed
+
+    def unhanded(self, relay: str, claims: Sequence[Claim]) -> None:
+        """The publish of ``claims`` was given up before an answer (the worker was stopped):
+        they are no longer handed to ``relay``."""
+        self._handed.difference_update((relay, claim.token) for claim in claims)
 
     def relayed(
         self, relay: str, claims: Sequence[Claim], answers: Sequence[Exception | None]
@@ -194,6 +207,7 @@ class ClaimedBatch:
         """Keep the broker's answers for ``claims`` (``None``: confirmed)."""
         for claim, answer in zip(claims, answers, strict=True):
             self._relayed[relay, claim.token] = answer
+            self._handed.discard((relay, claim.token))
 
     def was_relayed(self, relay: str, claim: Claim) -> bool:
         """Whether ``claim``'s event was handed to ``relay`` in this round already."""

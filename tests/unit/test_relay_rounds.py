@@ -4,6 +4,7 @@ recorded only when the relay confirmed it, the rest retried and dead-lettered.""
 from __future__ import annotations
 
 import asyncio
+from datetime import timedelta
 
 import pytest
 
@@ -158,3 +159,41 @@ def test_a_broken_relay_fails_every_event_it_was_handed(relay, message):
     for event_id in ids:
         assert message in (outbox.store.get(event_id).last_error or "")
         assert outbox.store.records(event_id) == []
+
+
+@pytest.mark.parametrize("mode", ["per_event", "per_batch"])
+def test_a_confirm_whose_lease_was_taken_over_is_not_recorded(mode):
+    """The confirmed events are recorded together, each fenced by its token: one whose lease
+    another poller took over meanwhile gets no record of this round, and is not settled by it
+    (the other poller delivers it)."""
+    outbox, clock = make(FakeRelay())
+    store = outbox.store
+    ids = enqueue(outbox, ["order.a"] * 3)
+    claimed = []
+    claim = store.claim
+
+    def traced(**kw):
+        claims = claim(**kw)
+        claimed.extend(claims)
+        return claims
+
+    store.claim = traced
+    relay = outbox.bus.find("relay").relay
+    taken_over = []
+
+    def answers(events, _answers=relay._answers):
+        if not taken_over:  # another poller takes the first event over meanwhile
+            store.release([claimed[0]], now=clock.now())
+            lease = timedelta(seconds=30)
+            taken_over.extend(claim(batch_size=1, lease=lease, now=clock.now(), dead_key="release"))
+        return _answers(events)
+
+    relay.publish_blocking = answers
+    report = outbox.poller(transaction=mode, batch_size=100).run_once()
+    assert [c.event.id for c in taken_over] == [ids[0]]
+    assert sorted(report.published) == [ids[1], ids[2]]
+    assert report.lease_lost == [ids[0]]
+    assert store.records(ids[0]) == []  # this round's confirm: fenced out
+    assert [r.handler for r in store.records(ids[1])] == ["relay"]
+    event = store.get(ids[0])
+    assert event is not None and event.published_at is None  # the other poller's to settle
