@@ -165,6 +165,7 @@ class EventBus:
         # topic -> its exact handlers, then the relays whose patterns match it (made on first
         # use, dropped whenever a subscription is added)
         self._matched: dict[str, tuple[HandlerSpec, ...]] = {}
+        self._names: dict[str, tuple[str, ...]] = {}  # topic -> names_for(topic), as asked
 
     def subscribe(
         self,
@@ -213,6 +214,7 @@ class EventBus:
                 )
             self._by_topic[topic] = (*existing, spec)
             self._matched.clear()
+            self._names.clear()
         return spec
 
     def relay(self, relay: Relay, *, topics: Iterable[str], name: str) -> HandlerSpec:
@@ -264,6 +266,7 @@ class EventBus:
                 )
             self._relays = (*self._relays, spec)
             self._matched.clear()
+            self._names.clear()
         return spec
 
     def handler(
@@ -289,8 +292,12 @@ class EventBus:
         return matched
 
     def names_for(self, topic: str) -> tuple[str, ...]:
-        """The names of ``handlers_for(topic)``, in the same order."""
-        return tuple(spec.name for spec in self.handlers_for(topic))
+        """The names of ``handlers_for(topic)``, in the same order (kept per topic: a poller
+        asks for every event it claims)."""
+        names = self._names.get(topic)
+        if names is None:
+            names = self._names[topic] = tuple(spec.name for spec in self.handlers_for(topic))
+        return names
 
     def specs(self) -> tuple[HandlerSpec, ...]:
         """Every subscription, topic by topic, in subscription order, then the relays."""
