@@ -615,12 +615,15 @@ def unrouted(outbox: Outbox, run: EventRun) -> None:
 
 
 def announce(outbox: Outbox, settled: Sequence[Settled]) -> None:
-    """Log and emit settlements that have been committed."""
+    """Log and emit settlements that have been committed (the events built only when someone
+    observes; the log lines always)."""
+    observed = outbox.observed
     for claim, settlement, error in settled:
         event = claim.event
         created_at = event.created_at
         if isinstance(settlement, Publish):
-            outbox.emit(Published(event.id, event.topic, claim.attempt, created_at=created_at))
+            if observed:
+                outbox.emit(Published(event.id, event.topic, claim.attempt, created_at=created_at))
         elif isinstance(settlement, Retry):
             log.info(
                 "event %d (%s): retry %d in %ss",
@@ -630,16 +633,17 @@ def announce(outbox: Outbox, settled: Sequence[Settled]) -> None:
                 settlement.delay.total_seconds(),
                 extra=_fields(claim, None),
             )
-            outbox.emit(
-                RetryScheduled(
-                    event.id,
-                    event.topic,
-                    claim.attempt,
-                    settlement.delay,
-                    error,
-                    created_at=created_at,
+            if observed:
+                outbox.emit(
+                    RetryScheduled(
+                        event.id,
+                        event.topic,
+                        claim.attempt,
+                        settlement.delay,
+                        error,
+                        created_at=created_at,
+                    )
                 )
-            )
         elif isinstance(settlement, DeadLetter):
             log.warning(
                 "event %d (%s): dead-lettered after %d attempt(s): %s",
@@ -649,9 +653,10 @@ def announce(outbox: Outbox, settled: Sequence[Settled]) -> None:
                 error,
                 extra=_fields(claim, None),
             )
-            outbox.emit(
-                DeadLettered(event.id, event.topic, claim.attempt, error, created_at=created_at)
-            )
+            if observed:
+                outbox.emit(
+                    DeadLettered(event.id, event.topic, claim.attempt, error, created_at=created_at)
+                )
 
 
 def lease_lost(outbox: Outbox, claim: Claim, handler: str | None) -> None:
