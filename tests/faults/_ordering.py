@@ -425,22 +425,26 @@ def chaos(
     rng: random.Random,
     timeout: float,
 ) -> None:
-    """While the publishers run (and at least ``kills + freezes`` rounds): every ``every``
-    seconds either SIGKILL a random live poller and spawn a new one, or freeze one past its
-    lease; kills and freezes alternate until both counts are spent."""
+    """From the first claim on (while the publishers run, and at least ``kills + freezes``
+    rounds): SIGKILL a live poller and spawn a new one, or freeze one past its lease, in a
+    shuffled order until both counts are spent, ``every`` seconds apart. Each fault goes to a
+    poller holding a claim (``holding_victim``); the first waits for one (the fleet's first
+    claims), so at least one fault leaves a lease to run out however fast the fleet drains."""
     plan = ["kill"] * kills + ["freeze"] * freezes
     rng.shuffle(plan)
     deadline = time.monotonic() + timeout
     pause = threading.Event()
+    first = True
     while plan and time.monotonic() < deadline:
-        pause.wait(every)  # the fault schedule, not a check
         fault = plan.pop()
-        victim = holding_victim(fleet, rng, within=every)
+        victim = holding_victim(fleet, rng, within=min(timeout, 30.0) if first else every)
+        first = False
         if fault == "kill":
             fleet.kill(victim)
             fleet.spawn()
         else:
             fleet.freeze(victim, freeze_for)
+        pause.wait(every)  # the fault schedule, not a check
 
 
 @dataclass(frozen=True)
