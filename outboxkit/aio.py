@@ -224,11 +224,11 @@ class AsyncPoller(handling.Shell):
                 except Exception as exc:  # a relay's bug: every event fails with it
                     answers = [exc] * len(claims)
                 checked = handling.relay_answers(spec, len(claims), answers)
-                confirmed = [c for c, a in zip(claims, checked, strict=True) if a is None]
+                confirmed = batch.relayed(spec.name, claims, checked)
                 written = await record_each_async(
                     deliveries, spec.name, confirmed, now=outbox.store_now()
                 )
-                batch.relayed(spec.name, claims, handling.relay_recorded(checked, written))
+                batch.recorded(spec.name, confirmed, written)
             finally:
                 batch.unhanded(spec.name, claims)  # answered, or given up: no one waits on
                 self._relay_answered.set()

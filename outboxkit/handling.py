@@ -67,7 +67,6 @@ __all__ = [
     "rejected",
     "relay_answers",
     "relay_delivery",
-    "relay_recorded",
     "relayed",
     "started",
     "succeeded",
@@ -380,25 +379,10 @@ def relay_answers(spec: HandlerSpec, count: int, answers: object) -> list[Except
     return [failure] * count
 
 
-def relay_recorded(
-    answers: Sequence[Exception | None], written: Sequence[bool]
-) -> list[Exception | None]:
-    """The broker's ``answers`` once the confirmed events' records were written
-    (``written``, one per ``None`` answer, in order): a confirm whose record the store refused
-    (its token was stale) becomes a ``LeaseLostError``."""
-    results: list[Exception | None] = []
-    recorded = iter(written)
-    for answer in answers:
-        if answer is None and not next(recorded):
-            answer = LeaseLostError("the lease was lost before the relay's record was written")
-        results.append(answer)
-    return results
-
-
 def relay_delivery(
     outbox: Outbox, claim: Claim, spec: HandlerSpec, answer: Exception | None
 ) -> Delivery:
-    """A relay's delivery of one event from what became of it (``relay_recorded``): recorded,
+    """A relay's delivery of one event from what became of it (``ClaimedBatch.relay_result``): recorded,
     lost, or failed with the broker's answer; reported like any handler's run. (A ``Reject``
     is recorded by the shell's own delivery path first.)"""
     at = outbox.clock.now()

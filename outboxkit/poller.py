@@ -176,10 +176,11 @@ class Poller(handling.Shell):
                 answers: object = spec.relay.publish_blocking([c.event for c in claims])
             except Exception as exc:  # a relay's bug: every event fails with it
                 answers = [exc] * len(claims)
-            checked = handling.relay_answers(spec, len(claims), answers)
-            confirmed = [c for c, a in zip(claims, checked, strict=True) if a is None]
+            confirmed = batch.relayed(
+                spec.name, claims, handling.relay_answers(spec, len(claims), answers)
+            )
             written = record_each(deliveries, spec.name, confirmed, now=outbox.store_now())
-            batch.relayed(spec.name, claims, handling.relay_recorded(checked, written))
+            batch.recorded(spec.name, confirmed, written)
         answer = batch.relay_result(spec.name, run.claim)
         if isinstance(answer, Reject):  # not a broker's answer, but recorded as one
             return self._deliver(

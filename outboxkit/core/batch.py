@@ -19,8 +19,9 @@ The life of a batch::
     store.release(batch.unstarted())                          # a stopped poller's rest
 
 A relay (``EventBus.relay``) is handed the batch's events it matches together: on the first
-of them, ``relay_claims`` says which; ``relayed`` keeps the broker's answers until each event's
-turn comes (``relay_result``).
+of them, ``relay_claims`` says which; ``relayed`` keeps the broker's answers and says which
+confirms to record, ``recorded`` what became of those records, until each event's turn comes
+(``relay_result``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import NamedTuple
 
+from ..errors import LeaseLostError
 from .backoff import BackoffPolicy
 from .machine import LeaseCheck, Plan, Retry, Run, Settlement, SettleNow, check_lease, plan
 from .machine import decide_settlement as _decide
@@ -203,10 +205,27 @@ class ClaimedBatch:
 
     def relayed(
         self, relay: str, claims: Sequence[Claim], answers: Sequence[Exception | None]
-    ) -> None:
-        """Keep the broker's answers for ``claims`` (``None``: confirmed)."""
+    ) -> list[Claim]:
+        """Keep the broker's answers for ``claims`` (``None``: confirmed). Returns the
+        confirmed claims, whose records the shell writes next and reports with ``recorded``
+        (until then they stay handed to the relay)."""
+        confirmed: list[Claim] = []
         for claim, answer in zip(claims, answers, strict=True):
             self._relayed[relay, claim.token] = answer
+            if answer is None:
+                confirmed.append(claim)
+            else:
+                self._handed.discard((relay, claim.token))
+        return confirmed
+
+    def recorded(self, relay: str, confirmed: Sequence[Claim], written: Sequence[bool]) -> None:
+        """The records of ``confirmed`` (``relayed``'s) were written where ``written`` says:
+        a confirm whose record the store refused (its token was stale) is a lost lease."""
+        for claim, ok in zip(confirmed, written, strict=True):
+            if not ok:
+                self._relayed[relay, claim.token] = LeaseLostError(
+                    "the lease was lost before the relay's record was written"
+                )
             self._handed.discard((relay, claim.token))
 
     def was_relayed(self, relay: str, claim: Claim) -> bool:
@@ -214,7 +233,8 @@ class ClaimedBatch:
         return (relay, claim.token) in self._relayed
 
     def relay_result(self, relay: str, claim: Claim) -> Exception | None:
-        """The broker's answer for ``claim`` (taken): ``None`` if confirmed, else why not."""
+        """The broker's answer for ``claim`` (taken): ``None`` if confirmed and recorded, a
+        ``LeaseLostError`` if confirmed but its record was refused, else why it was not."""
         return self._relayed.pop((relay, claim.token))
 
     # -- what happened ------------------------------------------------------------------------------
