@@ -7,11 +7,14 @@ For each broker (RabbitMQ, NATS JetStream, Redis Streams), in one process, on Po
   blocking poller (the relay on its own event loop thread), and, reported apart, the asyncio
   poller (``outboxkit async``);
 - **minimal loop**: the same number of rows in a plain table (id, topic, payload, headers,
-  published_at) of the same database; in one transaction per batch: ``SELECT ... FOR UPDATE
-  SKIP LOCKED LIMIT --batch``, publish every row with the same client library and wait for the
-  broker's confirms together (aio-pika on a confirm channel, nats-py ``publish_async`` with
-  ``Nats-Msg-Id``, one redis pipeline of ``XADD``), then one ``UPDATE ... published_at`` of the
-  batch;
+  key, created_at, published_at) of the same database; in one transaction per batch: ``SELECT
+  ... FOR UPDATE SKIP LOCKED LIMIT --batch``, publish every row with the same client library and
+  wait for the broker's confirms together (aio-pika on a confirm channel, nats-py
+  ``publish_async`` with ``Nats-Msg-Id``, one redis pipeline of ``XADD``), then one ``UPDATE ...
+  published_at`` of the batch. Its messages carry what a relay's carry, the contract a consumer
+  reads (the event's id, topic, key, created_at and headers: AMQP headers and ``type``, NATS
+  headers, stream entry fields); the same loop with a bare message (id and payload only) is
+  reported apart, to show what those fields cost;
 - **one at a time**: the handler a user writes today (``transactional=False``, ``async def``):
   publish the event and await its confirm, one by one, under the default per-event poller;
   over ``--events / 10`` events (it is slow), compared by rate.
@@ -38,6 +41,7 @@ import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 from typing import Any
 
 import psycopg
@@ -55,13 +59,32 @@ REDIS_URL = "redis://127.0.0.1:6379/0"
 # -- each broker: its names for one run, a relay, a minimal publisher, a one-at-a-time handler ----
 
 
+Row = tuple[int, str, str, str, "str | None", datetime]
+"""A row as the minimal loop reads it: id, topic, payload and headers (JSON text), key,
+created_at."""
+
+
+def message_headers(row: Row) -> dict[str, str]:
+    """The headers the minimal loop sends: the message a relay sends carries the event's id,
+    topic, key and created_at (and its own headers) for the consumer, so the reference a user
+    writes to the same contract carries them too (``--bare`` loops leave them out)."""
+    own = row[3]
+    headers: dict[str, str] = {} if own == "{}" else json.loads(own)
+    headers["outbox-event-id"] = str(row[0])
+    headers["outbox-topic"] = row[1]
+    if row[4] is not None:
+        headers["outbox-key"] = row[4]
+    headers["outbox-created-at"] = row[5].isoformat()
+    return headers
+
+
 class Broker:
     name: str
 
     async def open(self, prefix: str) -> None: ...
     async def close(self) -> None: ...
     def relay(self) -> Any: ...
-    async def publish_batch(self, rows: list[tuple[int, str, str, str]]) -> None: ...
+    async def publish_batch(self, rows: list[Row], *, bare: bool = False) -> None: ...
     async def publish_one(self, event_id: int, topic: str, body: bytes) -> None: ...
     async def count(self) -> int: ...
 
@@ -91,21 +114,27 @@ class RabbitMQ(Broker):
 
         return RabbitMQRelay(RABBITMQ_URL, exchange=self.prefix)
 
-    def _message(self, event_id: int, body: bytes) -> Any:
+    def _message(self, event_id: int, body: bytes, headers: dict[str, str] | None = None) -> Any:
         import aio_pika
 
         return aio_pika.Message(
             body,
+            headers=headers,
             message_id=str(event_id),
+            type=None if headers is None else headers["outbox-topic"],
             content_type="application/json",
             delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
         )
 
-    async def publish_batch(self, rows: list[tuple[int, str, str, str]]) -> None:
+    async def publish_batch(self, rows: list[Row], *, bare: bool = False) -> None:
         await asyncio.gather(
             *(
-                self.exchange.publish(self._message(i, p.encode()), t, mandatory=True)
-                for i, t, p, _h in rows
+                self.exchange.publish(
+                    self._message(r[0], r[2].encode(), None if bare else message_headers(r)),
+                    r[1],
+                    mandatory=True,
+                )
+                for r in rows
             )
         )
 
@@ -139,11 +168,12 @@ class Nats(Broker):
 
         return NatsRelay(NATS_URL)
 
-    async def publish_batch(self, rows: list[tuple[int, str, str, str]]) -> None:
-        futures = [
-            await self.js.publish_async(t, p.encode(), headers={"Nats-Msg-Id": str(i)})
-            for i, t, p, _h in rows
-        ]
+    async def publish_batch(self, rows: list[Row], *, bare: bool = False) -> None:
+        futures = []
+        for r in rows:
+            headers = {} if bare else message_headers(r)
+            headers["Nats-Msg-Id"] = str(r[0])
+            futures.append(await self.js.publish_async(r[1], r[2].encode(), headers=headers))
         await asyncio.gather(*futures)
 
     async def publish_one(self, event_id: int, topic: str, body: bytes) -> None:
@@ -173,10 +203,16 @@ class Redis(Broker):
 
         return RedisRelay(REDIS_URL)
 
-    async def publish_batch(self, rows: list[tuple[int, str, str, str]]) -> None:
+    async def publish_batch(self, rows: list[Row], *, bare: bool = False) -> None:
         pipe = self.client.pipeline(transaction=False)
-        for i, t, p, h in rows:
-            pipe.xadd(t, {"outbox-event-id": str(i), "headers": h, "payload": p})
+        for i, t, p, h, key, created_at in rows:
+            entry = {"outbox-event-id": str(i), "headers": h, "payload": p}
+            if not bare:
+                entry["outbox-topic"] = t
+                if key is not None:
+                    entry["outbox-key"] = key
+                entry["outbox-created-at"] = created_at.isoformat()
+            pipe.xadd(t, entry)  # type: ignore[arg-type]
         await pipe.execute()
 
     async def publish_one(self, event_id: int, topic: str, body: bytes) -> None:
@@ -246,23 +282,35 @@ def fill(conn: psycopg.Connection[Any], table: sql.Identifier, topic: str, event
         )
 
 
-async def run_minimal(pg_url: str, broker: Broker, events: int, batch: int) -> float:
+def minimal_table(
+    pg_url: str, table: sql.Identifier, topic: str, events: int
+) -> tuple[sql.Composed, sql.Composed]:
+    """The minimal loop's plain table, filled with ``events`` rows of ``topic``; returns its two
+    statements: the batch's ``SELECT ... FOR UPDATE SKIP LOCKED`` (rows as ``Row``) and the
+    ``UPDATE`` that marks a batch published."""
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL(
+                "CREATE TABLE {} (id bigserial PRIMARY KEY, topic text NOT NULL, "
+                "payload jsonb NOT NULL, headers jsonb NOT NULL DEFAULT '{{}}', key text, "
+                "created_at timestamptz NOT NULL DEFAULT now(), published_at timestamptz)"
+            ).format(table)
+        )
+        fill(conn, table, topic, events)
+    select = sql.SQL(
+        "SELECT id, topic, payload::text, headers::text, key, created_at FROM {} "
+        "WHERE published_at IS NULL ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED"
+    ).format(table)
+    mark = sql.SQL("UPDATE {} SET published_at = now() WHERE id = ANY(%s)").format(table)
+    return select, mark
+
+
+async def run_minimal(
+    pg_url: str, broker: Broker, events: int, batch: int, *, bare: bool = False
+) -> float:
     with pg_schema(pg_url, "bench_relay_min") as schema:
         table = sql.Identifier(schema, "m_events")
-        with psycopg.connect(pg_url, autocommit=True) as conn:
-            conn.execute(
-                sql.SQL(
-                    "CREATE TABLE {} (id bigserial PRIMARY KEY, topic text NOT NULL, "
-                    "payload jsonb NOT NULL, headers jsonb NOT NULL DEFAULT '{{}}', "
-                    "published_at timestamptz)"
-                ).format(table)
-            )
-            fill(conn, table, f"{broker.prefix}.order.placed", events)
-        select = sql.SQL(
-            "SELECT id, topic, payload::text, headers::text FROM {} WHERE published_at IS NULL "
-            "ORDER BY id LIMIT %s FOR UPDATE SKIP LOCKED"
-        ).format(table)
-        mark = sql.SQL("UPDATE {} SET published_at = now() WHERE id = ANY(%s)").format(table)
+        select, mark = minimal_table(pg_url, table, f"{broker.prefix}.order.placed", events)
         async with await psycopg.AsyncConnection.connect(pg_url) as aconn:
             started = time.perf_counter()
             while True:
@@ -270,10 +318,14 @@ async def run_minimal(pg_url: str, broker: Broker, events: int, batch: int) -> f
                     rows = await (await aconn.execute(select, (batch,))).fetchall()
                     if not rows:
                         break
-                    await broker.publish_batch(rows)
+                    await broker.publish_batch(rows, bare=bare)
                     await aconn.execute(mark, ([r[0] for r in rows],))
             elapsed = time.perf_counter() - started
     return events / elapsed
+
+
+async def run_minimal_bare(pg_url: str, broker: Broker, events: int, batch: int) -> float:
+    return await run_minimal(pg_url, broker, events, batch, bare=True)
 
 
 async def run_rules_floor(pg_url: str, broker: Broker, events: int, batch: int) -> float:
@@ -293,7 +345,8 @@ async def run_rules_floor(pg_url: str, broker: Broker, events: int, batch: int) 
                     "payload jsonb NOT NULL, headers jsonb NOT NULL DEFAULT '{{}}', "
                     "available_at timestamptz NOT NULL DEFAULT now(), "
                     "attempts integer NOT NULL DEFAULT 0, locked_until timestamptz, "
-                    "claim_token uuid, published_at timestamptz) WITH (fillfactor = 80)"
+                    "claim_token uuid, key text, created_at timestamptz NOT NULL DEFAULT now(), "
+                    "published_at timestamptz) WITH (fillfactor = 80)"
                 ).format(table)
             )
             conn.execute(
@@ -316,7 +369,8 @@ async def run_rules_floor(pg_url: str, broker: Broker, events: int, batch: int) 
             "FROM (SELECT id FROM {t} WHERE published_at IS NULL AND available_at <= now() "
             "AND (locked_until IS NULL OR locked_until <= now()) ORDER BY available_at, id "
             "LIMIT %s FOR UPDATE SKIP LOCKED) AS due WHERE e.id = due.id "
-            "RETURNING e.id, e.topic, e.payload::text, e.headers::text, e.claim_token, e.attempts"
+            "RETURNING e.id, e.topic, e.payload::text, e.headers::text, e.key, e.created_at, "
+            "e.claim_token, e.attempts"
         ).format(t=table)
         record = sql.SQL(
             "INSERT INTO {r} (event_id, handler, outcome, attempt) "
@@ -335,11 +389,11 @@ async def run_rules_floor(pg_url: str, broker: Broker, events: int, batch: int) 
                 rows = await (await aconn.execute(claim, (batch,))).fetchall()
                 if not rows:
                     break
-                await broker.publish_batch([(r[0], r[1], r[2], r[3]) for r in rows])
+                await broker.publish_batch([r[:6] for r in rows])
                 ids, tokens, attempts = (
                     [r[0] for r in rows],
-                    [r[4] for r in rows],
-                    [r[5] for r in rows],
+                    [r[6] for r in rows],
+                    [r[7] for r in rows],
                 )
                 async with aconn.transaction():
                     await aconn.execute(record, (ids, tokens, attempts))
@@ -379,6 +433,7 @@ CONTENDERS: dict[str, Callable[[str, Broker, int, int], Awaitable[float]]] = {
     "minimal loop": run_minimal,
     "one at a time": run_one_at_a_time,
     "rules floor": run_rules_floor,
+    "minimal, bare": run_minimal_bare,
 }
 
 
@@ -431,7 +486,10 @@ def main() -> None:
             f"ratio vs minimal {med['outboxkit async'] / med['minimal loop']:.2f}x\n"
             f"{'':8}  rules floor (bare SQL, not a reference) {med['rules floor']:9,.0f}/s  "
             f"= {med['rules floor'] / med['minimal loop']:.2f}x the minimal loop; "
-            f"outboxkit {med['outboxkit'] / med['rules floor']:.2f}x the floor"
+            f"outboxkit {med['outboxkit'] / med['rules floor']:.2f}x the floor\n"
+            f"{'':8}  minimal loop, bare message (not the reference) "
+            f"{med['minimal, bare']:9,.0f}/s: the event's id, topic, key and created_at "
+            f"cost the minimal loop {1 - med['minimal loop'] / med['minimal, bare']:.0%}"
         )
     print("\nmedians:")
     for line in summary:

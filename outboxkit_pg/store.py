@@ -129,6 +129,7 @@ class PostgresStore(SQLStore):
     """
 
     settles_recording = True  # a batch's settlement and kept records: one statement
+    payload_is_json = True  # jsonb: a claimed payload is decoded on first read
 
     sql_dialect = "postgresql"
     """The SQL dialect of the store's database, by SQLAlchemy's name for it."""

@@ -68,6 +68,11 @@ class SQLStore(ABC):
     """Whether ``queries.sql`` has ``settle_many_recording`` (a batch's settlement and kept
     records in one statement; PostgreSQL's data-modifying CTE)."""
 
+    payload_is_json = False
+    """Whether the payload column only ever holds JSON (PostgreSQL's ``jsonb``): a claimed
+    event's payload is then decoded on first read (``StoredJSON``), and a relay sends the
+    text as it is."""
+
     # -- the dialect seam -------------------------------------------------------------------------
 
     @abstractmethod
@@ -325,7 +330,7 @@ class SQLStore(ABC):
         return fold_stats(rows, self._stored_instant)
 
     def _event(self, row: Row) -> Event:
-        return event_from_row(row, self._stored_instant)
+        return event_from_row(row, self._stored_instant, json_column=self.payload_is_json)
 
 
 class KeptRecords:

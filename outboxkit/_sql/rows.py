@@ -14,8 +14,16 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from ..core.machine import Retry, Settlement
-from ..core.model import Claim, DeliveryRecord, Event, Outcome, State, Stats
-from ..core.payload import decode_payload
+from ..core.model import (
+    Claim,
+    DeliveryRecord,
+    Event,
+    Outcome,
+    State,
+    Stats,
+    StoredJSON,
+    decode_payload,
+)
 from ..errors import ConfigurationError, StoreError
 
 __all__ = [
@@ -71,14 +79,20 @@ def decode_headers(raw: str | bytes | Mapping[str, str] | None) -> dict[str, str
     return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else {}
 
 
-def event_from_row(row: Sequence[Any], instant: Instant) -> Event:
+def event_from_row(row: Sequence[Any], instant: Instant, *, json_column: bool = False) -> Event:
     """An ``Event`` from the leading ``EVENT_COLUMNS`` of a row; ``instant`` turns a stored
-    instant into an aware datetime. The payload may be JSON text or already parsed."""
+    instant into an aware datetime. The payload may be JSON text or already parsed; text from
+    a ``json_column`` (one the database keeps valid, as ``jsonb``) is decoded on first read
+    (``StoredJSON``), other text at once (so that an undecodable one is dead-lettered)."""
     payload = row[2]
+    if isinstance(payload, str) and json_column:
+        payload = StoredJSON(payload)
+    elif isinstance(payload, str | bytes):
+        payload = decode_payload(payload)
     return Event(
         id=row[0],
         topic=row[1],
-        payload=decode_payload(payload) if isinstance(payload, str | bytes) else payload,
+        payload=payload,
         headers=decode_headers(row[3]),
         key=row[4],
         created_at=instant(row[5]),

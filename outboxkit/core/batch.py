@@ -107,6 +107,7 @@ class ClaimedBatch:
         self._written: list[Settled] = []  # written, not committed yet
         self._relayed: dict[tuple[str, str], Exception | None] = {}  # (relay, token) -> answer
         self._handed: set[tuple[str, str]] = set()  # (relay, token): being published
+        self._plans: dict[str, tuple[tuple[str, ...], Plan]] = {}  # token -> (names, plan)
 
     # -- what comes next ------------------------------------------------------------------------
 
@@ -119,15 +120,21 @@ class ClaimedBatch:
         if not self._unstarted:
             return None
         claim = self._unstarted.popleft()
-        names = tuple(subscribed(claim.event.topic))
-        run = EventRun(
-            claim=claim,
-            plan=plan(claim, names, max_retries=self.max_retries, backoff=self.backoff),
-            subscribed=names,
-            outcomes=dict(claim.done),
-        )
+        names, planned = self._planned(claim, subscribed)
+        run = EventRun(claim=claim, plan=planned, subscribed=names, outcomes=dict(claim.done))
         self._running[claim.token] = run
         return run
+
+    def _planned(
+        self, claim: Claim, subscribed: Callable[[str], Sequence[str]]
+    ) -> tuple[tuple[str, ...], Plan]:
+        """``claim``'s subscribed handler names and plan, made once (a relay's look-ahead in
+        ``relay_claims`` and ``take`` ask for the same)."""
+        known = self._plans.pop(claim.token, None)
+        if known is not None:
+            return known
+        names = tuple(subscribed(claim.event.topic))
+        return names, plan(claim, names, max_retries=self.max_retries, backoff=self.backoff)
 
     def check_lease(self, run: EventRun, now: datetime) -> LeaseCheck:
         """R13, before one of ``run``'s handlers starts at ``now`` (local clock)."""
@@ -185,11 +192,10 @@ class ClaimedBatch:
         """
         claims = [run.claim]
         for claim in self._unstarted:
-            names = tuple(subscribed(claim.event.topic))
-            if relay not in names or relay in claim.done or (relay, claim.token) in self._handed:
+            if relay in claim.done or (relay, claim.token) in self._handed:
                 continue
-            planned = plan(claim, names, max_retries=self.max_retries, backoff=self.backoff)
-            if isinstance(planned, Run) and relay in planned.handlers:
+            names, planned = self._plans[claim.token] = self._planned(claim, subscribed)
+            if relay in names and isinstance(planned, Run) and relay in planned.handlers:
                 claims.append(claim)
         self._handed.update((relay, claim.token) for claim in claims)
         return claims

@@ -32,7 +32,15 @@ from datetime import datetime, timedelta
 
 from ..errors import ConfigurationError, IllegalTransition, Reject
 from .backoff import BackoffPolicy, ExponentialBackoff, delay_for
-from .model import Claim, DeadKey, Outcome, State, UndecodablePayload, state_of
+from .model import (
+    Claim,
+    DeadKey,
+    Outcome,
+    State,
+    UndecodablePayload,
+    payload_is_undecodable,
+    state_of,
+)
 from .text import storable
 
 __all__ = [
@@ -289,8 +297,9 @@ def plan(
     - R5: otherwise run the subscribed handlers that have no record yet, in subscription
       order; if every one has, it is published.
     """
-    if isinstance(claim.event.payload, UndecodablePayload):
-        return SettleNow(DeadLetter(), storable(claim.event.payload.error))
+    if payload_is_undecodable(claim.event):
+        undecodable: UndecodablePayload = claim.event.payload
+        return SettleNow(DeadLetter(), storable(undecodable.error))
     if not subscribed:
         return SettleNow(Publish(), unrouted=True)
     if claim.attempt > max_retries + 1:

@@ -6,6 +6,7 @@ PURE: no I/O, no clock, no driver. Everything here is a plain immutable value.
 from __future__ import annotations
 
 import enum
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -35,9 +36,13 @@ __all__ = [
     "RetryScheduled",
     "State",
     "Stats",
+    "StoredJSON",
     "UndecodablePayload",
     "Unrouted",
+    "decode_payload",
+    "payload_is_undecodable",
     "state_of",
+    "stored_payload_text",
 ]
 
 JSON = Any
@@ -92,7 +97,10 @@ class Outcome(enum.Enum):
 
     @property
     def recorded(self) -> bool:
-        return self in (Outcome.SUCCEEDED, Outcome.REJECTED)
+        return self is _SUCCEEDED or self is _REJECTED
+
+
+_SUCCEEDED, _REJECTED = Outcome.SUCCEEDED, Outcome.REJECTED
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,12 +129,43 @@ class UndecodablePayload:
     error: str
 
 
+def decode_payload(text: str | bytes) -> Any:
+    """Parse a stored payload; one that is not JSON (written behind outboxkit's back) comes back
+    as an ``UndecodablePayload`` carrying the error, so the event can be dead-lettered."""
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError) as exc:
+        raw = text.decode("utf-8", "replace") if isinstance(text, bytes) else str(text)
+        return UndecodablePayload(raw=raw, error=f"stored payload is not valid JSON: {exc}")
+
+
+class StoredJSON:
+    """A stored payload's JSON text, not decoded yet, that the store vouches is JSON (a
+    PostgreSQL ``jsonb`` column): ``Event.payload`` decodes it on first read.
+
+    A store passes one as ``Event(payload=StoredJSON(text))``; nobody else sees it.
+    """
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return f"StoredJSON({self.text[:60]!r})"
+
+
 @dataclass(frozen=True, slots=True)
 class Event:
     """An event as handlers (and operators) see it.
 
     ``published_at``, ``failed_at``, ``locked_until`` and ``last_error`` describe where the
     event stands; stores fill them in for ``get``/``events``, and they are ``None`` otherwise.
+
+    A store may hand over the payload as its stored JSON text (``StoredJSON``), decoded on the
+    first read of ``payload``: a relay sends that text as it is (``stored_payload_text``), so
+    an event that only goes to a broker is never decoded and encoded again. Equality, ``repr``
+    and ``dataclasses.replace`` read ``payload``, so they see the decoded value.
     """
 
     id: int
@@ -151,6 +190,40 @@ class Event:
             locked_until=self.locked_until,
             now=None,
         )
+
+
+# ``Event.payload`` reads through the slot: a ``StoredJSON`` is decoded once, on first read, and
+# the slot then holds the value (a frozen dataclass's __init__ sets it through this property too).
+_payload_slot: Any = Event.__dict__["payload"]
+
+
+def _read_payload(event: Event) -> JSON:
+    value = _payload_slot.__get__(event, Event)
+    if type(value) is StoredJSON:
+        value = decode_payload(value.text)
+        _payload_slot.__set__(event, value)
+    return value
+
+
+setattr(  # noqa: B010 - mypy keeps seeing the field's type
+    Event,
+    "payload",
+    property(_read_payload, _payload_slot.__set__, doc="The event's payload (a JSON value)."),
+)
+
+
+def stored_payload_text(event: Event) -> str | None:
+    """``event``'s payload as the store's JSON text, while nothing has read ``payload`` yet;
+    None for a payload already decoded (or an event not read from such a store)."""
+    value = _payload_slot.__get__(event, Event)
+    return value.text if type(value) is StoredJSON else None
+
+
+def payload_is_undecodable(event: Event) -> bool:
+    """Whether ``event``'s stored payload is not JSON, without decoding a payload the store
+    vouches for (``StoredJSON`` is JSON)."""
+    value = _payload_slot.__get__(event, Event)
+    return type(value) is not StoredJSON and isinstance(value, UndecodablePayload)
 
 
 @dataclass(frozen=True, slots=True)

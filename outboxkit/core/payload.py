@@ -12,10 +12,9 @@ from collections.abc import Mapping
 from dataclasses import replace
 from datetime import datetime, timedelta
 from types import MappingProxyType
-from typing import Any
 
 from ..errors import InvalidEvent
-from .model import NewEvent, UndecodablePayload
+from .model import NewEvent, decode_payload
 
 __all__ = ["DEFAULT_MAX_PAYLOAD_BYTES", "MAX_TOPIC_LENGTH", "build_event", "decode_payload"]
 
@@ -112,16 +111,6 @@ def _plain_text(value: object, max_length: int) -> bool:
         and value.isascii()
         and "\x00" not in value
     )
-
-
-def decode_payload(text: str | bytes) -> Any:
-    """Parse a stored payload; one that is not JSON (written behind outboxkit's back) comes back
-    as an ``UndecodablePayload`` carrying the error, so the event can be dead-lettered."""
-    try:
-        return json.loads(text)
-    except (TypeError, ValueError) as exc:
-        raw = text.decode("utf-8", "replace") if isinstance(text, bytes) else str(text)
-        return UndecodablePayload(raw=raw, error=f"stored payload is not valid JSON: {exc}")
 
 
 def _check_text(what: str, value: object, max_length: int, *, allow_empty: bool) -> None:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 from urllib.parse import urlsplit, urlunsplit
 
-from ..core.model import Event
+from ..core.model import Event, stored_payload_text
 from ..errors import ConfigurationError, MissingDependency, RelayError
 
 __all__ = [
@@ -107,7 +107,9 @@ def message_of(event: Event, destination: Destination) -> RelayMessage:
         headers["outbox-key"] = event.key
     if event.created_at is not None:
         headers["outbox-created-at"] = event.created_at.isoformat()
-    return RelayMessage(event.id, where, _dumps(event.payload).encode(), headers)
+    stored = stored_payload_text(event)  # the store's own JSON text, when nothing decoded it
+    body = (_dumps(event.payload) if stored is None else stored).encode()
+    return RelayMessage(event.id, where, body, headers)
 
 
 @runtime_checkable

@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import json
+import pickle
+from dataclasses import FrozenInstanceError, replace
+
 import pytest
 
-from outboxkit import Migration
+from outboxkit import Event, Migration
+from outboxkit.core.model import (
+    StoredJSON,
+    UndecodablePayload,
+    decode_payload,
+    payload_is_undecodable,
+    stored_payload_text,
+)
+from outboxkit.relay import message_of, topic_destination
 
 
 @pytest.mark.parametrize(
@@ -19,3 +31,50 @@ def test_a_migration_says_what_it_did(before: int, after: int, said: str, change
     done = Migration(before=before, after=after)
     assert str(done) == said
     assert done.changed is changed
+
+
+# -- a payload the store vouches is JSON, decoded on first read ----------------------------------
+
+
+def stored_event(text: str) -> Event:
+    return Event(id=7, topic="order.placed", payload=StoredJSON(text))
+
+
+def test_a_stored_payload_is_decoded_on_first_read_and_kept() -> None:
+    event = stored_event('{"order_id": 7, "items": [1, 2]}')
+    assert stored_payload_text(event) == '{"order_id": 7, "items": [1, 2]}'
+    first = event.payload
+    assert first == {"order_id": 7, "items": [1, 2]}
+    assert event.payload is first  # decoded once
+    assert stored_payload_text(event) is None  # what a handler may have changed is not re-sent
+
+
+def test_a_stored_payload_compares_copies_and_pickles_as_its_value() -> None:
+    event = stored_event('{"a": 1}')
+    plain = Event(id=7, topic="order.placed", payload={"a": 1})
+    assert stored_event('{"a": 1}') == plain
+    assert repr(stored_event('{"a": 1}')) == repr(plain)
+    assert replace(stored_event('{"a": 1}'), attempts=2).payload == {"a": 1}
+    assert pickle.loads(pickle.dumps(event)) == plain
+    with pytest.raises(FrozenInstanceError):
+        event.payload = {"b": 2}  # type: ignore[misc]
+
+
+def test_the_undecodable_check_leaves_a_stored_payload_undecoded() -> None:
+    event = stored_event('{"a": 1}')
+    assert payload_is_undecodable(event) is False
+    assert stored_payload_text(event) == '{"a": 1}'
+    broken = Event(id=8, topic="t", payload=decode_payload("{not json"))
+    assert payload_is_undecodable(broken) is True
+    assert isinstance(broken.payload, UndecodablePayload)
+    assert "not valid JSON" in broken.payload.error
+
+
+def test_a_relay_sends_a_stored_payload_as_stored_and_a_decoded_one_encoded() -> None:
+    destination = topic_destination
+    assert message_of(stored_event('{"a": 1, "b": "Zoë"}'), destination).body == (
+        '{"a": 1, "b": "Zoë"}'.encode()
+    )
+    read = stored_event('{"a": 1}')
+    read.payload["a"] = 2  # a handler before the relay changed it: the change is sent
+    assert json.loads(message_of(read, destination).body) == {"a": 2}
