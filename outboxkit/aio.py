@@ -191,7 +191,7 @@ class AsyncPoller(handling.Shell):
     ) -> None:
         outbox = self.outbox
         handling.unrouted(outbox, run)
-        specs = {s.name: s for s in outbox.bus.handlers_for(run.claim.event.topic)}
+        specs = outbox.bus.by_name_for(run.claim.event.topic)
         for name in run.handlers:
             if not await self._keep_lease(deliveries, batch, run, extending):
                 break

@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from .core.model import Event
@@ -166,6 +167,7 @@ class EventBus:
         # use, dropped whenever a subscription is added)
         self._matched: dict[str, tuple[HandlerSpec, ...]] = {}
         self._names: dict[str, tuple[str, ...]] = {}  # topic -> names_for(topic), as asked
+        self._by_name: dict[str, Mapping[str, HandlerSpec]] = {}  # topic -> by_name_for(topic)
 
     def subscribe(
         self,
@@ -215,6 +217,7 @@ class EventBus:
             self._by_topic[topic] = (*existing, spec)
             self._matched.clear()
             self._names.clear()
+            self._by_name.clear()
         return spec
 
     def relay(self, relay: Relay, *, topics: Iterable[str], name: str) -> HandlerSpec:
@@ -267,6 +270,7 @@ class EventBus:
             self._relays = (*self._relays, spec)
             self._matched.clear()
             self._names.clear()
+            self._by_name.clear()
         return spec
 
     def handler(
@@ -298,6 +302,15 @@ class EventBus:
         if names is None:
             names = self._names[topic] = tuple(spec.name for spec in self.handlers_for(topic))
         return names
+
+    def by_name_for(self, topic: str) -> Mapping[str, HandlerSpec]:
+        """``handlers_for(topic)`` by name (kept per topic, as ``names_for``)."""
+        by_name = self._by_name.get(topic)
+        if by_name is None:
+            by_name = self._by_name[topic] = MappingProxyType(
+                {spec.name: spec for spec in self.handlers_for(topic)}
+            )
+        return by_name
 
     def specs(self) -> tuple[HandlerSpec, ...]:
         """Every subscription, topic by topic, in subscription order, then the relays."""

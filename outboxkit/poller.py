@@ -144,7 +144,7 @@ class Poller(handling.Shell):
     def _deliver_event(self, deliveries: Deliveries, batch: ClaimedBatch, run: EventRun) -> None:
         outbox = self.outbox
         handling.unrouted(outbox, run)
-        specs = {s.name: s for s in outbox.bus.handlers_for(run.claim.event.topic)}
+        specs = outbox.bus.by_name_for(run.claim.event.topic)
         for name in run.handlers:
             # R13: keep the batch's leases alive; never start a handler once ours is gone.
             if not self._keep_lease(deliveries, batch, run):

@@ -361,6 +361,9 @@ def check_usable(conn: AnyConnection, where: str, what: str) -> None:
         )
 
 
+_INTRANS = int(TransactionStatus.INTRANS)
+
+
 def check_batch_open(conn: AnyConnection, where: str) -> None:
     """A batch whose transaction a handler ended would run every later step outside it
     (autocommitted): refuse them; the batch is abandoned and its events recover by their
@@ -369,7 +372,8 @@ def check_batch_open(conn: AnyConnection, where: str) -> None:
     Raises:
         StoreError: the batch's transaction is no longer open.
     """
-    if conn.closed or conn.info.transaction_status != TransactionStatus.INTRANS:
+    # pgconn's status, not conn.info's: that builds an object and an enum on every delivery.
+    if conn.closed or conn.pgconn.transaction_status != _INTRANS:
         raise StoreError(
             f"PostgreSQL at {where}: the batch transaction is no longer open (a handler ended "
             "it, or the connection was lost); the batch is abandoned"
