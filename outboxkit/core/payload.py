@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from datetime import datetime, timedelta
 from types import MappingProxyType
@@ -186,7 +186,37 @@ def _check_delay(delay: object) -> timedelta:
     return delay if isinstance(delay, timedelta) else timedelta(seconds=seconds)
 
 
-_dumps = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode
+def _compact_encoder() -> Callable[[object], str]:
+    """Compact JSON, non-ASCII kept as is, NaN and Infinity refused.
+
+    ``JSONEncoder.encode`` builds a new C encoder on every call (1.35 of its 3.1 us for a small
+    payload, measured); this one is built once. It runs without the circular check: every
+    payload has been walked by ``_plain_shape`` (or ``_check_json``) first, and a cycle ends
+    there as too deep. Where the C encoder is missing, or does not answer as the standard one
+    does, the standard one is used.
+    """
+    standard = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:
+        return standard.encode
+    try:
+        encoder = make(
+            None, standard.default, json.encoder.encode_basestring, None, ":", ",",
+            False, False, False,
+        )  # fmt: skip
+        sample = {"a": [1, 2.5, None, True, "é\n"], "b": {}}
+
+        def dumps(value: object) -> str:
+            return "".join(encoder(value, 0))
+
+        if dumps(sample) != standard.encode(sample):
+            return standard.encode
+    except Exception:  # another Python's C encoder: keep the standard one
+        return standard.encode
+    return dumps
+
+
+_dumps = _compact_encoder()
 
 
 def _encode_payload(payload: object, max_bytes: int, *, limit: int | None = None) -> str:
