@@ -75,6 +75,7 @@ class Contender:
     processes: int = 1
     concurrency: int = 1  # asyncio poller
     batch_size: int = BATCH
+    prefetch: bool = False  # the poller's prefetch option (the next claim during a batch)
 
 
 CONTENDERS = {
@@ -90,6 +91,18 @@ CONTENDERS = {
         Contender("kit-nontx-1", "poller, non-transactional", "pg", "kit", "nontx", 1),
         Contender("kit-batch-1", "poller, per_batch", "pg", "kit", "batch", 1),
         Contender("kit-batch-2", "poller, per_batch, 2 procs", "pg", "kit", "batch", 2),
+        Contender(
+            "kit-batch-1p", "poller, per_batch, prefetch", "pg", "kit", "batch", 1, prefetch=True
+        ),
+        Contender(
+            "kit-batch-2p",
+            "poller, per_batch, prefetch, 2 procs",
+            "pg",
+            "kit",
+            "batch",
+            2,
+            prefetch=True,
+        ),
         Contender("kit-async-1", "async_poller c=1", "pg", "async", "tx", 1, 1),
         Contender("kit-async-4", "async_poller c=4", "pg", "async", "tx", 1, 4),
         Contender("kit-async-16", "async_poller c=16", "pg", "async", "tx", 1, 16),
@@ -117,8 +130,8 @@ GROUPS: list[list[str]] = [
     ["ref-tx-1", "kit-tx-1", "bare-tx-1", "pgqueuer-10", *ASYNC],
     ["ref-nontx-1", "kit-nontx-1", "procrastinate"],
     ["ref-tx-2", "kit-tx-2", "bare-tx-2"],
-    ["ref-batch-1", "kit-batch-1", "bare-batch-1", "pgqueuer-100"],
-    ["ref-batch-2", "kit-batch-2", "bare-batch-2"],
+    ["ref-batch-1", "kit-batch-1", "kit-batch-1p", "bare-batch-1", "pgqueuer-100"],
+    ["ref-batch-2", "kit-batch-2", "kit-batch-2p", "bare-batch-2"],
     ["ref-sqlite-tx", "kit-sqlite-tx", "ref-sqlite-batch", "kit-sqlite-batch"],
 ]
 
@@ -136,8 +149,12 @@ WORKLOADS = [
     Workload("pg-tx-1", "PG transactional, 1 poller", "ref-tx-1", ("kit-tx-1",), 0.9),
     Workload("pg-tx-2", "PG transactional, 2 pollers", "ref-tx-2", ("kit-tx-2",), 0.9),
     Workload("pg-nontx-1", "PG non-transactional, 1 poller", "ref-nontx-1", ("kit-nontx-1",), 0.9),
-    Workload("pg-batch-1", "PG per_batch, 1 poller", "ref-batch-1", ("kit-batch-1",), 0.8),
-    Workload("pg-batch-2", "PG per_batch, 2 pollers", "ref-batch-2", ("kit-batch-2",), 0.8),
+    Workload(
+        "pg-batch-1", "PG per_batch, 1 poller", "ref-batch-1", ("kit-batch-1", "kit-batch-1p"), 0.8
+    ),
+    Workload(
+        "pg-batch-2", "PG per_batch, 2 pollers", "ref-batch-2", ("kit-batch-2", "kit-batch-2p"), 0.8
+    ),
     Workload(
         "pgqueuer-default",
         "best per-event vs pgqueuer (batch 10)",
@@ -146,7 +163,11 @@ WORKLOADS = [
         1.0,
     ),
     Workload(
-        "pgqueuer-batch", "per_batch vs pgqueuer (batch 100)", "pgqueuer-100", ("kit-batch-1",), 1.0
+        "pgqueuer-batch",
+        "per_batch vs pgqueuer (batch 100)",
+        "pgqueuer-100",
+        ("kit-batch-1", "kit-batch-1p"),
+        1.0,
     ),
     Workload(
         "procrastinate", "transactional vs procrastinate", "procrastinate", ("kit-tx-1",), None
@@ -458,13 +479,19 @@ def _kit_worker(job: Job, barrier: Barrier) -> Drained:
     store, outbox, calls = _kit_outbox(job)
     transaction = "per_batch" if job.contender.mode == "batch" else "per_event"
     poller = outbox.poller(
-        batch_size=job.contender.batch_size, waiter=ThreadWaiter(), transaction=transaction
+        batch_size=job.contender.batch_size,
+        waiter=ThreadWaiter(),
+        transaction=transaction,
+        prefetch=job.contender.prefetch,
     )
     store.stats(now=None)  # connect (and check the schema) before the clock starts
     barrier.wait()
     started = time.monotonic()
-    while poller.run_once():
-        pass
+    if job.contender.prefetch:
+        poller.run_until_idle()  # the loop that prefetches (run_once claims one batch)
+    else:
+        while poller.run_once():
+            pass
     ended = time.monotonic()
     store.close()
     return Drained(started, ended, calls[0])

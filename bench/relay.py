@@ -3,9 +3,10 @@
 For each broker (RabbitMQ, NATS JetStream, Redis Streams), in one process, on PostgreSQL:
 
 - **outboxkit**: ``--events`` events enqueued, then relayed by one poller
-  (``transaction="per_batch"``, ``--batch`` events a claim) through ``bus.relay(...)``: the
-  blocking poller (the relay on its own event loop thread), and, reported apart, the asyncio
-  poller (``outboxkit async``);
+  (``transaction="per_batch"``, ``--batch`` events a claim, ``prefetch=True``: the next batch
+  claimed while one is relayed) through ``bus.relay(...)``: the blocking poller (the relay on
+  its own event loop thread), and, reported apart, the asyncio poller (``outboxkit async``)
+  and the blocking poller without ``prefetch``;
 - **minimal loop**: the same number of rows in a plain table (id, topic, payload, headers,
   key, created_at, published_at) of the same database; in one transaction per batch: ``SELECT
   ... FOR UPDATE SKIP LOCKED LIMIT --batch``, publish every row with the same client library and
@@ -236,7 +237,13 @@ def payload(i: int) -> dict[str, Any]:
 
 
 async def run_outboxkit(
-    pg_url: str, broker: Broker, events: int, batch: int, *, asyncio_poller: bool = False
+    pg_url: str,
+    broker: Broker,
+    events: int,
+    batch: int,
+    *,
+    asyncio_poller: bool = False,
+    prefetch: bool = True,
 ) -> float:
     with pg_schema(pg_url, "bench_relay") as schema:
         store = open_store(pg_url, schema=schema)
@@ -256,9 +263,11 @@ async def run_outboxkit(
         # connections are made before): if anything, this favours the reference.
         started = time.perf_counter()
         if asyncio_poller:
-            await outbox.async_poller(batch_size=batch, transaction="per_batch").run_until_idle()
+            await outbox.async_poller(
+                batch_size=batch, transaction="per_batch", prefetch=prefetch
+            ).run_until_idle()
         else:
-            poller = outbox.poller(batch_size=batch, transaction="per_batch")
+            poller = outbox.poller(batch_size=batch, transaction="per_batch", prefetch=prefetch)
             await asyncio.to_thread(poller.run_until_idle)
         elapsed = time.perf_counter() - started
         if asyncio_poller:
@@ -271,6 +280,10 @@ async def run_outboxkit(
 
 async def run_outboxkit_asyncio(pg_url: str, broker: Broker, events: int, batch: int) -> float:
     return await run_outboxkit(pg_url, broker, events, batch, asyncio_poller=True)
+
+
+async def run_outboxkit_no_prefetch(pg_url: str, broker: Broker, events: int, batch: int) -> float:
+    return await run_outboxkit(pg_url, broker, events, batch, prefetch=False)
 
 
 def fill(conn: psycopg.Connection[Any], table: sql.Identifier, topic: str, events: int) -> None:
@@ -434,6 +447,7 @@ CONTENDERS: dict[str, Callable[[str, Broker, int, int], Awaitable[float]]] = {
     "one at a time": run_one_at_a_time,
     "rules floor": run_rules_floor,
     "minimal, bare": run_minimal_bare,
+    "no prefetch": run_outboxkit_no_prefetch,
 }
 
 
@@ -484,6 +498,8 @@ def main() -> None:
             f"vs one at a time {med['outboxkit'] / med['one at a time']:.1f}x\n"
             f"{'':8}  asyncio poller {med['outboxkit async']:9,.0f}/s  "
             f"ratio vs minimal {med['outboxkit async'] / med['minimal loop']:.2f}x\n"
+            f"{'':8}  blocking poller without prefetch {med['no prefetch']:9,.0f}/s  "
+            f"ratio vs minimal {med['no prefetch'] / med['minimal loop']:.2f}x\n"
             f"{'':8}  rules floor (bare SQL, not a reference) {med['rules floor']:9,.0f}/s  "
             f"= {med['rules floor'] / med['minimal loop']:.2f}x the minimal loop; "
             f"outboxkit {med['outboxkit'] / med['rules floor']:.2f}x the floor\n"

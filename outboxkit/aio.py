@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from . import handling
 from .bus import HandlerSpec
 from .core.batch import ClaimedBatch, EventRun
-from .core.machine import LeaseCheck, outage_delay
+from .core.machine import LeaseCheck, outage_delay, prefetches
 from .core.model import Claim, Delivery, Event, Outcome, PollReport
 from .core.options import PollerOptions
 from .errors import (
@@ -117,6 +117,11 @@ class AsyncPoller(handling.Shell):
             BaseException: re-raised from a handler (KeyboardInterrupt, SystemExit) after
                 releasing the events not yet started; the events in hand recover by their lease.
         """
+        claimed_at, claims = await self._claim()
+        return await self.process(claims, claimed_at=claimed_at)
+
+    async def _claim(self) -> tuple[datetime, list[Claim]]:
+        """``Poller._claim``: one claim and the local-clock instant just before it."""
         outbox = self.outbox
         claimed_at = outbox.local_clock.now()
         claims = await self.store.claim(
@@ -125,7 +130,32 @@ class AsyncPoller(handling.Shell):
             now=outbox.store_now(),
             dead_key=outbox.dead_key,
         )
+        return claimed_at, claims
+
+    async def _round(self, prefetcher: _AsyncPrefetcher | None) -> PollReport:
+        """``Poller._round``: with ``prefetch``, the next claim runs in a task of its own while
+        this batch is delivered."""
+        prefetched = None if prefetcher is None else await prefetcher.take()
+        if prefetched is not None and prefetched[1]:
+            claimed_at, claims = prefetched
+        else:  # none made, or an empty one: the last batch's follow-ups may be due since
+            claimed_at, claims = await self._claim()
+        if prefetcher is not None and prefetches(
+            enabled=not self._stop.is_set(), claimed=len(claims), batch_size=self.options.batch_size
+        ):
+            prefetcher.start()
         return await self.process(claims, claimed_at=claimed_at)
+
+    @asynccontextmanager
+    async def _prefetching(self) -> AsyncIterator[_AsyncPrefetcher | None]:
+        if not self._prefetch:
+            yield None
+            return
+        prefetcher = _AsyncPrefetcher(self)
+        try:
+            yield prefetcher
+        finally:
+            await prefetcher.release()
 
     async def process(self, claims: Sequence[Claim], *, claimed_at: datetime) -> PollReport:
         """Deliver and settle claims this poller just made (``run_once`` without the claim)."""
@@ -333,30 +363,36 @@ class AsyncPoller(handling.Shell):
             SchemaError: the store's schema is missing or incompatible.
         """
         interval = self.options.interval.total_seconds()
-        failures = 0
         self.outbox.add_waiter(self.waiter)
         try:
-            while not self._stop.is_set():
-                try:
-                    report = await self.run_once()
-                except SchemaError:
-                    raise
-                except StoreError as exc:
-                    failures += 1
-                    if failures == 1:
-                        log.error("store unavailable, retrying with backoff: %s", exc)
-                    await self.waiter.wait(outage_delay(failures, interval))
-                    continue
-                if failures:
-                    log.warning("store available again after %d failed poll(s)", failures)
-                    failures = 0
-                await asyncio.to_thread(self.outbox.prune_if_due)
-                if len(report.claimed) < self.options.batch_size and not self._stop.is_set():
-                    await self.waiter.wait(interval)
+            async with self._prefetching() as prefetcher:
+                await self._run_forever(prefetcher, interval)
         finally:
             self.outbox.remove_waiter(self.waiter)
             if self._owned is not None:
                 await self._owned.close()
+
+    async def _run_forever(self, prefetcher: _AsyncPrefetcher | None, interval: float) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                report = await self._round(prefetcher)
+            except SchemaError:
+                raise
+            except StoreError as exc:
+                if prefetcher is not None:
+                    await prefetcher.release()  # its leases would run out during the outage
+                failures += 1
+                if failures == 1:
+                    log.error("store unavailable, retrying with backoff: %s", exc)
+                await self.waiter.wait(outage_delay(failures, interval))
+                continue
+            if failures:
+                log.warning("store available again after %d failed poll(s)", failures)
+                failures = 0
+            await asyncio.to_thread(self.outbox.prune_if_due)
+            if len(report.claimed) < self.options.batch_size and not self._stop.is_set():
+                await self.waiter.wait(interval)
 
     async def run_until_idle(
         self,
@@ -367,16 +403,45 @@ class AsyncPoller(handling.Shell):
         """``Poller.run_until_idle`` on asyncio: poll until a poll claims nothing (or
         :meth:`stop`), without waiting; the test kit's async drain passes ``on_idle``."""
         reports: list[PollReport] = []
-        while not self._stop.is_set():
-            report = await self.run_once()
-            if report.claimed:
-                reports.append(report)
-                if on_round is not None:
-                    on_round(report)
-                continue
-            if on_idle is None or not on_idle():
-                break
+        async with self._prefetching() as prefetcher:
+            while not self._stop.is_set():
+                report = await self._round(prefetcher)
+                if report.claimed:
+                    reports.append(report)
+                    if on_round is not None:
+                        on_round(report)
+                    continue
+                if on_idle is None or not on_idle():
+                    break
         return reports
+
+
+class _AsyncPrefetcher:
+    """``poller._Prefetcher`` on asyncio: the next claim in a task of its own."""
+
+    def __init__(self, poller: AsyncPoller) -> None:
+        self._poller = poller
+        self._pending: asyncio.Task[tuple[datetime, list[Claim]]] | None = None
+
+    def start(self) -> None:
+        if self._pending is None:
+            self._pending = asyncio.ensure_future(self._poller._claim())
+
+    async def take(self) -> tuple[datetime, list[Claim]] | None:
+        pending, self._pending = self._pending, None
+        return None if pending is None else await pending
+
+    async def release(self) -> None:
+        """Hand back what the pending claim took; its own failure, or one of the release, is
+        logged (the leases recover the events)."""
+        try:
+            taken = await self.take()
+            if taken and taken[1]:
+                poller = self._poller
+                released = await poller.store.release(taken[1], now=poller.outbox.store_now())
+                log.info("poller stopping: released %d prefetched claim(s)", released)
+        except Exception as exc:
+            log.warning("prefetched claims not released (their leases recover them): %s", exc)
 
 
 async def _call(

@@ -97,6 +97,13 @@ class Shell:
                 f"{sorted(capabilities.names())}"
             )
         self._stop = threading.Event()
+        # ``prefetch`` where others may claim while a batch or delivery is open; elsewhere a
+        # prefetched claim would only wait for the batch's lock (SQLite): it claims as usual.
+        self._prefetch = (
+            options.prefetch
+            and capabilities.concurrent_claimers
+            and capabilities.concurrent_batches
+        )
 
     def _claimed(self, claims: Sequence[Claim], claimed_at: datetime) -> ClaimedBatch:
         """The bookkeeping of a round's fresh claims (``Claimed`` emitted for each)."""
@@ -130,7 +137,8 @@ class Shell:
         return (
             f"{type(self).__name__}(batch_size={o.batch_size}, "
             f"lease={o.lease.total_seconds()}s, interval={o.interval.total_seconds()}s, "
-            f"max_retries={o.max_retries}, transaction={o.transaction!r}{self._described()})"
+            f"max_retries={o.max_retries}, transaction={o.transaction!r}"
+            f"{', prefetch=True' if o.prefetch else ''}{self._described()})"
         )
 
     def _described(self) -> str:

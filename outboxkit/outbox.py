@@ -68,7 +68,7 @@ class Outbox:
         bus: the handler subscriptions; a fresh empty ``EventBus`` if omitted.
         clock: the clock; ``None`` means the store's production clock (the database clock on
             Postgres). Tests pass a ``FrozenClock``.
-        max_retries, backoff, interval, batch_size, lease, transaction: app-wide poller
+        max_retries, backoff, interval, batch_size, lease, transaction, prefetch: app-wide poller
             defaults (R14, see ``PollerOptions``); an option given to :meth:`poller` wins.
         max_payload_bytes: the largest encoded payload ``enqueue`` accepts (default 1 MiB).
         dead_key: what a dead-lettered event does to the events after it of the same ``key``:
@@ -96,6 +96,7 @@ class Outbox:
         batch_size: int = 100,
         lease: float | timedelta = 30.0,
         transaction: TransactionMode = "per_event",
+        prefetch: bool = False,
         max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES,
         dead_key: DeadKey = "release",
         retain_published: float | timedelta | None = DEFAULT_RETAIN_PUBLISHED,
@@ -130,6 +131,7 @@ class Outbox:
             batch_size=batch_size,
             lease=lease,
             transaction=transaction,
+            prefetch=prefetch,
         )
         self.max_payload_bytes = max_payload_bytes
         self.retain_published: timedelta | None = (
@@ -415,7 +417,7 @@ class Outbox:
             waiter: how the poller waits between polls (default: a thread event woken by
                 in-process enqueues). Tests inject one that moves a ``FrozenClock`` instead.
             **options: ``interval``, ``batch_size``, ``lease``, ``max_retries``, ``backoff``,
-                ``transaction`` (see ``PollerOptions``).
+                ``transaction``, ``prefetch`` (see ``PollerOptions``).
 
         Raises:
             ConfigurationError: an unknown option or an invalid value, naming the option; or

@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime
 from typing import TYPE_CHECKING
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 from . import handling
 from .bus import HandlerSpec
 from .core.batch import ClaimedBatch, EventRun
-from .core.machine import MAX_OUTAGE_WAIT, LeaseCheck, outage_delay
+from .core.machine import MAX_OUTAGE_WAIT, LeaseCheck, outage_delay, prefetches
 from .core.model import Claim, Delivery, Event, Outcome, PollReport
 from .core.options import PollerOptions
 from .errors import (
@@ -82,6 +83,12 @@ class Poller(handling.Shell):
             BaseException: re-raised from a handler (KeyboardInterrupt, SystemExit) after
                 releasing the events not yet started; the event in hand recovers by its lease.
         """
+        claimed_at, claims = self._claim()
+        return self.process(claims, claimed_at=claimed_at)
+
+    def _claim(self) -> tuple[datetime, list[Claim]]:
+        """One claim (R3), and the local-clock instant just before it (the leases count from
+        it)."""
         outbox = self.outbox
         claimed_at = outbox.local_clock.now()
         claims = outbox.store.claim(
@@ -90,7 +97,34 @@ class Poller(handling.Shell):
             now=outbox.store_now(),
             dead_key=outbox.dead_key,
         )
+        return claimed_at, claims
+
+    def _round(self, prefetcher: _Prefetcher | None) -> PollReport:
+        """One round of the loops: ``run_once``, or with ``prefetch`` the claim made while the
+        last batch was delivered, the next one made while this one is (``prefetches``)."""
+        prefetched = None if prefetcher is None else prefetcher.take()
+        if prefetched is not None and prefetched[1]:
+            claimed_at, claims = prefetched
+        else:  # none made, or an empty one: the last batch's follow-ups may be due since
+            claimed_at, claims = self._claim()
+        if prefetcher is not None and prefetches(
+            enabled=not self._stop.is_set(), claimed=len(claims), batch_size=self.options.batch_size
+        ):
+            prefetcher.start()
         return self.process(claims, claimed_at=claimed_at)
+
+    @contextmanager
+    def _prefetching(self) -> Iterator[_Prefetcher | None]:
+        """The loops' prefetcher (None without ``prefetch``); what it holds when the loop ends is
+        released."""
+        if not self._prefetch:
+            yield None
+            return
+        prefetcher = _Prefetcher(self)
+        try:
+            yield prefetcher
+        finally:
+            prefetcher.close()
 
     def process(self, claims: Sequence[Claim], *, claimed_at: datetime) -> PollReport:
         """Deliver and settle claims this poller just made (``run_once`` without the claim).
@@ -269,30 +303,36 @@ class Poller(handling.Shell):
             SchemaError: the store's schema is missing or incompatible.
         """
         interval = self.options.interval.total_seconds()
-        failures = 0
         self.outbox.add_waiter(self.waiter)
         try:
-            while not self._stop.is_set():
-                try:
-                    report = self.run_once()
-                except SchemaError:
-                    raise
-                except StoreError as exc:
-                    failures += 1
-                    if failures == 1:
-                        log.error("store unavailable, retrying with backoff: %s", exc)
-                    self.waiter.wait(outage_delay(failures, interval))
-                    continue
-                if failures:
-                    log.warning("store available again after %d failed poll(s)", failures)
-                    failures = 0
-                self.outbox.prune_if_due()  # retention: at most once a minute, logs its failures
-                if len(report.claimed) < self.options.batch_size and not self._stop.is_set():
-                    self.waiter.wait(interval)
+            with self._prefetching() as prefetcher:
+                self._run_forever(prefetcher, interval)
         finally:
             self.outbox.remove_waiter(self.waiter)
             if self._owned is not None:
                 self._owned.close()
+
+    def _run_forever(self, prefetcher: _Prefetcher | None, interval: float) -> None:
+        failures = 0
+        while not self._stop.is_set():
+            try:
+                report = self._round(prefetcher)
+            except SchemaError:
+                raise
+            except StoreError as exc:
+                if prefetcher is not None:
+                    prefetcher.release()  # its leases would run out while the outage lasts
+                failures += 1
+                if failures == 1:
+                    log.error("store unavailable, retrying with backoff: %s", exc)
+                self.waiter.wait(outage_delay(failures, interval))
+                continue
+            if failures:
+                log.warning("store available again after %d failed poll(s)", failures)
+                failures = 0
+            self.outbox.prune_if_due()  # retention: at most once a minute, logs its failures
+            if len(report.claimed) < self.options.batch_size and not self._stop.is_set():
+                self.waiter.wait(interval)
 
     def run_until_idle(
         self,
@@ -314,16 +354,53 @@ class Poller(handling.Shell):
             The reports of the polls that claimed something, in order.
         """
         reports: list[PollReport] = []
-        while not self._stop.is_set():
-            report = self.run_once()
-            if report.claimed:
-                reports.append(report)
-                if on_round is not None:
-                    on_round(report)
-                continue
-            if on_idle is None or not on_idle():
-                break
+        with self._prefetching() as prefetcher:
+            while not self._stop.is_set():
+                report = self._round(prefetcher)
+                if report.claimed:
+                    reports.append(report)
+                    if on_round is not None:
+                        on_round(report)
+                    continue
+                if on_idle is None or not on_idle():
+                    break
         return reports
+
+
+class _Prefetcher:
+    """The next batch's claim, made on a worker thread while the poller delivers the batch in
+    hand (``prefetch``). One at a time; ``take`` waits for it and hands over what it claimed
+    (raising what the claim raised), ``release`` hands its claims back to the store, as a
+    stopping poller does with its unstarted ones."""
+
+    def __init__(self, poller: Poller) -> None:
+        self._poller = poller
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="outboxkit-prefetch")
+        self._pending: Future[tuple[datetime, list[Claim]]] | None = None
+
+    def start(self) -> None:
+        if self._pending is None:
+            self._pending = self._executor.submit(self._poller._claim)
+
+    def take(self) -> tuple[datetime, list[Claim]] | None:
+        pending, self._pending = self._pending, None
+        return None if pending is None else pending.result()
+
+    def release(self) -> None:
+        """Hand back what the pending claim took; its own failure, or one of the release, is
+        logged (the leases recover the events)."""
+        try:
+            taken = self.take()
+            if taken and taken[1]:
+                outbox = self._poller.outbox
+                released = outbox.store.release(taken[1], now=outbox.store_now())
+                log.info("poller stopping: released %d prefetched claim(s)", released)
+        except Exception as exc:
+            log.warning("prefetched claims not released (their leases recover them): %s", exc)
+
+    def close(self) -> None:
+        self.release()
+        self._executor.shutdown(wait=True)
 
 
 def _call(

@@ -163,6 +163,12 @@ class RunSettings:
     "per delivery (fewer commits; stores with the batched_delivery capability).",
 )
 @click.option(
+    "--prefetch/--no-prefetch",
+    default=None,
+    help="Claim the next batch while one is delivered, after a full claim (PostgreSQL; "
+    "elsewhere the poller claims as usual).",
+)
+@click.option(
     "--asyncio",
     "use_asyncio",
     is_flag=True,
@@ -224,6 +230,7 @@ def run_command(
     lease: timedelta | None,
     max_retries: int | None,
     transaction: str | None,
+    prefetch: bool | None,
     use_asyncio: bool,
     concurrency: int | None,
     until_idle: bool,
@@ -255,6 +262,7 @@ def run_command(
             ("lease", lease),
             ("max_retries", max_retries),
             ("transaction", transaction),
+            ("prefetch", prefetch),
         )
         if value is not None
     }

@@ -344,6 +344,15 @@ def check_lease(*, deadline: datetime, now: datetime, lease: timedelta) -> Lease
     return LeaseCheck.HELD
 
 
+def prefetches(*, enabled: bool, claimed: int, batch_size: int) -> bool:
+    """Whether a poller claims its next batch while the one in hand is delivered (the
+    ``prefetch`` option): only after a claim that filled a batch, that is while it drains a
+    backlog (one that found less is about to wait, and would hold leases for nothing). An
+    empty claim made so is never taken as the end of the work: the batch delivered meanwhile
+    may have enqueued follow-ups, so the shell claims once more before it waits or stops."""
+    return enabled and claimed >= batch_size
+
+
 MAX_OUTAGE_WAIT = 30.0
 """The longest a poller waits between two tries while the store is unavailable (seconds)."""
 

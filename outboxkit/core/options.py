@@ -38,6 +38,13 @@ class PollerOptions:
             ``batched_delivery`` capability); far fewer commits, but a batch's writes and
             records become visible together, and a non-transactional handler's effects are
             repeated if the batch's commit is lost.
+        prefetch: claim the next batch while one is delivered, when the last claim filled
+            a batch (default False). A busy poller then overlaps the database's work on its
+            claim with its own on the batch in hand. It needs a store where others may claim
+            while a batch or delivery is open (``concurrent_claimers`` and
+            ``concurrent_batches``: PostgreSQL, the memory store); elsewhere the poller claims
+            as usual. The prefetched claims' leases run from their claim, and a poller that
+            stops releases them.
     """
 
     interval: timedelta = timedelta(seconds=0.5)
@@ -46,6 +53,7 @@ class PollerOptions:
     max_retries: int = 10
     backoff: BackoffPolicy = _DEFAULT_BACKOFF
     transaction: TransactionMode = "per_event"
+    prefetch: bool = False
 
     @classmethod
     def build(cls, base: PollerOptions | None = None, **options: Any) -> PollerOptions:
@@ -102,6 +110,15 @@ def _transaction(value: object) -> TransactionMode:
     raise ConfigurationError(f"transaction must be one of {list(modes)}, got {value!r}")
 
 
+def _flag(name: str) -> Any:
+    def check(value: object) -> bool:
+        if not isinstance(value, bool):
+            raise ConfigurationError(f"{name} must be True or False, got {value!r:.40}")
+        return value
+
+    return check
+
+
 @dataclass(frozen=True, slots=True)
 class _Constant:
     delay: timedelta
@@ -117,4 +134,5 @@ _CHECKS = {
     "max_retries": _count("max_retries", 0, MAX_RETRIES),
     "backoff": _backoff,
     "transaction": _transaction,
+    "prefetch": _flag("prefetch"),
 }

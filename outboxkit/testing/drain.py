@@ -145,7 +145,10 @@ class Drain:
         else:
             # The poller's own drain loop, as ``outboxkit run --until-idle`` runs it; the drain
             # only adds the virtual clock (on_idle) and the report (on_round).
-            self.outbox.poller().run_until_idle(on_idle=run.on_idle, on_round=run.on_round)
+            # No prefetch (an app-wide default): a drain's batches are the same on every run.
+            self.outbox.poller(prefetch=False).run_until_idle(
+                on_idle=run.on_idle, on_round=run.on_round
+            )
         return self._end(run, raise_errors)
 
     async def async_(
@@ -213,7 +216,7 @@ class Drain:
                 "(capabilities.asyncio is false): test on one that has, such as the memory "
                 "store (ini outboxkit_store = memory://, or --outbox-store=memory://)"
             )
-        return outbox.async_poller(waiter=LoopWaiter())
+        return outbox.async_poller(waiter=LoopWaiter(), prefetch=False)
 
     def _horizon(self, start: datetime, until: datetime | timedelta | None) -> datetime | None:
         if until is None:

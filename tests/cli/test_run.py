@@ -59,11 +59,12 @@ def test_until_idle_drains_with_the_given_options(
         "0",
         "--transaction",
         "per_batch",
+        "--prefetch",
     )
     ok(result)
     assert (
         "Poller(batch_size=2, lease=7.0s, interval=0.05s, max_retries=0, "
-        "transaction='per_batch')" in result.stderr
+        "transaction='per_batch', prefetch=True)" in result.stderr
     )
     assert "draining" not in result.stderr  # the progress is drawn on a terminal only
     assert (
