@@ -89,7 +89,8 @@ class Capabilities:
             ``options`` such that ``open_store(store.url, **store.options)`` opens it elsewhere.
         database_clock: ``now=None`` means a clock shared by every host (the database's).
         concurrent_batches: others may claim while a batch is open (row locks, not a database
-            lock).
+            lock). With ``concurrent_claimers``, the pollers' ``prefetch`` claims the next batch
+            on another thread (or task) while one is delivered.
         asyncio: ``async_store()`` returns the store's asyncio side (``AsyncStore``): enqueue
             from async code, the asyncio poller, ``async def`` transactional handlers on an
             async connection. Without it ``async_store()`` raises ``ConfigurationError``.

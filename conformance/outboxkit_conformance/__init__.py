@@ -40,6 +40,12 @@ Since 1.5.0 ``LifecycleTests`` checks a relay end to end (one publish per batch 
 each confirm recorded once, the unconfirmed retried alone). A store's batch may offer
 ``record_many`` (``outboxkit.store.RecordsMany``: a relay's confirms recorded together); the
 poller does without it, one ``delivery`` per confirm.
+
+Since 1.6.0 ``LifecycleTests`` checks the pollers' ``prefetch`` on a store that declares
+``concurrent_claimers`` and ``concurrent_batches``: the next batch claimed while one is
+delivered, every event still run and recorded once, and a stopping poller releasing the batch
+it claimed ahead. A store that declares those capabilities must let a claim run while another
+thread's batch or delivery is open.
 """
 
 from __future__ import annotations
@@ -83,7 +89,7 @@ __all__ = [
     "load_factory",
 ]
 
-SUITE_VERSION = "1.5.0"
+SUITE_VERSION = "1.6.0"
 
 
 class StoreConformance(

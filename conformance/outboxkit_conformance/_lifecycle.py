@@ -33,6 +33,7 @@ from outboxkit import (
     Reject,
     RelayError,
     RetryScheduled,
+    State,
     Store,
     Unrouted,
 )
@@ -342,6 +343,60 @@ class LifecycleTests(ConformanceBase):
         for event_id in ids:
             assert [r.attempt for r in store.records(event_id)] == [2]
         assert store.stats(now=clock.now()).published == len(ids)
+
+    def test_r3_prefetch_claims_ahead_and_delivers_each_event_once(
+        self, store: Store, outbox: Outbox, bus: EventBus, clock: FrozenClock
+    ) -> None:
+        """``prefetch=True``: the next batch is claimed while one is delivered, on a store where
+        others may claim meanwhile. Every event still runs once and is recorded once at attempt
+        1, and the follow-ups the batches in hand enqueue are delivered too (an empty claim made
+        ahead is not the end of the work)."""
+        self.require(store, "concurrent_claimers")
+        self.require(store, "concurrent_batches")
+        seen: list[int] = []
+
+        @bus.handler("t", name="orders", transactional=False)
+        def orders(event: Event, ctx: Any) -> None:
+            seen.append(event.id)
+            ctx.enqueue("f", {"of": event.id})
+
+        @bus.handler("f", name="follow-ups", transactional=False)
+        def follow_ups(event: Event, ctx: Any) -> None:
+            seen.append(event.id)
+
+        ids = [self.enqueue(store, outbox, "t", {"n": n}) for n in range(7)]
+        outbox.poller(batch_size=3, prefetch=True).run_until_idle()
+        assert len(seen) == 14 and len(set(seen)) == 14
+        assert set(ids) <= set(seen)
+        for event_id in seen:
+            assert [r.attempt for r in store.records(event_id)] == [1]
+        stats = store.stats(now=clock.now())
+        assert (stats.published, stats.pending, stats.claimed) == (14, 0, 0)
+
+    def test_r3_a_stopping_poller_releases_what_it_prefetched(
+        self, store: Store, outbox: Outbox, bus: EventBus, clock: FrozenClock
+    ) -> None:
+        """Stopped in its first batch, a prefetching poller hands the batch it claimed ahead
+        back with the rest: no lease left, the attempt refunded."""
+        self.require(store, "concurrent_claimers")
+        self.require(store, "concurrent_batches")
+        seen: list[int] = []
+        poller: Any = None
+
+        @bus.handler("t", name="stops", transactional=False)
+        def stops(event: Event, ctx: Any) -> None:
+            seen.append(event.id)
+            poller.stop()
+
+        ids = [self.enqueue(store, outbox, "t", {"n": n}) for n in range(6)]
+        poller = outbox.poller(batch_size=3, prefetch=True)
+        poller.run_until_idle()
+        assert seen and set(seen) <= set(ids[:3])  # only the first batch ever ran
+        for event_id in ids[3:]:  # the batch claimed ahead
+            event = store.get(event_id)
+            assert event is not None
+            assert (event.attempts, event.locked_until, event.state) == (0, None, State.PENDING)
+        assert store.stats(now=clock.now()).published == len(seen)
 
     def test_r13_long_batch_extends_its_leases(
         self, store: Store, outbox: Outbox, bus: EventBus, clock: FrozenClock

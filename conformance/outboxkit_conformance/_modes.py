@@ -131,6 +131,9 @@ class BlockingAsyncPoller:
     def options(self) -> Any:
         return self.poller.options
 
+    def stop(self) -> None:
+        self.poller.stop()
+
     def run_once(self) -> PollReport:
         return self.runner.run(self.poller.run_once())
 
