@@ -439,7 +439,7 @@ class _AsyncPrefetcher:
             if taken and taken[1]:
                 poller = self._poller
                 released = await poller.store.release(taken[1], now=poller.outbox.store_now())
-                log.info("poller stopping: released %d prefetched claim(s)", released)
+                log.info("released %d prefetched claim(s)", released)
         except Exception as exc:
             log.warning("prefetched claims not released (their leases recover them): %s", exc)
 

@@ -394,7 +394,7 @@ class _Prefetcher:
             if taken and taken[1]:
                 outbox = self._poller.outbox
                 released = outbox.store.release(taken[1], now=outbox.store_now())
-                log.info("poller stopping: released %d prefetched claim(s)", released)
+                log.info("released %d prefetched claim(s)", released)
         except Exception as exc:
             log.warning("prefetched claims not released (their leases recover them): %s", exc)
 
