@@ -67,13 +67,14 @@ __all__ = ["MIGRATIONS", "SCHEMA_VERSION", "PostgresStore"]
 
 log = logging.getLogger("outboxkit")
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """The schema version this code reads and writes."""
 
 MIGRATIONS: tuple[tuple[int, str], ...] = (
     (1, "events, delivery records, due/published/dead partial indexes"),
     (2, "commit guard: a handler's COMMIT of its delivery transaction fails"),
     (3, "per-key order (key rows, key_seq), dedupe keys"),
+    (4, "records without a foreign key (purges delete them), has_history for the claim"),
 )
 """Each version and what it adds; version *n* runs the ``migration_n`` statement."""
 

@@ -58,7 +58,7 @@ def _race_one(
         if first == "requeue":
             rows = holder.execute(store._queries["requeue"], {"ids": [event_id], "now": None})
             results["requeue"] = len(rows.fetchall())
-            second, waits_on = "purge", "DELETE"
+            second, waits_on = "purge", "WITH gone AS"
         else:
             cursor = holder.execute(
                 store._queries["purge_dead"],

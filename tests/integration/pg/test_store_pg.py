@@ -395,6 +395,65 @@ def test_concurrent_migrations_are_safe(pg_url: str, pg_schema: str) -> None:
             store.close()
 
 
+def test_version_4_upgrade_keeps_a_requeued_events_records_and_purges_them_with_it(
+    pg_url: str, pg_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Version 4 drops the records' foreign key and adds ``has_history``: an event requeued
+    under version 3 (attempts back to 0, a handler's record kept) still skips that handler, and
+    a purge deletes an event's records with it."""
+    import outboxkit_pg.store as pg_store_module
+
+    with monkeypatch.context() as patch:  # the schema as version 3 left it
+        patch.setattr(pg_store_module, "SCHEMA_VERSION", 3)
+        patch.setattr(pg_store_module, "MIGRATIONS", pg_store_module.MIGRATIONS[:3])
+        old = PostgresStore(pg_url, schema=pg_schema, notify=False)
+        try:
+            assert old.migrate().after == 3
+            with old.transaction() as conn:
+                (event_id,) = old.enqueue(conn, [build_event("t", {"n": 1})], now=None)
+        finally:
+            old.close()
+    with psycopg.connect(pg_url, autocommit=True) as conn:  # a requeued dead letter, a recorded
+        conn.execute(
+            sql.SQL(
+                "INSERT INTO {} (event_id, handler, outcome, attempt, recorded_at)"
+                " VALUES (%s, 'a', 'succeeded', 1, now())"
+            ).format(sql.Identifier(pg_schema, "outbox_deliveries")),
+            (event_id,),
+        )
+    store = PostgresStore(pg_url, schema=pg_schema, notify=False)
+    try:
+        migration = store.migrate()
+        assert (migration.before, migration.after) == (3, SCHEMA_VERSION)
+        with psycopg.connect(pg_url) as conn:
+            keys = conn.execute(
+                "SELECT count(*) FROM pg_constraint WHERE conrelid = %s::regclass"
+                " AND contype = 'f'",
+                (f'"{pg_schema}"."outbox_deliveries"',),
+            ).fetchone()
+        assert keys == (0,)
+        (claim,) = store.claim(batch_size=5, lease=LEASE, now=None)
+        assert claim.event.id == event_id and claim.attempt == 1
+        assert list(claim.done) == ["a"]  # read although this is attempt 1
+        assert store.release([claim], now=None) == 1
+        runs: list[str] = []
+        bus = EventBus()
+        bus.subscribe("t", lambda e, ctx: runs.append("a"), name="a")
+        bus.subscribe("t", lambda e, ctx: runs.append("b"), name="b")
+        outbox = Outbox(store, bus, load_entry_points=False)
+        outbox.poller().run_once()
+        assert runs == ["b"]  # a is not run again
+        assert [r.handler for r in store.records(event_id)] == ["a", "b"]
+        assert outbox.purge(published_older_than=timedelta(0)) == 1
+        with psycopg.connect(pg_url) as conn:
+            left = conn.execute(
+                sql.SQL("SELECT count(*) FROM {}").format(table(store, "outbox_deliveries"))
+            ).fetchone()
+        assert left == (0,)
+    finally:
+        store.close()
+
+
 def test_custom_names(pg_url: str) -> None:
     with fresh_schema(pg_url) as schema:
         store = PostgresStore(

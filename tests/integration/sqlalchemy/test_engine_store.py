@@ -23,6 +23,7 @@ from outboxkit.errors import ConfigurationError
 from outboxkit_pg import PostgresStore
 from outboxkit_sqlite import SQLiteStore
 from tests.integration.pg import conftest as pg
+from tests.integration.pg._workers import wait_until
 
 from .conftest import Base, Order
 
@@ -141,6 +142,9 @@ def test_one_pool_for_the_app_and_a_running_poller_counts_fewer_connections(
                         session.add(Order(item=f"o{n}"))
                         outbox.enqueue(session, "order.placed", {"n": n})
                 assert done.wait(timeout=60)
+                # The LISTEN connection opens at the poller's first idle wait, which may come
+                # after the last delivery: counted once it is there.
+                wait_until(lambda: _beyond_the_app(engine, pg_database) >= 1, 10, step=0.01)
                 return _beyond_the_app(engine, pg_database)
             finally:
                 poller.stop()
