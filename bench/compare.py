@@ -73,7 +73,7 @@ class Contender:
     kind: str  # "ref" | "kit" | "async" | "peer"
     mode: str = "tx"  # "tx" | "nontx" | "batch"
     processes: int = 1
-    concurrency: int = 1  # asyncio poller
+    concurrency: int = 1  # the poller's concurrency (asyncio: events at once)
     batch_size: int = BATCH
     prefetch: bool = False  # the poller's prefetch option (the next claim during a batch)
 
@@ -103,6 +103,17 @@ CONTENDERS = {
             2,
             prefetch=True,
         ),
+        Contender("kit-tx-c4", "poller, per_event, concurrency 4", "pg", "kit", "tx", 1, 4),
+        Contender(
+            "kit-tx-c3p",
+            "poller, per_event, concurrency 3, prefetch",
+            "pg",
+            "kit",
+            "tx",
+            1,
+            3,
+            prefetch=True,
+        ),
         Contender("kit-async-1", "async_poller c=1", "pg", "async", "tx", 1, 1),
         Contender("kit-async-4", "async_poller c=4", "pg", "async", "tx", 1, 4),
         Contender("kit-async-16", "async_poller c=16", "pg", "async", "tx", 1, 16),
@@ -125,9 +136,10 @@ CONTENDERS = {
 }
 
 ASYNC = ["kit-async-1", "kit-async-4", "kit-async-16", "kit-async-nontx-4", "kit-async-nontx-16"]
+CONCURRENT = ["kit-tx-c4", "kit-tx-c3p"]  # the blocking poller committing several at once
 # Contenders that are compared with one another run next to one another.
 GROUPS: list[list[str]] = [
-    ["ref-tx-1", "kit-tx-1", "bare-tx-1", "pgqueuer-10", *ASYNC],
+    ["ref-tx-1", "kit-tx-1", "bare-tx-1", "pgqueuer-10", *CONCURRENT, *ASYNC],
     ["ref-nontx-1", "kit-nontx-1", "procrastinate"],
     ["ref-tx-2", "kit-tx-2", "bare-tx-2"],
     ["ref-batch-1", "kit-batch-1", "kit-batch-1p", "bare-batch-1", "pgqueuer-100"],
@@ -159,7 +171,7 @@ WORKLOADS = [
         "pgqueuer-default",
         "best per-event vs pgqueuer (batch 10)",
         "pgqueuer-10",
-        ("kit-tx-1", "kit-nontx-1", *ASYNC),
+        ("kit-tx-1", "kit-nontx-1", *CONCURRENT, *ASYNC),
         1.0,
     ),
     Workload(
@@ -483,6 +495,7 @@ def _kit_worker(job: Job, barrier: Barrier) -> Drained:
         waiter=ThreadWaiter(),
         transaction=transaction,
         prefetch=job.contender.prefetch,
+        concurrency=job.contender.concurrency,
     )
     store.stats(now=None)  # connect (and check the schema) before the clock starts
     barrier.wait()

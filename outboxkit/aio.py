@@ -44,7 +44,7 @@ __all__ = ["MAX_CONCURRENCY", "AsyncPoller"]
 
 log = logging.getLogger("outboxkit")
 
-MAX_CONCURRENCY = 1_000
+MAX_CONCURRENCY = handling.MAX_CONCURRENCY
 """The most events one asyncio poller delivers at once (each holds a connection)."""
 
 
@@ -69,23 +69,7 @@ class AsyncPoller(handling.Shell):
         concurrency: int = 1,
         waiter: AsyncWaiter | None,
     ) -> None:
-        super().__init__(outbox, options)
-        if (
-            not isinstance(concurrency, int)
-            or isinstance(concurrency, bool)
-            or not 1 <= concurrency <= MAX_CONCURRENCY
-        ):
-            raise ConfigurationError(
-                f"concurrency must be an integer from 1 to {MAX_CONCURRENCY:,}, got "
-                f"{concurrency!r:.40}"
-            )
-        self.concurrency = concurrency
-        if self._batched and concurrency > 1:
-            raise ConfigurationError(
-                "transaction='per_batch' delivers a batch in one transaction, on one connection: "
-                f"it cannot deliver events at once (concurrency={concurrency}); use "
-                "transaction='per_event' with concurrency"
-            )
+        super().__init__(outbox, options, concurrency)
         if not outbox.store.capabilities.asyncio:
             raise ConfigurationError(
                 f"the asyncio poller needs a store with an asyncio side; {outbox.store!r} has "

@@ -51,6 +51,7 @@ __all__ = [
     "Context",
     "SessionProvider",
     "SessionScope",
+    "MAX_CONCURRENCY",
     "Shell",
     "HandlerError",
     "announce",
@@ -75,6 +76,9 @@ __all__ = [
 
 log = logging.getLogger("outboxkit")
 
+MAX_CONCURRENCY = 1_000
+"""The most deliveries a poller may have in flight at once (``concurrency``)."""
+
 
 class Shell:
     """What both pollers are before they differ: the options, the delivery mode checked
@@ -86,10 +90,26 @@ class Shell:
 
     waiter: Wakeable
 
-    def __init__(self, outbox: Outbox, options: PollerOptions) -> None:
+    def __init__(self, outbox: Outbox, options: PollerOptions, concurrency: int = 1) -> None:
         self.outbox = outbox
         self.options = options
         self._batched = options.transaction == "per_batch"
+        if (
+            not isinstance(concurrency, int)
+            or isinstance(concurrency, bool)
+            or not 1 <= concurrency <= MAX_CONCURRENCY
+        ):
+            raise ConfigurationError(
+                f"concurrency must be an integer from 1 to {MAX_CONCURRENCY:,}, got "
+                f"{concurrency!r:.40}"
+            )
+        if self._batched and concurrency > 1:
+            raise ConfigurationError(
+                "transaction='per_batch' delivers a batch in one transaction, on one connection: "
+                f"it cannot deliver events at once (concurrency={concurrency}); use "
+                "transaction='per_event' with concurrency"
+            )
+        self.concurrency = concurrency
         capabilities = outbox.store.capabilities
         if self._batched and not capabilities.batches:
             raise ConfigurationError(
@@ -142,7 +162,7 @@ class Shell:
         )
 
     def _described(self) -> str:
-        return ""
+        return f", concurrency={self.concurrency}" if self.concurrency > 1 else ""
 
     @property
     def stopping(self) -> bool:

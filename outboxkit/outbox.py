@@ -410,22 +410,34 @@ class Outbox:
 
     # -- pollers --------------------------------------------------------------------------------
 
-    def poller(self, *, waiter: Waiter | None = None, **options: Any) -> Poller:
+    def poller(
+        self, *, concurrency: int = 1, waiter: Waiter | None = None, **options: Any
+    ) -> Poller:
         """A poller with the outbox's defaults overridden by ``options`` (R14).
 
         Args:
+            concurrency: per event, how many deliveries may be committing at once (default
+                1): the handlers run one at a time, and on PostgreSQL the records of those
+                that need no transaction of their own are committed on up to ``concurrency``
+                connections at once, without waiting (see ``Poller``).
             waiter: how the poller waits between polls (default: a thread event woken by
                 in-process enqueues). Tests inject one that moves a ``FrozenClock`` instead.
             **options: ``interval``, ``batch_size``, ``lease``, ``max_retries``, ``backoff``,
                 ``transaction``, ``prefetch`` (see ``PollerOptions``).
 
         Raises:
-            ConfigurationError: an unknown option or an invalid value, naming the option; or
-                ``transaction="per_batch"`` on a store without ``batched_delivery``.
+            ConfigurationError: an unknown option or an invalid value, naming the option;
+                ``transaction="per_batch"`` on a store without ``batched_delivery``, or with
+                ``concurrency`` above 1.
         """
         from .poller import Poller
 
-        return Poller(self, PollerOptions.build(self.options, **options), waiter=waiter)
+        return Poller(
+            self,
+            PollerOptions.build(self.options, **options),
+            waiter=waiter,
+            concurrency=concurrency,
+        )
 
     def async_poller(
         self, *, concurrency: int = 1, waiter: AsyncWaiter | None = None, **options: Any

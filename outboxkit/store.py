@@ -60,6 +60,7 @@ __all__ = [
     "Deliveries",
     "DeliveryTransaction",
     "RecordsMany",
+    "Rounds",
     "SettleItem",
     "Store",
     "record_each",
@@ -452,6 +453,26 @@ def settle_one(
     """``settle_many`` for one event: whether it was settled (for operators and tests)."""
     (settled,) = deliveries.settle_many([(claim, settlement, error)], now=now)
     return settled
+
+
+# -- a per-event round's deliveries (optional) --------------------------------------------------
+
+
+@runtime_checkable
+class Rounds(Protocol):
+    """What a store may also offer for ``transaction="per_event"``: a round's deliveries,
+    lease extensions and settlement in a context of the round's own, where the store may keep
+    one connection for the round and write a delivery's record without waiting for its
+    commit, reading the answers before anything else uses that connection and before the
+    round's settlement (PostgreSQL's pipeline mode). Each delivery still commits on its own; a
+    record its token refused shows as the event's refused settlement, as a batch's kept record
+    does. A store without it serves the round itself."""
+
+    def deliveries(self, *, concurrency: int = 1) -> AbstractContextManager[Deliveries]:
+        """The ``Deliveries`` of one per-event round, with up to ``concurrency`` deliveries
+        committing at once (the poller's option); when the block ends, everything written in
+        it has been answered (a failure raises ``StoreError``)."""
+        ...
 
 
 # -- many records at once (optional) ----------------------------------------------------------

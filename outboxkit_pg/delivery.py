@@ -1,6 +1,7 @@
-"""A PostgreSQL delivery transaction, and the batch transaction whose savepoints they are: the
-blocking shell around ``flow.Flow`` (what a delivery sends, reads and raises is there, shared
-with the asyncio side in ``aio``; only the waiting is here).
+"""A PostgreSQL delivery transaction, the batch transaction whose savepoints they are, and the
+per-event round whose connection they share: the blocking shell around ``flow.Flow`` (what a
+delivery sends, reads and raises is there, shared with the asyncio side in ``aio``; only the
+waiting is here) and ``pipeline.RecordPipeline``.
 """
 
 from __future__ import annotations
@@ -8,22 +9,26 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING
 
 import psycopg
+from psycopg.pq import PipelineStatus, TransactionStatus
 from psycopg.rows import tuple_row
 
 from outboxkit._sql.base import SQLBatch
 from outboxkit.core.model import Claim, NewEvent, Outcome
+from outboxkit.errors import StoreError, StoreUnavailable
+from outboxkit.store import SettleItem
 
 from .flow import BatchGuard, Flow, Result, Statement, Transaction
+from .pipeline import RecordPipeline, drain
 from .pool import Connection
 
 if TYPE_CHECKING:
     from .store import PostgresStore
 
-__all__ = ["Batch", "Delivery", "delivering"]
+__all__ = ["Batch", "Delivery", "Round", "delivering"]
 
 log = logging.getLogger("outboxkit")
 
@@ -31,6 +36,10 @@ log = logging.getLogger("outboxkit")
 class Delivery(Transaction[Connection]):
     """One delivery transaction (see ``PostgresStore.delivery``); a delivery of its own opens
     when its connection is first taken (or a follow-up enqueued)."""
+
+    def __init__(self, flow: Flow[Connection], round_: Round | None = None) -> None:
+        super().__init__(flow)
+        self._round = round_
 
     @property
     def connection(self) -> Connection:
@@ -42,7 +51,7 @@ class Delivery(Transaction[Connection]):
         """
         flow = self._flow
         if not flow.is_open:
-            open_flow(flow)
+            open_flow(flow, self._round)
         return flow.conn
 
     def enqueue(self, events: Sequence[NewEvent]) -> list[int]:
@@ -51,7 +60,7 @@ class Delivery(Transaction[Connection]):
             return []
         flow = self._flow
         if not flow.is_open:
-            open_flow(flow)
+            open_flow(flow, self._round)
         with flow.store._mapped(self._following(events), flow.conn):
             return flow.store._insert(flow.conn, events, flow.now)
 
@@ -81,6 +90,7 @@ def delivering(
     claim: Claim,
     now: datetime | None,
     batch: Batch | None = None,
+    round_: Round | None = None,
 ) -> Iterator[Delivery]:
     """A delivery on ``conn``: its own transaction, or (``batch``) a savepoint of the batch's,
     the event row locked and the token checked; committed (released) on a normal exit, rolled
@@ -90,7 +100,8 @@ def delivering(
     follow-up. A delivery that never did ends with its one record fenced by the token in a
     single statement (``insert_record_fenced``) or, in a batch, kept by the batch and written
     with the others' before it settles (``insert_records_fenced``): a handler that does not
-    use the connection costs no round trip of its own.
+    use the connection costs no round trip of its own. In a per-event round (``round_``) that
+    statement is sent without waiting for it (``Round.send``).
 
     Raises:
         LeaseLostError: the token is stale (nothing the handler wrote through the connection
@@ -101,32 +112,36 @@ def delivering(
     """
     flow = Flow(store, conn, claim, now, batch)
     try:
-        yield Delivery(flow)
+        yield Delivery(flow, round_)
         if flow.open_error is not None:
             raise flow.open_error  # the handler swallowed it: the delivery fails all the same
         if flow.must_open():
-            open_flow(flow)
+            open_flow(flow, round_)
         if batch is not None and not flow.is_open:
             batch.keep(claim, flow.records[0])  # written, fenced, before the batch settles
-        else:
+        elif round_ is None or flow.is_open or not round_.send(flow):
             flow.closed(_sync(conn, flow.closing()))
     except BaseException as exc:
         error = flow.error_for(exc)
-        _abort(conn, flow.aborting())
+        if flow.is_open or round_ is None:  # a round's unopened delivery has nothing to undo
+            _abort(conn, flow.aborting())
         if error is exc:
             raise
         raise error from exc
 
 
-def open_flow(flow: Flow[Connection]) -> None:
-    """Open ``flow``'s transaction now: its first pipeline sync. What it raises is kept as the
-    delivery's error (``Flow.open_error``), whatever the handler that asked makes of it.
+def open_flow(flow: Flow[Connection], round_: Round | None = None) -> None:
+    """Open ``flow``'s transaction now: its first pipeline sync (after the round's pipelined
+    records, read back first). What it raises is kept as the delivery's error
+    (``Flow.open_error``), whatever the handler that asked makes of it.
 
     Raises:
         LeaseLostError: the token is stale.
         StoreError: the database failed (mapped).
     """
     try:
+        if round_ is not None:
+            round_.before_use()
         flow.opened(_sync(flow.conn, flow.opening()))
     except BaseException as exc:
         error = flow.open_failed(exc)
@@ -158,3 +173,170 @@ def _abort(conn: Connection, statements: Sequence[bytes]) -> None:
             conn.execute(statement)
     except psycopg.Error as exc:
         log.debug("rollback of a delivery failed: %s", exc)
+
+
+class _Line:
+    """One of a round's connections, with the records pipelined on it."""
+
+    def __init__(self, lease: AbstractContextManager[Connection], conn: Connection) -> None:
+        self.lease = lease
+        self.conn = conn
+        self.pipeline: RecordPipeline | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self.pipeline is not None and self.pipeline.pending
+
+
+class Round:
+    """The deliveries of one per-event round (``PostgresStore.deliveries``): each delivery a
+    transaction of its own, as on the store, on one pooled connection held for the round (a
+    fresh one after a delivery that left it unusable). A delivery that never opened its
+    transaction sends its fenced record without waiting for it (``pipeline``), on up to
+    ``concurrency`` connections in turn, so that PostgreSQL commits several at once (one WAL
+    flush serves the commits that wait for it together). Every result is read before a
+    delivery opens its transaction, before a lease extension and the settlement (on the first
+    connection), and when the round ends.
+
+    A connection lost with records unanswered ends the round: their fate is unknown, so no
+    later step of the round may settle anything (each raises the loss); the events recover by
+    their leases, and a record that did commit keeps its handler from running again.
+    """
+
+    def __init__(self, store: PostgresStore, concurrency: int = 1) -> None:
+        self._store = store
+        self._lines: list[_Line | None] = [None] * concurrency
+        self._next = 0  # the line the next pipelined record goes to
+        self._lost: StoreError | None = None
+
+    def _line(self, index: int, doing: str) -> _Line:
+        if self._lost is not None:
+            raise self._lost
+        line = self._lines[index]
+        if line is None:
+            lease = self._store._connection(doing)
+            line = self._lines[index] = _Line(lease, lease.__enter__())
+        return line
+
+    @contextmanager
+    def delivery(self, claim: Claim, *, now: datetime | None) -> Iterator[Delivery]:
+        """``PostgresStore.delivery`` on the round's first connection."""
+        line = self._line(0, f"deliver event {claim.event.id}")
+        conn = line.conn
+        try:
+            with delivering(self._store, conn, claim, now, round_=self) as tx:
+                yield tx
+        finally:
+            if conn.closed or conn.broken or not (line.pending or _idle(conn)):
+                self._release(0, broken=True)  # left unusable: the pool discards it
+
+    def send(self, flow: Flow[Connection]) -> bool:
+        """Send ``flow``'s fenced record pipelined, on the next of the round's connections;
+        False when the connection cannot (the caller then writes it as usual).
+
+        Raises:
+            StoreError: the connection failed taking it (the round ends: ``_release``).
+        """
+        index = self._next
+        line = self._line(index, f"record the delivery of event {flow.claim.event.id}")
+        if line.pipeline is None:
+            if not RecordPipeline.usable(line.conn):
+                return False
+            line.pipeline = RecordPipeline(self._store, line.conn)
+        self._next = (index + 1) % len(self._lines)
+        try:
+            line.pipeline.send(flow.claim, flow.records[0])
+        except StoreError as exc:
+            self._lost = exc
+            self._release(index, broken=True)
+            raise
+        return True
+
+    def before_use(self) -> None:
+        """Read every pipelined record back before psycopg uses a connection of the round
+        again (it may deallocate the prepared statement, so the next record prepares it).
+
+        Raises:
+            StoreError: a record failed, or a connection did (the round ends).
+        """
+        if self._lost is not None:
+            raise self._lost
+        for index, line in enumerate(self._lines):
+            if line is None or line.pipeline is None:
+                continue
+            try:
+                drain(line.pipeline)
+            except StoreError as exc:
+                self._lost = exc
+                self._release(index, broken=True)
+                raise
+            line.pipeline.forget_prepared()
+
+    def extend(
+        self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None
+    ) -> list[Claim]:
+        if not claims:
+            return []
+        store = self._store
+        doing = f"extend {len(claims)} lease(s)"
+        conn = self._line(0, doing).conn
+        self.before_use()
+        with store._mapped(doing, conn):
+            return store._extend_on(conn, claims, lease, now)
+
+    def settle_many(self, items: Sequence[SettleItem], *, now: datetime | None) -> list[bool]:
+        """``PostgresStore.settle_many`` after every pipelined record is read back: a refused
+        record's event is refused here too (the same token), which reports the lost lease."""
+        if not items:
+            self.before_use()
+            return []
+        store = self._store
+        doing = f"settle {len(items)} event(s)"
+        conn = self._line(0, doing).conn
+        self.before_use()
+        with store._mapped(doing, conn):
+            return store._settle_many_on(conn, items, now)
+
+    def close(self, failed: bool = False) -> None:
+        """End the round: read what is pending and hand the connections back. After a
+        failure they go back as they are (the pool rolls them back, or discards them closed).
+
+        Raises:
+            StoreError: a record failed, or a connection was lost with records unanswered.
+        """
+        try:
+            if not failed:
+                self.before_use()
+        finally:
+            for index in range(len(self._lines)):
+                self._release(index, broken=failed)
+
+    def _release(self, index: int, broken: bool = False) -> None:
+        line, self._lines[index] = self._lines[index], None
+        if line is None:
+            return
+        if line.pending and self._lost is None:
+            self._lost = StoreUnavailable(
+                f"PostgreSQL at {self._store.where}: the connection was lost with delivery "
+                "records unanswered; their events recover by their leases"
+            )
+        if not broken:
+            line.lease.__exit__(None, None, None)
+            return
+        conn = line.conn
+        if not conn.closed and conn.pgconn.pipeline_status != _PIPELINE_OFF:
+            conn.close()  # records unread: it can neither be read back nor reused
+        line.lease.__exit__(_Abandoned, _Abandoned(), None)  # the pool rolls back, or discards
+
+
+class _Abandoned(Exception):
+    """Handed to the pool's exit for a connection the round leaves unusable: the pool rolls
+    it back (or discards it, closed) instead of committing."""
+
+
+def _idle(conn: Connection) -> bool:
+    return conn.pgconn.transaction_status == _IDLE
+
+
+_IDLE = int(TransactionStatus.IDLE)
+_PIPELINE_OFF = int(PipelineStatus.OFF)

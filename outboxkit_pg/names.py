@@ -6,6 +6,7 @@ values stay ``%(name)s`` placeholders, bound at execution. Nothing else is ever 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from psycopg import sql
@@ -112,6 +113,9 @@ class Names:
         return _index_name(self.events, "due")
 
 
+_PARAMETER = re.compile(rb"%\((\w+)\)([sb])")
+
+
 class Queries:
     """Every statement, rendered once for one set of names (bytes, ready to execute)."""
 
@@ -124,6 +128,26 @@ class Queries:
 
     def __getitem__(self, name: str) -> bytes:
         return self._rendered[name]
+
+    def positional(self, name: str) -> tuple[bytes, tuple[str, ...]]:
+        """A statement with ``$1``, ``$2``... in place of its ``%(name)s`` parameters (for
+        libpq's own prepared statements, ``pipeline``), and the names in that order.
+
+        Raises:
+            ValueError: the statement has a binary parameter (``%(name)b``).
+        """
+        order: list[str] = []
+
+        def number(match: re.Match[bytes]) -> bytes:
+            if match.group(2) != b"s":
+                raise ValueError(f"{name}: only text parameters can be numbered")
+            key = match.group(1).decode()
+            if key not in order:
+                order.append(key)
+            return b"$%d" % (order.index(key) + 1)
+
+        query = _PARAMETER.sub(number, self._rendered[name])
+        return query, tuple(order)
 
     def text(self, name: str) -> str:
         """A statement as text (for EXPLAIN in tests, and for reading)."""

@@ -53,7 +53,7 @@ from outboxkit.core.model import Claim, Migration, NewEvent
 from outboxkit.errors import ConfigurationError, SchemaError, StoreError, migrate_hint
 from outboxkit.store import Capabilities
 
-from .delivery import Batch, Delivery, delivering
+from .delivery import Batch, Delivery, Round, delivering
 from .errors import map_error
 from .flow import check_usable
 from .listen import NotifyWaiter
@@ -608,6 +608,21 @@ class PostgresStore(SQLStore):
             delivering(self, conn, claim, now) as tx,
         ):
             yield tx
+
+    @contextmanager
+    def deliveries(self, *, concurrency: int = 1) -> Iterator[Round]:
+        """The deliveries of one per-event round (``Rounds``): each delivery a transaction of
+        its own, on one pooled connection held for the round; a record that needs no
+        transaction is sent without waiting for its commit (``pipeline``), on up to
+        ``concurrency`` connections in turn, and read back before the connection is used
+        otherwise, and before the round's settlement."""
+        round_ = Round(self, concurrency)
+        try:
+            yield round_
+        except BaseException:
+            round_.close(failed=True)
+            raise
+        round_.close()
 
     @contextmanager
     def batch(self, *, now: datetime | None) -> Iterator[Batch]:

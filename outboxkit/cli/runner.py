@@ -178,7 +178,9 @@ class RunSettings:
     "--concurrency",
     type=click.IntRange(1, MAX_CONCURRENCY),
     default=None,
-    help="asyncio only: how many events of a batch are delivered at once (default 1).",
+    help="How many deliveries may be in flight at once (default 1): the asyncio poller "
+    "delivers N events of a batch at once; the blocking one runs its handlers one at a time and "
+    "commits up to N records at once (PostgreSQL).",
 )
 @click.option("--until-idle", is_flag=True, help="Drain what is due now, then exit 0.")
 @click.option(
@@ -250,7 +252,8 @@ def run_command(
     age, dead letters.
 
     An app whose bus has async def handlers is run by the asyncio poller, as with --asyncio;
-    --concurrency N then delivers N events of a batch at once.
+    --concurrency N then delivers N events of a batch at once. The blocking poller runs its
+    handlers one at a time: with --concurrency N it commits up to N delivery records at once.
     """
     if log_every <= timedelta(0):
         raise click.BadParameter("must be > 0", param_hint="'--log-every'")
@@ -319,17 +322,10 @@ def _asyncio_wanted(outbox: Outbox, settings: RunSettings) -> bool:
     ``async def`` handlers. Checks that it can (made once, with a waiter that holds nothing).
 
     Raises:
-        click.BadParameter: ``--concurrency`` for the blocking poller (exit 2).
         ConfigurationError: the asyncio poller cannot run this app on this store (exit 2).
     """
     coroutines = handling.async_handlers(outbox.bus.specs())
     if not settings.asyncio and not coroutines:
-        if settings.concurrency is not None:
-            raise click.BadParameter(
-                "asyncio only: add --asyncio (the app has no async def handler, so it runs "
-                "the blocking poller)",
-                param_hint="'--concurrency'",
-            )
         return False
     if not outbox.store.capabilities.asyncio:
         names = ", ".join(repr(spec.name) for spec in coroutines[:5])
@@ -474,7 +470,9 @@ def _run_here(
         )
     else:
         poller = outbox.poller(
-            waiter=ThreadWaiter() if settings.until_idle else None, **settings.poller_options
+            concurrency=settings.concurrency or 1,
+            waiter=ThreadWaiter() if settings.until_idle else None,
+            **settings.poller_options,
         )
     throughput = _Throughput()
     outbox.add_observer(throughput)

@@ -155,11 +155,12 @@ def test_an_app_without_async_handlers_keeps_the_blocking_poller(
     assert "with Poller(" in result.stderr and "AsyncPoller" not in result.stderr, result
 
 
-def test_concurrency_without_asyncio_is_refused_in_one_line(
+def test_concurrency_without_asyncio_goes_to_the_blocking_poller(
     cli: Cli, blocking_memory_app: App
 ) -> None:
     result = cli("run", blocking_memory_app.spec(), "--until-idle", "--concurrency", "2")
-    wrong_input(result, "'--concurrency'", "asyncio only: add --asyncio")
+    ok(result)
+    assert "with Poller(" in result.stderr and "concurrency=2" in result.stderr, result
 
 
 def test_asyncio_refuses_a_blocking_transactional_handler_in_one_line(

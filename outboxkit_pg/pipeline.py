@@ -1,0 +1,271 @@
+"""Delivery records sent without waiting for them: libpq's pipeline mode on one connection.
+
+A per-event round (``PostgresStore.round``) delivers its events one after another on one
+connection. A delivery whose handler never took the connection ends as one statement, the
+record fenced by the claim token (``insert_record_fenced``), committed on its own. Waiting for
+each one's commit before the next handler runs puts the poller's own work and the server's
+commit (its WAL flush) end to end; sent in pipeline mode, each followed by a sync of its own,
+the record still commits alone, in order, while the poller goes on with the next event. The
+results are read when they arrive, and all of them before anything else uses the connection
+(a delivery that opens its transaction, a lease extension, the round's settlement) and when
+the round ends.
+
+A record the token refused (the event's lease was taken over) wrote nothing, and the event's
+settlement, fenced by the same token, is refused too: the shell reports the lost lease then,
+as it does for a batch's kept records. A record that failed (the database's error) fails the
+round when it is read: the event recovers by its lease, as after any database failure.
+
+The statement is prepared under a name of outboxkit's own, at the first record a connection
+sends after anything else used it (psycopg deallocates every prepared statement after a
+rollback); a duplicate prepare is answered with an error in its own sync, and ignored. Without
+prepared statements (``prepare_threshold=None``, for PgBouncer in transaction mode) a round
+waits for each record as before.
+
+``RecordPipeline`` is the protocol, written once: what is sent, and how the results read so far
+are taken in. The waiting is its callers': ``drain`` here for a blocking connection, and
+``outboxkit_pg.aio`` for an async one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import select
+from collections import deque
+from collections.abc import Mapping
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg import errors as pg_errors
+from psycopg import pq
+from psycopg.postgres import types as pg_types
+
+from outboxkit.core.model import Claim
+from outboxkit.errors import StoreError
+
+from .pool import AnyConnection
+
+if TYPE_CHECKING:
+    from .store import PostgresStore
+
+__all__ = ["RecordPipeline", "drain"]
+
+_STATEMENT = "outboxkit_record_{}"
+"""The prepared statement's name, with a digest of its text: stores of other schemas or tables
+may take turns on one connection (a pool of the app's). psycopg names its own ``_pg3_<n>``."""
+
+_TYPES = {
+    "event_id": pg_types["int8"].oid,
+    "token": pg_types["uuid"].oid,
+    "handler": pg_types["text"].oid,
+    "outcome": pg_types["text"].oid,
+    "attempt": pg_types["int4"].oid,
+    "now": pg_types["timestamptz"].oid,
+    "reason": pg_types["text"].oid,
+}
+_DUPLICATE_PREPARED = pg_errors.DuplicatePreparedStatement.sqlstate
+_TUPLES_OK = pq.ExecStatus.TUPLES_OK
+_COMMAND_OK = pq.ExecStatus.COMMAND_OK
+_PIPELINE_SYNC = pq.ExecStatus.PIPELINE_SYNC
+_PIPELINE_OFF = pq.PipelineStatus.OFF
+_IDLE = pq.TransactionStatus.IDLE
+_BAD = pq.ConnStatus.BAD
+_PREPARE = None  # what ``sent`` holds for the prepare's sync
+
+
+class RecordPipeline:
+    """The fenced records a round sent on ``conn`` and has not read back yet.
+
+    Args:
+        store: the store whose statement and error mapping are used.
+        conn: the round's connection (blocking or async: only its ``pgconn`` is used, while
+            records are pending).
+    """
+
+    def __init__(self, store: PostgresStore, conn: AnyConnection) -> None:
+        self._store = store
+        self.conn = conn
+        self.pgconn = conn.pgconn
+        self._query, self._order = store._queries.positional("insert_record_fenced")
+        digest = hashlib.blake2b(self._query, digest_size=12).hexdigest()
+        self._name = _STATEMENT.format(digest).encode()
+        self._types = [_TYPES[name] for name in self._order]
+        self._encoding = conn.info.encoding
+        self._sent: deque[Claim | None] = deque()  # one per sync sent, in order
+        self._result: pq.abc.PGresult | None = None  # the head sync's result, until its sync
+        self._prepared = False
+        self.refused: set[int] = set()  # events whose record the token refused
+        self._error: StoreError | None = None
+
+    @staticmethod
+    def usable(conn: AnyConnection) -> bool:
+        """Whether records may be pipelined on ``conn``: it prepares statements (not behind
+        PgBouncer in transaction mode) and is idle, outside any transaction."""
+        return (
+            conn.prepare_threshold is not None
+            and not conn.closed
+            and conn.pgconn.transaction_status == _IDLE
+            and psycopg.Pipeline.is_supported()
+        )
+
+    @property
+    def pending(self) -> bool:
+        """Whether records were sent whose results are not read yet."""
+        return bool(self._sent)
+
+    def forget_prepared(self) -> None:
+        """Something else used the connection (psycopg may have deallocated every prepared
+        statement): the next record prepares the statement again."""
+        self._prepared = False
+
+    def send(self, claim: Claim, params: Mapping[str, Any]) -> None:
+        """Send ``claim``'s fenced record (``record_params`` and the token) and its sync,
+        without waiting; read whatever results have arrived.
+
+        Raises:
+            StoreUnavailable / StoreError: the connection failed to take it (mapped).
+        """
+        pg = self.pgconn
+        try:
+            if pg.pipeline_status == _PIPELINE_OFF:
+                pg.enter_pipeline_mode()
+            if not self._prepared:
+                pg.send_prepare(self._name, self._query, self._types)
+                pg.pipeline_sync()
+                self._sent.append(_PREPARE)
+                self._prepared = True
+            values = {**params, "token": claim.token}
+            pg.send_query_prepared(self._name, [self._text(values[name]) for name in self._order])
+            pg.pipeline_sync()
+            self._sent.append(claim)
+            pg.flush()  # what the socket does not take now goes with the next flush
+            pg.consume_input()
+        except psycopg.Error as exc:
+            raise self._store._error(exc, f"record the delivery of event {claim.event.id}") from exc
+        self.take_results()
+
+    def _text(self, value: Any) -> bytes | None:
+        """A parameter in PostgreSQL's text format."""
+        if value is None:
+            return None
+        if isinstance(value, datetime):
+            return value.isoformat().encode()
+        return str(value).encode(self._encoding)
+
+    def take_results(self) -> None:
+        """Take in the results libpq has read, without waiting for more.
+
+        Raises:
+            StoreUnavailable: the connection was lost (the results still pending never come).
+        """
+        pg = self.pgconn
+        while self._sent and not pg.is_busy():
+            result = pg.get_result()
+            if result is None:
+                if pg.status == _BAD:
+                    raise self._lost()
+                continue  # the end of one statement's results
+            if result.status != _PIPELINE_SYNC:
+                self._result = result
+                continue
+            sent, got, self._result = self._sent.popleft(), self._result, None
+            self._read(sent, got)
+        if self._sent and pg.status == _BAD:
+            raise self._lost()
+
+    def _lost(self) -> StoreError:
+        """The error for a connection lost with results pending (the first failure read, if
+        any: the server's reason)."""
+        error, self._error = self._error, None
+        if error is not None:
+            return error
+        message = self.pgconn.get_error_message(self._encoding) or "the connection was lost"
+        return self._store._error(
+            psycopg.OperationalError(message),
+            f"read {len(self._sent)} delivery record(s) back",
+            self.conn,
+        )
+
+    def _read(self, sent: Claim | None, result: pq.abc.PGresult | None) -> None:
+        """What one sync's statement came back with: a refused or failed record is kept."""
+        if result is None:
+            return
+        if result.status == _TUPLES_OK:
+            if sent is not None and result.ntuples == 0:
+                self.refused.add(sent.event.id)
+            return
+        if result.status == _COMMAND_OK:
+            return
+        error = pg_errors.error_from_result(result, encoding=self._encoding)
+        if sent is _PREPARE and error.sqlstate == _DUPLICATE_PREPARED:
+            return  # prepared in this session already
+        if self._error is None:
+            what = "prepare the delivery record" if sent is None else f"event {sent.event.id}"
+            if isinstance(error, pg_errors.UniqueViolation):
+                self._error = StoreError(f"{what} already has a delivery record")
+            else:
+                self._error = self._store._error(error, f"record the delivery of {what}", self.conn)
+
+    def wants_write(self) -> bool:
+        """Flush what is left to send; whether some is still left (then wait to write)."""
+        try:
+            return bool(self.pgconn.flush())
+        except psycopg.Error as exc:
+            raise self._store._error(exc, "send the delivery records", self.conn) from exc
+
+    def socket(self) -> int:
+        """The connection's socket, to wait on.
+
+        Raises:
+            StoreUnavailable: the connection is gone.
+        """
+        try:
+            return self.pgconn.socket
+        except psycopg.Error:
+            raise self._lost() from None
+
+    def readable(self) -> None:
+        """The socket has data: read it and take in the results."""
+        try:
+            self.pgconn.consume_input()
+        except psycopg.Error as exc:
+            raise self._store._error(exc, "read the delivery records", self.conn) from exc
+        self.take_results()
+
+    def finish(self) -> None:
+        """Every result was read: leave pipeline mode (the connection is psycopg's again) and
+        raise the first failure.
+
+        Raises:
+            StoreError: a record failed (the first failure, mapped).
+        """
+        pg = self.pgconn
+        if pg.pipeline_status != _PIPELINE_OFF:
+            try:
+                pg.exit_pipeline_mode()
+            except psycopg.Error as exc:
+                raise self._store._error(exc, "end the delivery records", self.conn) from exc
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+
+def drain(pipeline: RecordPipeline | None) -> None:
+    """Wait for every result ``pipeline`` has pending, on its blocking connection, and leave
+    pipeline mode.
+
+    Raises:
+        StoreError: a record failed, or the connection did (mapped).
+    """
+    if pipeline is None:
+        return
+    while pipeline.pending:
+        writing = pipeline.wants_write()
+        if pipeline.pgconn.is_busy() or writing:
+            fd = pipeline.socket()
+            readable, _, _ = select.select([fd], [fd] if writing else [], [])
+            if readable:
+                pipeline.readable()
+        else:
+            pipeline.take_results()
+    pipeline.finish()
