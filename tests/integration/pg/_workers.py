@@ -17,6 +17,7 @@ settles to a JSON-lines file, flushed as it goes, so a SIGKILL loses at most the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import multiprocessing
@@ -24,7 +25,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -197,9 +198,23 @@ class _Trace:
         }
 
     def wrap(self, store: Any) -> None:
-        """Trace a store's claims, extensions, settlements and releases."""
-        for name, note in self._notes().items():
+        """Trace a store's claims, extensions, settlements and releases, and those of its
+        per-event rounds (``Rounds.deliveries``: the blocking poller extends and settles
+        through the round)."""
+        notes = self._notes()
+        for name, note in notes.items():
             setattr(store, name, _traced(getattr(store, name), note))
+        if hasattr(store, "deliveries"):
+            opened = store.deliveries
+
+            @contextlib.contextmanager
+            def deliveries(*args: Any, **kw: Any) -> Iterator[Any]:
+                with opened(*args, **kw) as round_:
+                    for name in ("extend", "settle_many"):
+                        setattr(round_, name, _traced(getattr(round_, name), notes[name]))
+                    yield round_
+
+            store.deliveries = deliveries
 
     def wrap_async(self, side: Any) -> None:
         """``wrap`` for a store's asyncio side (what the asyncio poller calls)."""
