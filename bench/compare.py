@@ -431,22 +431,20 @@ def _bare_worker(job: Job, barrier: Barrier) -> Drained:
                         "reason": None,
                     }
                     conn.execute(q["insert_record_fenced"], record)
-            if kept:
-                columns = [list(column) for column in zip(*kept, strict=True)]
-                names = ("ids", "tokens", "handlers", "outcomes", "attempts", "ats", "reasons")
-                conn.execute(q["insert_records_fenced"], dict(zip(names, columns, strict=True)))
-            n = len(rows)
-            settle = {
+            # The round's settlement: every event published (outboxkit's publish_many), with
+            # the batch's kept records in the same statement (publish_recording).
+            settle: dict[str, Any] = {
                 "now": None,
                 "ids": [row[0] for row in rows],
                 "tokens": [row[12] for row in rows],
-                "publish": [True] * n,
-                "dead": [False] * n,
-                "retry_after": [None] * n,
-                "keeps_error": [False] * n,
-                "errors": [None] * n,
             }
-            conn.execute(q["settle_many"], settle)
+            if kept:
+                settle["record_ids"] = [k[0] for k in kept]
+                settle["handlers"] = [k[2] for k in kept]
+                conn.execute(q["publish_recording"], settle)
+            else:
+                conn.execute(q["publish_many"], settle)
+            n = len(rows)
             if batched:
                 conn.execute(b"COMMIT")
             handled += n

@@ -7,21 +7,23 @@ waiting is here) and ``pipeline.RecordPipeline``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from psycopg.pq import PipelineStatus, TransactionStatus
 from psycopg.rows import tuple_row
 
 from outboxkit._sql.base import SQLBatch
+from outboxkit._sql.rows import record_params
 from outboxkit.core.model import Claim, NewEvent, Outcome
 from outboxkit.errors import StoreError, StoreUnavailable
 from outboxkit.store import SettleItem
 
-from .flow import BatchGuard, Flow, Result, Statement, Transaction
+from .flow import BatchGuard, Flow, Result, Statement
 from .pipeline import RecordPipeline, drain
 from .pool import Connection
 
@@ -33,13 +35,65 @@ __all__ = ["Batch", "Delivery", "Round", "delivering"]
 log = logging.getLogger("outboxkit")
 
 
-class Delivery(Transaction[Connection]):
-    """One delivery transaction (see ``PostgresStore.delivery``); a delivery of its own opens
-    when its connection is first taken (or a follow-up enqueued)."""
+class Delivery:
+    """One delivery transaction (``DeliveryTransaction``; see ``PostgresStore.delivery``),
+    its own context manager: ``with delivering(...) as tx``. It opens when its connection is
+    first taken (or a follow-up enqueued): its ``flow.Flow`` is made then. A delivery never
+    opened ends as its one record, fenced by the token in a single statement
+    (``insert_record_fenced``), kept by the batch and written with the others' before it
+    settles (``insert_records_fenced``), or, in a per-event round, sent without waiting for
+    it (``Round.send``): a handler that does not use the connection costs no round trip, and
+    no more than its record.
 
-    def __init__(self, flow: Flow[Connection], round_: Round | None = None) -> None:
-        super().__init__(flow)
+    On a normal exit the transaction commits (a batch's savepoint is released); on an
+    exception it rolls back and the exception is re-raised, as the error it is for the
+    delivery (``Flow.error_for``).
+
+    Raises:
+        ConfigurationError: ``now`` is a naive datetime (before anything is sent).
+        LeaseLostError: the token is stale (nothing the handler wrote through the connection
+            commits; in a batch, a kept record's stale token shows when the batch settles).
+        HandlerCrashed: the handler ended, broke or closed the transaction it was given.
+        StoreUnavailable: the server ended the session under the handler.
+        StoreError: the database failed (never blamed on the handler).
+    """
+
+    __slots__ = ("_batch", "_claim", "_conn", "_flow", "_now", "_record", "_round", "_store")
+
+    def __init__(
+        self,
+        store: PostgresStore,
+        conn: Connection,
+        claim: Claim,
+        now: datetime | None,
+        batch: Batch | None = None,
+        round_: Round | None = None,
+    ) -> None:
+        if now is not None and now.utcoffset() is None:
+            store._params({"now": now})  # refused, naming it, before anything runs
+        self._store = store
+        self._conn = conn
+        self._claim = claim
+        self._now = now
+        self._batch = batch
         self._round = round_
+        self._flow: Flow[Connection] | None = None
+        self._record: dict[str, Any] | None = None  # the one record of a delivery not opened
+
+    def _made_flow(self) -> Flow[Connection]:
+        flow = self._flow
+        if flow is None:
+            flow = self._flow = Flow(self._store, self._conn, self._claim, self._now, self._batch)
+            if self._record is not None:
+                flow.records.append(self._record)
+                self._record = None
+        return flow
+
+    def _opened(self) -> Flow[Connection]:
+        flow = self._made_flow()
+        if not flow.is_open:
+            open_flow(flow, self._round)
+        return flow
 
     @property
     def connection(self) -> Connection:
@@ -49,24 +103,82 @@ class Delivery(Transaction[Connection]):
             LeaseLostError: the token is stale (the transaction is not opened).
             StoreError: the database failed opening it.
         """
-        flow = self._flow
-        if not flow.is_open:
-            open_flow(flow, self._round)
-        return flow.conn
+        return self._opened().conn
 
     def enqueue(self, events: Sequence[NewEvent]) -> list[int]:
         """Enqueue follow-up events inside this transaction."""
         if not events:
             return []
-        flow = self._flow
-        if not flow.is_open:
-            open_flow(flow, self._round)
-        with flow.store._mapped(self._following(events), flow.conn):
+        flow = self._opened()
+        with flow.store._mapped(f"enqueue {len(events)} follow-up(s)", flow.conn):
+            flow.check_usable()
             return flow.store._insert(flow.conn, events, flow.now)
 
     def record(self, handler: str, outcome: Outcome, *, reason: str | None = None) -> None:
-        """Queue the record; it is written with the commit, in the same sync."""
-        self._flow.record(handler, outcome, reason)
+        """Queue the record; it is written with the commit, in the same sync (or, for a
+        delivery never opened, alone: see the class docstring).
+
+        Raises:
+            ConfigurationError: ``outcome`` is not one that is recorded.
+        """
+        if self._flow is None and self._record is None:
+            self._record = record_params(self._claim, handler, outcome, reason, self._now)
+        else:
+            self._made_flow().record(handler, outcome, reason)
+
+    def __enter__(self) -> Delivery:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._flow is None:
+            if exc is not None:
+                return  # never opened: it wrote nothing, there is nothing to undo
+            record = self._record
+            if record is not None:
+                if self._batch is not None:
+                    self._batch.keep(self._claim, record)  # written with the settlement
+                    return
+                if self._round is not None and self._round.send(self._claim, record, self._conn):
+                    return
+        flow = self._made_flow()
+        if exc is not None:
+            self._fail(flow, exc)
+            return  # the block's own exception goes on as it is
+        try:
+            self._commit(flow)
+        except BaseException as failure:
+            self._fail(flow, failure)
+            raise
+
+    def _commit(self, flow: Flow[Connection]) -> None:
+        """End ``flow``'s delivery normally: its record and commit (or what is kept)."""
+        round_ = self._round
+        if flow.open_error is not None:
+            raise flow.open_error  # the handler swallowed it: the delivery fails all the same
+        if flow.must_open():
+            open_flow(flow, round_)
+        if self._batch is not None and not flow.is_open:
+            self._batch.keep(self._claim, flow.records[0])
+        elif (
+            round_ is None
+            or flow.is_open
+            or not round_.send(self._claim, flow.records[0], self._conn)
+        ):
+            flow.closed(_sync(self._conn, flow.closing()))
+
+    def _fail(self, flow: Flow[Connection], failure: BaseException) -> None:
+        """Roll the delivery back after ``failure``; raise the error it is for the delivery
+        (``Flow.error_for``) when that is another (returns when it is ``failure`` itself)."""
+        error = flow.error_for(failure)
+        if flow.is_open or self._round is None:  # a round's unopened delivery: nothing to undo
+            _abort(self._conn, flow.aborting())
+        if error is not failure:
+            raise error from failure
 
 
 class Batch(BatchGuard, SQLBatch):
@@ -77,13 +189,12 @@ class Batch(BatchGuard, SQLBatch):
 
     def delivery(self, claim: Claim, *, now: datetime | None) -> AbstractContextManager[Delivery]:
         self._check_open()
-        return delivering(self._store, self._conn, claim, now, self)
+        return Delivery(self._store, self._conn, claim, now, self)
 
     def _where(self) -> str:
         return self._store.where
 
 
-@contextmanager
 def delivering(
     store: PostgresStore,
     conn: Connection,
@@ -91,43 +202,10 @@ def delivering(
     now: datetime | None,
     batch: Batch | None = None,
     round_: Round | None = None,
-) -> Iterator[Delivery]:
+) -> Delivery:
     """A delivery on ``conn``: its own transaction, or (``batch``) a savepoint of the batch's,
-    the event row locked and the token checked; committed (released) on a normal exit, rolled
-    back on an exception.
-
-    Opened lazily: only when the handler first takes ``tx.connection`` or enqueues a
-    follow-up. A delivery that never did ends with its one record fenced by the token in a
-    single statement (``insert_record_fenced``) or, in a batch, kept by the batch and written
-    with the others' before it settles (``insert_records_fenced``): a handler that does not
-    use the connection costs no round trip of its own. In a per-event round (``round_``) that
-    statement is sent without waiting for it (``Round.send``).
-
-    Raises:
-        LeaseLostError: the token is stale (nothing the handler wrote through the connection
-            commits; in a batch, a kept record's stale token shows when the batch settles).
-        HandlerCrashed: the handler ended, broke or closed the transaction it was given.
-        StoreUnavailable: the server ended the session under the handler.
-        StoreError: the database failed (never blamed on the handler).
-    """
-    flow = Flow(store, conn, claim, now, batch)
-    try:
-        yield Delivery(flow, round_)
-        if flow.open_error is not None:
-            raise flow.open_error  # the handler swallowed it: the delivery fails all the same
-        if flow.must_open():
-            open_flow(flow, round_)
-        if batch is not None and not flow.is_open:
-            batch.keep(claim, flow.records[0])  # written, fenced, before the batch settles
-        elif round_ is None or flow.is_open or not round_.send(flow):
-            flow.closed(_sync(conn, flow.closing()))
-    except BaseException as exc:
-        error = flow.error_for(exc)
-        if flow.is_open or round_ is None:  # a round's unopened delivery has nothing to undo
-            _abort(conn, flow.aborting())
-        if error is exc:
-            raise
-        raise error from exc
+    or one of a per-event round (``round_``); see ``Delivery``."""
+    return Delivery(store, conn, claim, now, batch, round_)
 
 
 def open_flow(flow: Flow[Connection], round_: Round | None = None) -> None:
@@ -230,22 +308,23 @@ class Round:
             if conn.closed or conn.broken or not (line.pending or _idle(conn)):
                 self._release(0, broken=True)  # left unusable: the pool discards it
 
-    def send(self, flow: Flow[Connection]) -> bool:
-        """Send ``flow``'s fenced record pipelined, on the next of the round's connections;
-        False when the connection cannot (the caller then writes it as usual).
+    def send(self, claim: Claim, record: Mapping[str, Any], conn: Connection) -> bool:
+        """Send ``claim``'s fenced record (``record_params``) pipelined, on the next of the
+        round's connections (``conn``, the deliveries', first); False when that connection
+        cannot (the caller then writes it as usual, on ``conn``).
 
         Raises:
             StoreError: the connection failed taking it (the round ends: ``_release``).
         """
         index = self._next
-        line = self._line(index, f"record the delivery of event {flow.claim.event.id}")
+        line = self._line(index, f"record the delivery of event {claim.event.id}")
         if line.pipeline is None:
             if not RecordPipeline.usable(line.conn):
                 return False
             line.pipeline = RecordPipeline(self._store, line.conn)
         self._next = (index + 1) % len(self._lines)
         try:
-            line.pipeline.send(flow.claim, flow.records[0])
+            line.pipeline.send(claim, record)
         except StoreError as exc:
             self._lost = exc
             self._release(index, broken=True)

@@ -454,6 +454,43 @@ WITH settled AS (
 )
 SELECT id FROM settled
 
+-- name: publish_many
+-- settle_many when every event of the round is published (the usual round): the ids and the
+-- tokens alone, so the statement binds two arrays instead of seven and sets no CASE.
+UPDATE {events} AS e
+   SET published_at = coalesce(%(now)s::timestamptz, now()),
+       locked_until = NULL,
+       claim_token = NULL
+  FROM unnest(%(ids)b::bigint[], %(tokens)b::uuid[]) AS s (id, token)
+ WHERE e.id = s.id
+   AND e.claim_token = s.token
+   AND coalesce(e.published_at, e.failed_at) IS NULL
+RETURNING e.id
+
+-- name: publish_recording
+-- settle_many_recording when every event is published and every kept record is a success
+-- stamped with the settlement's own instant (the usual batch): the records' attempt is their
+-- event's, read from the row the settlement locks (the token fences it: the claim's attempt).
+WITH settled AS (
+    UPDATE {events} AS e
+       SET published_at = coalesce(%(now)s::timestamptz, now()),
+           locked_until = NULL,
+           claim_token = NULL
+      FROM unnest(%(ids)b::bigint[], %(tokens)b::uuid[]) AS s (id, token)
+     WHERE e.id = s.id
+       AND e.claim_token = s.token
+       AND coalesce(e.published_at, e.failed_at) IS NULL
+    RETURNING e.id, e.attempts
+), recorded AS (
+    INSERT INTO {deliveries} (event_id, handler, outcome, attempt, recorded_at, reason)
+    SELECT r.id, r.handler, 'succeeded', s.attempts, coalesce(%(now)s::timestamptz, now()), NULL
+      FROM unnest(%(record_ids)b::bigint[], %(handlers)b::text[])
+           WITH ORDINALITY AS r (id, handler, ord)
+      JOIN settled AS s ON s.id = r.id
+     ORDER BY r.ord
+)
+SELECT id FROM settled
+
 -- name: release
 -- Unstarted claims handed back: lease cleared and the attempt refunded, fenced by token.
 UPDATE {events} AS e

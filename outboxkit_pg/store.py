@@ -49,9 +49,10 @@ from outboxkit._sql.names import (
     validate_identifier,
 )
 from outboxkit._sql.rows import encode_headers, inserted_ids, resolve_ids
-from outboxkit.core.model import Claim, Migration, NewEvent
+from outboxkit.core.machine import Publish
+from outboxkit.core.model import Claim, Migration, NewEvent, Outcome
 from outboxkit.errors import ConfigurationError, SchemaError, StoreError, migrate_hint
-from outboxkit.store import Capabilities
+from outboxkit.store import Capabilities, SettleItem
 
 from .delivery import Batch, Delivery, Round, delivering
 from .errors import map_error
@@ -96,6 +97,7 @@ _OPTIONS = frozenset(
 )
 
 Row = Sequence[Any]
+_SUCCEEDED = Outcome.SUCCEEDED.value
 
 
 class PostgresStore(SQLStore):
@@ -288,6 +290,39 @@ class PostgresStore(SQLStore):
     def _settle_params(self, rows: Sequence[tuple[Any, ...]]) -> dict[str, Any]:
         names = ("ids", "tokens", "publish", "dead", "retry_after", "keeps_error", "errors")
         return _arrays(names, rows)
+
+    def _settle_many_query(
+        self, items: Sequence[SettleItem], now: datetime | None
+    ) -> tuple[str, dict[str, Any]]:
+        """``publish_many`` when every item publishes (two arrays), else ``settle_many``."""
+        if all(type(settlement) is Publish for _, settlement, _ in items):
+            return "publish_many", {
+                "now": now,
+                "ids": [claim.event.id for claim, _, _ in items],
+                "tokens": [claim.token for claim, _, _ in items],
+            }
+        return super()._settle_many_query(items, now)
+
+    def _settle_kept_query(
+        self, items: Sequence[SettleItem], kept: Sequence[tuple[Any, ...]], now: datetime | None
+    ) -> tuple[str, dict[str, Any]] | None:
+        """``publish_recording`` when every item publishes and every kept record is a success
+        stamped with ``now`` (rows of ``RECORD_COLUMNS``), else the base's choice."""
+        if (
+            kept
+            and all(type(settlement) is Publish for _, settlement, _ in items)
+            and all(r[3] == _SUCCEEDED and r[5] == now and r[6] is None for r in kept)
+        ):
+            settling = {(claim.event.id, claim.token) for claim, _, _ in items}
+            if all((r[0], r[1]) in settling for r in kept):
+                return "publish_recording", {
+                    "now": now,
+                    "ids": [claim.event.id for claim, _, _ in items],
+                    "tokens": [claim.token for claim, _, _ in items],
+                    "record_ids": [r[0] for r in kept],
+                    "handlers": [r[2] for r in kept],
+                }
+        return super()._settle_kept_query(items, kept, now)
 
     @staticmethod
     def _params(params: Mapping[str, Any]) -> Mapping[str, Any]:

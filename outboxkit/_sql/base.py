@@ -188,7 +188,7 @@ class SQLStore(ABC):
         settling = {(claim.event.id, claim.token) for claim, _, _ in items}
         if not all((row[0], row[1]) in settling for row in kept):
             return None
-        _, params = self._settle_many_query(items, now)
+        params = self._settle_many_params(items, now)
         records = self._records_params(kept)
         del records["tokens"]  # fenced by the settlement's own token check
         params["record_ids"] = records.pop("ids")
@@ -236,8 +236,13 @@ class SQLStore(ABC):
     def _settle_many_query(
         self, items: Sequence[SettleItem], now: datetime | None
     ) -> tuple[str, dict[str, Any]]:
+        return "settle_many", self._settle_many_params(items, now)
+
+    def _settle_many_params(
+        self, items: Sequence[SettleItem], now: datetime | None
+    ) -> dict[str, Any]:
         rows = [settle_row(c, s, e, self._duration) for c, s, e in items]
-        return "settle_many", {"now": self._instant(now), **self._settle_params(rows)}
+        return {"now": self._instant(now), **self._settle_params(rows)}
 
     @staticmethod
     def _settled(items: Sequence[SettleItem], rows: Sequence[Row]) -> list[bool]:

@@ -15,7 +15,7 @@ import pytest
 from psycopg import sql
 
 from outboxkit import EventBus, Outbox, Outcome
-from outboxkit.core.machine import Publish
+from outboxkit.core.machine import Publish, Retry
 from outboxkit.core.model import Claim
 from outboxkit_pg import PostgresStore
 
@@ -82,9 +82,40 @@ def test_kept_records_of_the_settled_events_go_with_the_settlement(
     claims = claimed(store, 3)
     statements.clear()
     assert kept_batch(store, claims, claims) == [True, True, True]
-    assert statements == ["settle_many_recording"]
+    assert statements == ["publish_recording"]  # every event published: the short statement
     assert recorded(store, claims) == [c.event.id for c in claims]
     assert published(store, claims) == [True, True, True]
+    assert [r.attempt for c in claims for r in store.records(c.event.id)] == [1, 1, 1]
+
+
+def test_a_round_with_a_retry_or_a_rejection_settles_through_the_general_statement(
+    store: PostgresStore, statements: list[str]
+) -> None:
+    claims = claimed(store, 3)
+    statements.clear()
+    with store.batch(now=None) as batch:
+        for claim in claims:
+            with batch.delivery(claim, now=None) as tx:
+                if claim is claims[1]:
+                    tx.record("h", Outcome.REJECTED, reason="not ours")
+                else:
+                    tx.record("h", Outcome.SUCCEEDED)
+        settled = batch.settle_many(
+            [
+                (claims[0], Publish(), None),
+                (claims[1], Publish(), None),
+                (claims[2], Retry(delay=timedelta(seconds=5), retry=1), "g: boom"),
+            ],
+            now=None,
+        )
+    assert settled == [True, True, True]
+    assert statements == ["settle_many_recording"]
+    assert [r.reason for c in claims for r in store.records(c.event.id)] == [
+        None,
+        "not ours",
+        None,
+    ]
+    assert published(store, claims) == [True, True, False]
 
 
 def test_a_kept_record_of_an_event_not_settled_is_written_on_its_own(
@@ -93,7 +124,7 @@ def test_a_kept_record_of_an_event_not_settled_is_written_on_its_own(
     claims = claimed(store, 3)
     statements.clear()
     assert kept_batch(store, claims, claims[:2]) == [True, True]
-    assert statements == ["insert_records_fenced", "settle_many"]
+    assert statements == ["insert_records_fenced", "publish_many"]
     assert recorded(store, claims) == [c.event.id for c in claims]
     assert published(store, claims) == [True, True, False]
 
@@ -112,7 +143,7 @@ def test_a_stale_token_settles_and_records_nothing(
         )
     statements.clear()
     assert kept_batch(store, claims, claims) == [True, False, True]
-    assert statements == ["settle_many_recording"]
+    assert statements == ["publish_recording"]
     assert recorded(store, claims) == [claims[0].event.id, claims[2].event.id]
     assert published(store, claims) == [True, False, True]
 
@@ -140,6 +171,6 @@ async def test_the_asyncio_batch_keeps_records_the_same_way(
     finally:
         await side.close()
     assert settled == [True, True, True]
-    assert names == ["settle_many_recording"]
+    assert names == ["publish_recording"]
     assert recorded(store, claims) == [c.event.id for c in claims]
     assert published(store, claims) == [True, True, True]

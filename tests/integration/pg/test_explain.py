@@ -93,12 +93,13 @@ def test_claim_uses_the_due_index_and_the_limit_holds(
     assert store.stats(now=None).claimed == 100
 
 
+@pytest.mark.parametrize("statement", ["settle_many", "publish_many"])
 def test_a_rounds_settlement_never_compares_every_row_with_every_claim(
-    pg_store: PostgresStore, admin: psycopg.Connection[Any]
+    pg_store: PostgresStore, admin: psycopg.Connection[Any], statement: str
 ) -> None:
-    """``settle_many`` (and the statements written like it) join the claims' unnest to the
-    table by its key, never comparing every row with every claim (100,000 published events
-    kept, 500 claims settled)."""
+    """``settle_many`` and ``publish_many`` (and the statements written like them) join the
+    claims' unnest to the table by its key, never comparing every row with every claim
+    (100,000 published events kept, 500 claims settled)."""
     from outboxkit.core.machine import Publish
 
     store = pg_store
@@ -110,10 +111,14 @@ def test_a_rounds_settlement_never_compares_every_row_with_every_claim(
         store.enqueue(conn, [build_event("due", {"n": n}) for n in range(DUE)], now=None)
     admin.execute(sql.SQL("ANALYZE {}").format(events))
     claims = store.claim(batch_size=500, lease=LEASE, now=None)
-    _, params = store._settle_many_query([(c, Publish(), None) for c in claims], None)
+    items = [(c, Publish(), None) for c in claims]
+    name, params = store._settle_many_query(items, None)
+    assert name == "publish_many"
+    if statement == "settle_many":
+        params = store._settle_many_params(items, None)
     with admin.transaction(force_rollback=True):
         ((result,),) = admin.execute(
-            b"EXPLAIN (ANALYZE, FORMAT JSON) " + store._queries["settle_many"],
+            b"EXPLAIN (ANALYZE, FORMAT JSON) " + store._queries[statement],
             store._params(params),
         ).fetchall()
     plan = list(nodes(result[0]["Plan"]))
