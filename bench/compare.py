@@ -496,6 +496,13 @@ def _kit_worker(job: Job, barrier: Barrier) -> Drained:
         concurrency=job.contender.concurrency,
     )
     store.stats(now=None)  # connect (and check the schema) before the clock starts
+    if job.contender.backend == "pg":
+        # The connections this poller holds at once (a round's for concurrency, one more for
+        # a prefetched claim) are opened before the clock starts, as the minimal loop opens
+        # its one: a long-running poller has them already.
+        with contextlib.ExitStack() as held:
+            for _ in range(job.contender.concurrency + job.contender.prefetch):
+                held.enter_context(store.transaction())
     barrier.wait()
     started = time.monotonic()
     if job.contender.prefetch:

@@ -294,17 +294,7 @@ class AsyncPoller(handling.Shell):
     ) -> Delivery:
         """Run one handler for one claimed event, with its record (R6, R7)."""
         outbox = self.outbox
-        ctx = handling.Context(
-            spec.name,
-            claim.attempt,
-            outbox.max_payload_bytes,
-            outbox.sessions,
-            outbox.headers_for,
-        )
-        at = outbox.clock.now()
-        began = outbox.local_clock.now()
-        handling.started(outbox, claim, spec, at)
-        scope = handling.handler_scope(outbox, claim.event, spec, claim.attempt, self._batched)
+        ctx, at, began, scope = self._begin_run(claim, spec)
         try:
             if spec.transactional:
                 async with deliveries.delivery(claim, now=outbox.store_now()) as tx:

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Context",
+    "NO_SCOPE",
     "SessionProvider",
     "SessionScope",
     "MAX_CONCURRENCY",
@@ -110,6 +111,15 @@ class Shell:
                 "transaction='per_event' with concurrency"
             )
         self.concurrency = concurrency
+        # Read once per round from the outbox (``_claimed``): whether anyone observes, whether
+        # a plugin scopes handler runs, and what every ``ctx`` of the round is made with.
+        self._observed = False
+        self._scoped = False
+        self._context_args: tuple[int, SessionProvider | None, HeadersFor] = (
+            outbox.max_payload_bytes,
+            outbox.sessions,
+            outbox.headers_for,
+        )
         capabilities = outbox.store.capabilities
         if self._batched and not capabilities.batches:
             raise ConfigurationError(
@@ -126,7 +136,12 @@ class Shell:
         )
 
     def _claimed(self, claims: Sequence[Claim], claimed_at: datetime) -> ClaimedBatch:
-        """The bookkeeping of a round's fresh claims (``Claimed`` emitted for each)."""
+        """The bookkeeping of a round's fresh claims (``Claimed`` emitted for each); what each
+        of the round's runs needs from the outbox is read once (``_begin_run``)."""
+        outbox = self.outbox
+        self._observed = outbox.observed
+        self._scoped = bool(outbox.plugins.hook.outboxkit_handler_scope.get_hookimpls())
+        self._context_args = (outbox.max_payload_bytes, outbox.sessions, outbox.headers_for)
         options = self.options
         batch = ClaimedBatch(
             claims,
@@ -135,8 +150,7 @@ class Shell:
             max_retries=options.max_retries,
             backoff=options.backoff,
         )
-        outbox = self.outbox
-        if outbox.observed:
+        if self._observed:
             size = len(claims)
             for position, claim in enumerate(claims):
                 event = claim.event
@@ -151,6 +165,26 @@ class Shell:
                     )
                 )
         return batch
+
+    def _begin_run(
+        self, claim: Claim, spec: HandlerSpec
+    ) -> tuple[Context, datetime, datetime, AbstractContextManager[object]]:
+        """What both pollers do as one of ``claim``'s handlers starts: its ``ctx``, the instant
+        (the outbox's clock) and the local one it started at, ``HandlerStarted`` emitted, and
+        what the handler scope plugins wrap its run in."""
+        outbox = self.outbox
+        attempt = claim.event.attempts
+        ctx = Context(spec.name, attempt, *self._context_args)
+        at = outbox.clock.now()
+        began = outbox.local_clock.now()
+        if self._observed:
+            started(outbox, claim, spec, at)
+        scope = (
+            handler_scope(outbox, claim.event, spec, attempt, self._batched)
+            if self._scoped
+            else NO_SCOPE
+        )
+        return ctx, at, began, scope
 
     def __repr__(self) -> str:
         o = self.options
@@ -476,7 +510,8 @@ def started(outbox: Outbox, claim: Claim, spec: HandlerSpec, at: datetime) -> No
         )
 
 
-_NO_SCOPE: AbstractContextManager[object] = nullcontext()
+NO_SCOPE: AbstractContextManager[object] = nullcontext()
+"""The handler scope of a run no plugin scopes: nothing to enter (the shells skip it)."""
 
 
 def handler_scope(
@@ -486,12 +521,12 @@ def handler_scope(
     nothing at all without such plugins. The first plugin that answers is used."""
     hook = outbox.plugins.hook.outboxkit_handler_scope
     if not hook.get_hookimpls():
-        return _NO_SCOPE
+        return NO_SCOPE
     for scope in hook(event=event, handler=spec.name, attempt=attempt, batched=batched):
         if scope is not None:
             chosen: AbstractContextManager[object] = scope
             return chosen
-    return _NO_SCOPE
+    return NO_SCOPE
 
 
 def _took(outbox: Outbox, began: datetime | None) -> timedelta | None:

@@ -272,17 +272,7 @@ class Poller(handling.Shell):
     def _deliver(self, deliveries: Deliveries, claim: Claim, spec: HandlerSpec) -> Delivery:
         """Run one handler for one claimed event, with its record (R6, R7)."""
         outbox = self.outbox
-        ctx = handling.Context(
-            spec.name,
-            claim.attempt,
-            outbox.max_payload_bytes,
-            outbox.sessions,
-            outbox.headers_for,
-        )
-        at = outbox.clock.now()
-        began = outbox.local_clock.now()
-        handling.started(outbox, claim, spec, at)
-        scope = handling.handler_scope(outbox, claim.event, spec, claim.attempt, self._batched)
+        ctx, at, began, scope = self._begin_run(claim, spec)
         try:
             if spec.transactional:
                 with deliveries.delivery(claim, now=outbox.store_now()) as tx:
@@ -434,8 +424,11 @@ def _call(
     """Run the handler inside ``around`` (``handling.handler_scope``: a tracing span, which
     sees the handler's own exception)."""
     try:
-        with around:
+        if around is handling.NO_SCOPE:
             result = spec.fn(event, ctx)
+        else:
+            with around:
+                result = spec.fn(event, ctx)
         if ctx.scope is not None and not (result is not None and inspect.isawaitable(result)):
             ctx.scope.finish()  # the session's pending writes, before the record
     except Reject:

@@ -263,7 +263,7 @@ RETURNING id, (SELECT pg_notify(%(channel)s, '') WHERE %(notify)s::boolean)
 -- there, so the UPDATE can never touch more rows than the batch. The subselect brings back
 -- the handlers already recorded, so Claim.done needs no second round trip; it runs only for an
 -- event an earlier claim may have left records of (see migration_4), so a first claim reads
--- none. R15: a keyed event
+-- none (NULL). R15: a keyed event
 -- only while it is its key's head, the lowest key_seq (its commit order, see migration_3) of
 -- the key's events that are unpublished and not dead (with %(hold)s: unpublished), so a claim
 -- holds at most one event of a key. The head is a LATERAL subquery on the key alone (one probe
@@ -308,7 +308,6 @@ RETURNING e.id, e.topic, e.payload::text, e.headers::text, e.key, e.created_at,
                             FROM {deliveries} AS r
                            WHERE r.event_id = e.id
                            ORDER BY r.seq)
-               ELSE '{{}}'::text[]
           END AS done
 
 -- name: lock_for_delivery

@@ -280,7 +280,7 @@ class PostgresStore(SQLStore):
         return list(values)
 
     def _done(self, raw: Any) -> list[Sequence[str]]:
-        pairs: list[Sequence[str]] = raw
+        pairs: list[Sequence[str]] = raw or []  # NULL: no earlier claim left a record
         return pairs
 
     def _records_params(self, rows: Sequence[tuple[Any, ...]]) -> dict[str, Any]:

@@ -89,19 +89,20 @@ def event_from_row(row: Sequence[Any], instant: Instant, *, json_column: bool = 
         payload = StoredJSON(payload)
     elif isinstance(payload, str | bytes):
         payload = decode_payload(payload)
-    return Event(
-        id=row[0],
-        topic=row[1],
-        payload=payload,
-        headers=decode_headers(row[3]),
-        key=row[4],
-        created_at=instant(row[5]),
-        available_at=instant(row[6]),
-        attempts=row[7],
-        published_at=None if row[8] is None else instant(row[8]),
-        failed_at=None if row[9] is None else instant(row[9]),
-        locked_until=None if row[10] is None else instant(row[10]),
-        last_error=row[11],
+    published_at, failed_at, locked_until = row[8], row[9], row[10]
+    return Event(  # positionally, in field order (a claim makes one per row: it counts)
+        row[0],  # id
+        row[1],  # topic
+        payload,
+        {} if row[3] == "{}" else decode_headers(row[3]),
+        row[4],  # key
+        instant(row[5]),  # created_at
+        instant(row[6]),  # available_at
+        row[7],  # attempts
+        None if published_at is None else instant(published_at),
+        None if failed_at is None else instant(failed_at),
+        None if locked_until is None else instant(locked_until),
+        row[11],  # last_error
     )
 
 

@@ -45,6 +45,7 @@ from .text import storable
 
 __all__ = [
     "MAX_OUTAGE_WAIT",
+    "PUBLISH",
     "TRANSITIONS",
     "DeadLetter",
     "LeaseCheck",
@@ -71,6 +72,8 @@ __all__ = [
 
 
 class Transition(enum.Enum):
+    __hash__ = object.__hash__  # identity, as ``State`` (the table's keys hash it)
+
     CLAIM = "claim"  # R3: a due event is leased to one poller
     LEASE_EXPIRE = "lease_expire"  # R13: the lease ran out; the event is due again
     RELEASE = "release"  # a stopping poller hands back an event it has not started
@@ -207,6 +210,10 @@ class DeadLetter:
 
 Settlement = Publish | Retry | DeadLetter
 
+PUBLISH = Publish()
+"""The one ``Publish`` settlement (it holds nothing: every event that publishes shares it)."""
+_RECORDED = frozenset(outcome for outcome in Outcome if outcome.recorded)
+
 _FALLBACK_BACKOFF = ExponentialBackoff()
 
 
@@ -238,8 +245,11 @@ def decide_settlement(
         raise ConfigurationError(
             f"a settled event has been claimed at least once, got attempts={attempts}"
         )
-    if all(outcomes.get(name, Outcome.FAILED).recorded for name in subscribed):
-        return Publish()
+    for name in subscribed:
+        if outcomes.get(name) not in _RECORDED:
+            break
+    else:
+        return PUBLISH
     if attempts > max_retries:
         return DeadLetter()
     try:
@@ -301,7 +311,7 @@ def plan(
         undecodable: UndecodablePayload = claim.event.payload
         return SettleNow(DeadLetter(), storable(undecodable.error))
     if not subscribed:
-        return SettleNow(Publish(), unrouted=True)
+        return SettleNow(PUBLISH, unrouted=True)
     if claim.attempt > max_retries + 1:
         settlement = decide_settlement(
             subscribed=subscribed,
@@ -314,7 +324,7 @@ def plan(
         return SettleNow(settlement, None if isinstance(settlement, Publish) else error)
     to_run = handlers_to_run(subscribed, claim.done)
     if not to_run:
-        return SettleNow(Publish())
+        return SettleNow(PUBLISH)
     return Run(tuple(to_run))
 
 

@@ -57,6 +57,10 @@ DEAD_KEY_CHOICES: tuple[DeadKey, ...] = ("release", "hold")
 class State(enum.Enum):
     """Where an event is in its lifecycle (see ``machine`` for the transitions)."""
 
+    # Members are singletons compared by identity: hash them so too (in C). Enum's own hash is
+    # a Python method, and the transition table hashes two members on every lookup.
+    __hash__ = object.__hash__
+
     PENDING = "pending"
     CLAIMED = "claimed"
     PUBLISHED = "published"
@@ -89,6 +93,8 @@ class Outcome(enum.Enum):
     ``CRASHED`` (a ``BaseException`` or a lost process) leave no record, so the handler
     runs again on the next attempt.
     """
+
+    __hash__ = object.__hash__  # identity, as ``State``
 
     SUCCEEDED = "succeeded"
     REJECTED = "rejected"
