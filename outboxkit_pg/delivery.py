@@ -195,17 +195,9 @@ class Batch(BatchGuard, SQLBatch):
         return self._store.where
 
 
-def delivering(
-    store: PostgresStore,
-    conn: Connection,
-    claim: Claim,
-    now: datetime | None,
-    batch: Batch | None = None,
-    round_: Round | None = None,
-) -> Delivery:
-    """A delivery on ``conn``: its own transaction, or (``batch``) a savepoint of the batch's,
-    or one of a per-event round (``round_``); see ``Delivery``."""
-    return Delivery(store, conn, claim, now, batch, round_)
+delivering = Delivery
+"""``delivering(store, conn, claim, now, batch=None, round_=None)``: a delivery on ``conn``, its
+own transaction, a savepoint of ``batch``'s, or one of a per-event round's (``Delivery``)."""
 
 
 def open_flow(flow: Flow[Connection], round_: Round | None = None) -> None:
