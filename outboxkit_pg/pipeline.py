@@ -145,12 +145,22 @@ class RecordPipeline:
         self.take_results()
 
     def _text(self, value: Any) -> bytes | None:
-        """A parameter in PostgreSQL's text format."""
+        """A parameter in PostgreSQL's text format.
+
+        Raises:
+            StoreError: text the connection's encoding cannot hold (as psycopg refuses it).
+        """
         if value is None:
             return None
         if isinstance(value, datetime):
             return value.isoformat().encode()
-        return str(value).encode(self._encoding)
+        try:
+            return str(value).encode(self._encoding)
+        except UnicodeEncodeError as exc:
+            raise StoreError(
+                f"PostgreSQL at {self._store.where}: a delivery record's text cannot be "
+                f"written in the connection's encoding ({self._encoding}): {exc.reason}"
+            ) from None
 
     def take_results(self) -> None:
         """Take in the results libpq has read, without waiting for more.

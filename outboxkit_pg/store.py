@@ -192,6 +192,7 @@ class PostgresStore(SQLStore):
         self.where = self._pool.where
         self._queries = Queries(self.names)
         self._schema_checked = False
+        self._capped = False  # a round's concurrency was held to the pool (logged once)
         self._waiters: weakref.WeakSet[NotifyWaiter] = weakref.WeakSet()
         self._async: AsyncPostgresStore | None = None
         self._async_lock = threading.Lock()
@@ -650,8 +651,21 @@ class PostgresStore(SQLStore):
         its own, on one pooled connection held for the round; a record that needs no
         transaction is sent without waiting for its commit (``pipeline``), on up to
         ``concurrency`` connections in turn, and read back before the connection is used
-        otherwise, and before the round's settlement."""
-        round_ = Round(self, concurrency)
+        otherwise, and before the round's settlement. The round holds at most
+        ``pool_max_size - 2`` connections (two stay free for the claims, a prefetched one
+        included): a higher ``concurrency`` is held to that, said once in the log."""
+        lines = max(1, min(concurrency, self._pool.max_size - 2))
+        if lines < concurrency and not self._capped:
+            self._capped = True
+            log.info(
+                "%r: concurrency %d held to %d connection(s) per round: pool_max_size is %d "
+                "and two stay free for the claims; raise pool_max_size for more",
+                self,
+                concurrency,
+                lines,
+                self._pool.max_size,
+            )
+        round_ = Round(self, lines)
         try:
             yield round_
         except BaseException:

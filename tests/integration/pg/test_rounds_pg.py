@@ -6,6 +6,7 @@ records unanswered, ends the round without settling anything it could not confir
 
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 from typing import Any
 
@@ -83,9 +84,17 @@ def test_a_round_pipelines_the_records_and_settles_after_reading_them(
     assert len(takes) == 2  # the claim's connection, and the round's for 20 deliveries
 
 
+@pytest.mark.parametrize(("pool_max_size", "lines"), [(5, 3), (4, 2)])
 def test_concurrency_commits_the_records_on_that_many_connections(
-    pg_store: PostgresStore, admin: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+    pg_url: str,
+    admin: psycopg.Connection[Any],
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    pool_max_size: int,
+    lines: int,
 ) -> None:
+    """Up to ``concurrency`` connections, held to the pool's size less the two the claims
+    keep (said once in the log)."""
     backends: dict[int, list[int]] = {}
     original = RecordPipeline.send
 
@@ -96,15 +105,22 @@ def test_concurrency_commits_the_records_on_that_many_connections(
     monkeypatch.setattr(RecordPipeline, "send", send)
     bus = EventBus()
     bus.subscribe("t", lambda e, ctx: None, name="h", transactional=False)
-    ids = _enqueue(pg_store, 30)
-    outbox = Outbox(pg_store, bus, load_entry_points=False)
-    poller = outbox.poller(batch_size=30, concurrency=3)
-    assert "concurrency=3" in repr(poller)
-    report = poller.run_once()
-    assert sorted(report.published) == ids
-    assert sorted(len(sent) for sent in backends.values()) == [10, 10, 10]  # in turn
-    assert sorted(i for sent in backends.values() for i in sent) == ids
-    assert _records(admin, pg_store) == [(i, "h") for i in ids]
+    with migrated_store(pg_url, notify=False, pool_max_size=pool_max_size) as store:
+        ids = _enqueue(store, 30)
+        outbox = Outbox(store, bus, load_entry_points=False)
+        poller = outbox.poller(batch_size=30, concurrency=3)
+        assert "concurrency=3" in repr(poller)
+        with caplog.at_level(logging.INFO, logger="outboxkit"):
+            report = poller.run_once()
+        assert sorted(report.published) == ids
+        assert sorted(len(sent) for sent in backends.values()) == [30 // lines] * lines
+        assert sorted(i for sent in backends.values() for i in sent) == ids
+        assert _records(admin, store) == [(i, "h") for i in ids]
+        held = [r.message for r in caplog.records if "held to" in r.message]
+        assert held == ([] if lines == 3 else [held[0]])
+        if held:
+            assert "concurrency 3 held to 2 connection(s)" in held[0]
+            assert "pool_max_size is 4" in held[0]
 
 
 def test_concurrency_is_refused_with_per_batch_and_out_of_range(pg_store: PostgresStore) -> None:
