@@ -34,6 +34,7 @@ from outboxkit.errors import StoreError
 
 from .flow import BatchGuard, Flow, Result, Statement, Transaction, check_usable
 from .listen import AsyncNotifyWaiter
+from .names import prepared
 from .pool import AsyncConnection, AsyncPool
 
 if TYPE_CHECKING:
@@ -76,7 +77,9 @@ class AsyncPostgresStore(AsyncSQLStore):
         store = self._store
         async with conn.cursor(row_factory=tuple_row) as cur:
             # No parameters: none at all, so a % in the statement (a function body) is kept.
-            await cur.execute(store._queries[name], store._params(params) or None)
+            await cur.execute(
+                store._queries[name], store._params(params) or None, prepare=prepared(conn, name)
+            )
             rows: list[Row] = await cur.fetchall() if cur.description is not None else []
             return rows
 

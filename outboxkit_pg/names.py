@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
+import psycopg
 from psycopg import sql
 
 from outboxkit._sql.loader import load_queries
 from outboxkit._sql.names import validate_identifier, validate_table_names
 from outboxkit.errors import ConfigurationError
 
-__all__ = ["Names", "Queries", "validate_schema"]
+__all__ = ["HOT", "Names", "Queries", "prepared", "validate_schema"]
 
 
 def _index_name(table: str, suffix: str) -> str:
@@ -152,3 +154,18 @@ class Queries:
     def text(self, name: str) -> str:
         """A statement as text (for EXPLAIN in tests, and for reading)."""
         return self._rendered[name].decode("utf-8")
+
+
+HOT = frozenset(
+    {"claim", "publish_many", "publish_recording", "settle_many", "settle_many_recording", "extend"}
+)
+"""The statements a poller runs every round: prepared at their first run on a connection,
+rather than after psycopg's ``prepare_threshold`` runs (each would be planned until then)."""
+
+
+def prepared(
+    conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any], name: str
+) -> bool | None:
+    """psycopg's ``prepare`` for statement ``name`` on ``conn``: True for a hot one, where the
+    connection prepares statements at all (``prepare_threshold`` not None), else its default."""
+    return True if name in HOT and conn.prepare_threshold is not None else None

@@ -58,7 +58,7 @@ from .delivery import Batch, Delivery, Round, delivering
 from .errors import map_error
 from .flow import check_usable
 from .listen import NotifyWaiter
-from .names import Names, Queries, validate_schema
+from .names import Names, Queries, prepared, validate_schema
 from .pool import AnyConnection, Connection, Lender, Pool, is_url, scheme_of
 
 if TYPE_CHECKING:
@@ -264,7 +264,9 @@ class PostgresStore(SQLStore):
     def _rows(self, conn: Any, name: str, params: Mapping[str, Any]) -> list[Row]:
         with conn.cursor(row_factory=tuple_row) as cur:
             # No parameters: none at all, so a % in the statement (a function body) is kept.
-            cur.execute(self._queries[name], self._params(params) or None)
+            cur.execute(
+                self._queries[name], self._params(params) or None, prepare=prepared(conn, name)
+            )
             return cur.fetchall() if cur.description is not None else []
 
     def _instant(self, at: datetime | None) -> datetime | None:

@@ -366,6 +366,19 @@ class OrderingFleet(Fleet):
         os.kill(process.pid, signal.SIGCONT)
         self.freezes += 1
 
+    def freeze_holding(self, process: Any, seconds: float) -> bool:
+        """``freeze`` ``process`` if, once stopped, its trace shows a claim in hand (stopped,
+        it can neither settle it nor write more): its lease then runs out. Else it goes on at
+        once, not counted, and False is returned."""
+        os.kill(process.pid, signal.SIGSTOP)
+        if not holds(self, self.processes.index(process)):
+            os.kill(process.pid, signal.SIGCONT)
+            return False
+        threading.Event().wait(seconds)  # fault injection: the frozen span, not a check
+        os.kill(process.pid, signal.SIGCONT)
+        self.freezes += 1
+        return True
+
     def runs(self) -> list[Path]:
         return sorted(self.trace_dir.glob("runs-*.jsonl"))
 
@@ -380,26 +393,29 @@ class OrderingFleet(Fleet):
 def holding(fleet: OrderingFleet) -> list[Any]:
     """The live pollers holding a claim now, by their traces: claimed, neither settled nor
     released yet (a fault there leaves a lease to run out)."""
-    busy = []
-    for index, process in enumerate(fleet.processes):
-        if not process.is_alive():
+    return [
+        process
+        for index, process in enumerate(fleet.processes)
+        if process.is_alive() and holds(fleet, index)
+    ]
+
+
+def holds(fleet: OrderingFleet, index: int) -> bool:
+    """Whether poller ``index``'s trace shows a claim neither settled nor released."""
+    path = fleet.trace_dir / f"poller-{index}.jsonl"
+    if not path.exists():
+        return False
+    open_tokens: set[str] = set()
+    for raw in path.read_text(encoding="utf-8").splitlines():
+        try:
+            line = json.loads(raw)
+        except ValueError:  # a line being written
             continue
-        path = fleet.trace_dir / f"poller-{index}.jsonl"
-        if not path.exists():
-            continue
-        open_tokens: set[str] = set()
-        for raw in path.read_text(encoding="utf-8").splitlines():
-            try:
-                line = json.loads(raw)
-            except ValueError:  # a line being written
-                continue
-            if line["kind"] == "claim":
-                open_tokens.add(line["token"])
-            elif line["kind"] in ("settle", "release"):
-                open_tokens.discard(line["token"])
-        if open_tokens:
-            busy.append(process)
-    return busy
+        if line["kind"] == "claim":
+            open_tokens.add(line["token"])
+        elif line["kind"] in ("settle", "release"):
+            open_tokens.discard(line["token"])
+    return bool(open_tokens)
 
 
 def holding_victim(fleet: OrderingFleet, rng: random.Random, *, within: float) -> Any:
@@ -429,7 +445,8 @@ def chaos(
     rounds): SIGKILL a live poller and spawn a new one, or freeze one past its lease, in a
     shuffled order until both counts are spent, ``every`` seconds apart. Each fault goes to a
     poller holding a claim (``holding_victim``); the first waits for one (the fleet's first
-    claims), so at least one fault leaves a lease to run out however fast the fleet drains."""
+    claims), and a freeze is checked once its victim is stopped (``freeze_holding``), so the
+    freezes leave leases to run out however fast the fleet drains."""
     plan = ["kill"] * kills + ["freeze"] * freezes
     rng.shuffle(plan)
     deadline = time.monotonic() + timeout
@@ -437,13 +454,22 @@ def chaos(
     first = True
     while plan and time.monotonic() < deadline:
         fault = plan.pop()
-        victim = holding_victim(fleet, rng, within=min(timeout, 30.0) if first else every)
+        within = min(timeout, 30.0) if first else every
+        victim = holding_victim(fleet, rng, within=within)
         first = False
         if fault == "kill":
             fleet.kill(victim)
             fleet.spawn()
         else:
-            fleet.freeze(victim, freeze_for)
+            # A freeze checks its victim once stopped, and tries again on a holder (until
+            # ``within`` runs out): a fast drain settles its claims between the look at the
+            # traces and the signal, and a freeze that holds nothing leaves no lease to expire.
+            tries_until = time.monotonic() + within
+            while not fleet.freeze_holding(victim, freeze_for):
+                if time.monotonic() >= tries_until:
+                    fleet.freeze(rng.choice(fleet.live()), freeze_for)
+                    break
+                victim = holding_victim(fleet, rng, within=max(0.0, tries_until - time.monotonic()))
         pause.wait(every)  # the fault schedule, not a check
 
 

@@ -613,3 +613,27 @@ def test_a_closed_store_refuses_work(pg_store: PostgresStore) -> None:
     pg_store.close()
     with pytest.raises(StoreError, match="closed"):
         pg_store.stats(now=None)
+
+
+@pytest.mark.parametrize(("threshold", "expected"), [(5, 1), (None, 0)])
+def test_the_claim_is_prepared_at_its_first_run(
+    pg_url: str, threshold: int | None, expected: int
+) -> None:
+    """A poller's every-round statements are prepared on a connection's first run of them, not
+    after psycopg's ``prepare_threshold`` runs; never without prepared statements (PgBouncer)."""
+    with fresh_schema(pg_url) as schema:
+        store = PostgresStore(
+            pg_url, schema=schema, notify=False, pool_max_size=1, prepare_threshold=threshold
+        )
+        try:
+            store.migrate()
+            store.claim(batch_size=1, lease=LEASE, now=None)
+            with store._connection("count prepared statements") as conn:
+                row = conn.execute(
+                    "SELECT count(*) FROM pg_prepared_statements"
+                    " WHERE statement LIKE %s AND NOT from_sql",
+                    ("%SKIP LOCKED%",),
+                ).fetchone()
+            assert row == (expected,)
+        finally:
+            store.close()
