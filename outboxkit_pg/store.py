@@ -294,18 +294,6 @@ class PostgresStore(SQLStore):
         names = ("ids", "tokens", "publish", "dead", "retry_after", "keeps_error", "errors")
         return _arrays(names, rows)
 
-    def _settle_many_query(
-        self, items: Sequence[SettleItem], now: datetime | None
-    ) -> tuple[str, dict[str, Any]]:
-        """``publish_many`` when every item publishes (two arrays), else ``settle_many``."""
-        if all(type(settlement) is Publish for _, settlement, _ in items):
-            return "publish_many", {
-                "now": now,
-                "ids": [claim.event.id for claim, _, _ in items],
-                "tokens": [claim.token for claim, _, _ in items],
-            }
-        return super()._settle_many_query(items, now)
-
     def _settle_kept_query(
         self, items: Sequence[SettleItem], kept: Sequence[tuple[Any, ...]], now: datetime | None
     ) -> tuple[str, dict[str, Any]] | None:

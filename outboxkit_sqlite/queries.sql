@@ -132,6 +132,17 @@ UPDATE {events}
    AND published_at IS NULL AND failed_at IS NULL
 RETURNING id
 
+-- name: publish_many
+-- settle_many when every event of the round is published (the usual round): the ids and the
+-- tokens alone, as JSON arrays, and no CASE per row. Fenced as extend is: a row whose id is
+-- listed and whose token is listed is a row one of these claims still holds.
+UPDATE {events}
+   SET published_at = :now, locked_until = NULL, token = NULL
+ WHERE id IN (SELECT value FROM json_each(:ids))
+   AND token IN (SELECT value FROM json_each(:tokens))
+   AND published_at IS NULL AND failed_at IS NULL
+RETURNING id
+
 -- name: release
 -- Unstarted claims handed back: lease cleared, the attempt refunded, fenced by token.
 UPDATE {events}

@@ -12,6 +12,7 @@ statement       parameters                                   returns
 claim           now, lease, batch_size, hold                 EVENT_COLUMNS, token, done
 extend          now, lease, ids, tokens                      token, locked_until
 settle_many     now, and the store's shape of SETTLE_COLUMNS id
+publish_many    now, ids, tokens                             id
 release         ids, tokens                                  id
 requeue         ids, now                                     id
 dead_letters    topic, since, limit                          EVENT_COLUMNS
@@ -22,6 +23,9 @@ purge_published before, limit                                id (records go alon
 purge_dead      ids, before, limit                           id (records go along)
 stats           now                                          topic, state, count, oldest
 =============== ============================================ ============================
+
+``publish_many`` is ``settle_many`` for the usual round, in which every event is published:
+the ids and the tokens alone (``_settle_many_query`` picks it).
 
 A store whose ``settles_recording`` is true also has ``settle_many_recording``: settle_many's
 parameters plus insert_records_fenced's (``ids`` renamed ``record_ids``, no ``tokens``),
@@ -41,7 +45,7 @@ from contextlib import AbstractContextManager
 from datetime import datetime, timedelta
 from typing import Any
 
-from ..core.machine import blocks_key
+from ..core.machine import Publish, blocks_key
 from ..core.model import Claim, DeadKey, DeadLetter, DeliveryRecord, Event, Outcome, State, Stats
 from ..store import SettleItem
 from .rows import (
@@ -236,6 +240,14 @@ class SQLStore(ABC):
     def _settle_many_query(
         self, items: Sequence[SettleItem], now: datetime | None
     ) -> tuple[str, dict[str, Any]]:
+        """``publish_many`` when every item publishes (two arrays, no CASE per row), else
+        ``settle_many``."""
+        if all(type(settlement) is Publish for _, settlement, _ in items):
+            return "publish_many", {
+                "now": self._instant(now),
+                "ids": self._array([claim.event.id for claim, _, _ in items]),
+                "tokens": self._array([claim.token for claim, _, _ in items]),
+            }
         return "settle_many", self._settle_many_params(items, now)
 
     def _settle_many_params(
