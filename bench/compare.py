@@ -132,6 +132,10 @@ CONTENDERS = {
         Contender("ref-sqlite-batch", "minimal loop, tx per batch", "sqlite", "ref", "batch"),
         Contender("kit-sqlite-tx", "poller, per_event", "sqlite", "kit", "tx"),
         Contender("kit-sqlite-batch", "poller, per_batch", "sqlite", "kit", "batch"),
+        Contender("bare-sqlite-tx", "outboxkit's statements, per event", "sqlite", "bare", "tx"),
+        Contender(
+            "bare-sqlite-batch", "outboxkit's statements, per batch", "sqlite", "bare", "batch"
+        ),
     ]
 }
 
@@ -144,7 +148,8 @@ GROUPS: list[list[str]] = [
     ["ref-tx-2", "kit-tx-2", "bare-tx-2"],
     ["ref-batch-1", "kit-batch-1", "kit-batch-1p", "bare-batch-1", "pgqueuer-100"],
     ["ref-batch-2", "kit-batch-2", "kit-batch-2p", "bare-batch-2"],
-    ["ref-sqlite-tx", "kit-sqlite-tx", "ref-sqlite-batch", "kit-sqlite-batch"],
+    ["ref-sqlite-tx", "kit-sqlite-tx", "bare-sqlite-tx"],
+    ["ref-sqlite-batch", "kit-sqlite-batch", "bare-sqlite-batch"],
 ]
 
 
@@ -196,6 +201,16 @@ BARE_WORKLOADS = [
     ),
     Workload(
         "bare-batch-2", "PG per_batch, 2 pollers, bare", "ref-batch-2", ("bare-batch-2",), None
+    ),
+    Workload(
+        "bare-sqlite-event", "SQLite per event, bare", "ref-sqlite-tx", ("bare-sqlite-tx",), None
+    ),
+    Workload(
+        "bare-sqlite-batch",
+        "SQLite per_batch, bare",
+        "ref-sqlite-batch",
+        ("bare-sqlite-batch",),
+        None,
     ),
 ]
 WORKLOAD_NAMES = [w.name for w in WORKLOADS + BARE_WORKLOADS]
@@ -453,6 +468,67 @@ def _bare_worker(job: Job, barrier: Barrier) -> Drained:
     return Drained(started, ended, handled)
 
 
+def _bare_sqlite_worker(job: Job, barrier: Barrier) -> Drained:
+    """The SQLite store's own statements, sent by a plain loop at the store's settings: the
+    claim under BEGIN IMMEDIATE; per event, each record in one autocommitted statement that
+    checks the token (insert_record_fenced); per batch, the records together
+    (insert_records_fenced) and the settlement in the claim's transaction."""
+    from outboxkit_sqlite import SQLiteStore
+
+    c = job.contender
+    store = SQLiteStore(job.target, migrate=False)
+    q = store._queries
+    conn = sqlite3.connect(job.target, isolation_level=None, timeout=30)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    handled = 0
+    barrier.wait()
+    started = time.monotonic()
+    while True:
+        now = int(time.time() * 1_000_000)
+        claim = {"now": now, "lease": 30_000_000, "batch_size": c.batch_size, "hold": True}
+        conn.execute("BEGIN IMMEDIATE")
+        rows = conn.execute(q["claim"], claim).fetchall()
+        if not rows:
+            conn.execute("COMMIT")
+            break
+        kept: list[tuple[Any, ...]] = []
+        if c.mode != "batch":
+            conn.execute("COMMIT")
+        for row in rows:
+            event_id, attempt, token = row[0], row[7], row[12]
+            noop(event_id, row[1], json.loads(row[2]))
+            if c.mode == "batch":
+                kept.append((event_id, token, HANDLER, "succeeded", attempt, now, None))
+            else:
+                record = {
+                    "event_id": event_id,
+                    "token": token,
+                    "handler": HANDLER,
+                    "outcome": "succeeded",
+                    "attempt": attempt,
+                    "now": int(time.time() * 1_000_000),
+                    "reason": None,
+                }
+                conn.execute(q["insert_record_fenced"], record)
+        if kept:
+            conn.execute(q["insert_records_fenced"], {"items": json.dumps(kept)})
+        else:
+            conn.execute("BEGIN IMMEDIATE")
+        settle = {
+            "now": int(time.time() * 1_000_000),
+            "ids": json.dumps([row[0] for row in rows]),
+            "tokens": json.dumps([row[12] for row in rows]),
+        }
+        conn.execute(q["publish_many"], settle).fetchall()
+        conn.execute("COMMIT")
+        handled += len(rows)
+    ended = time.monotonic()
+    conn.close()
+    store.close()
+    return Drained(started, ended, handled)
+
+
 def _kit_outbox(job: Job, asyncio_side: bool = False) -> tuple[Any, Any, list[int]]:
     """The store, the outbox and the handler's call counter of a poller process."""
     from outboxkit import EventBus, Outbox
@@ -635,7 +711,7 @@ def _worker(job: Job, barrier: Barrier, results: Any) -> None:
     elif c.kind == "async":
         run = _kit_async_worker
     elif c.kind == "bare":
-        run = _bare_worker
+        run = _bare_worker if c.backend == "pg" else _bare_sqlite_worker
     else:
         run = _kit_worker
     try:
