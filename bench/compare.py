@@ -552,7 +552,9 @@ def _kit_outbox(job: Job, asyncio_side: bool = False) -> tuple[Any, Any, list[in
         from outboxkit_pg import PostgresStore
 
         # A round holds up to pool_max_size - 2 connections (two stay free for the claims).
-        pool = {"pool_max_size": max(4, c.concurrency + 2)} if c.kind == "kit" else {}
+        pool: dict[str, Any] = (
+            {"pool_max_size": max(4, c.concurrency + 2)} if c.kind == "kit" else {}
+        )
         store: Any = PostgresStore(job.target, schema=job.schema, notify=False, **pool)
     else:
         from outboxkit_sqlite import SQLiteStore

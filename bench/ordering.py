@@ -24,6 +24,7 @@ PostgreSQL first, then SQLite (a file in a temporary directory) as a second tabl
 from __future__ import annotations
 
 import argparse
+import functools
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -119,7 +120,7 @@ def report(label: str, args: argparse.Namespace, stores: dict[str, Any]) -> None
     claim = alternate(
         args.rounds,
         {
-            name: (lambda s=s: claim_ms(s, args.batch_size, args.claims))
+            name: functools.partial(claim_ms, s, args.batch_size, args.claims)
             for name, s in stores.items()
         },
     )

@@ -80,14 +80,28 @@ def message_headers(row: Row) -> dict[str, str]:
 
 
 class Broker:
-    name: str
+    """One broker's side of the benchmark (each subclass overrides every method)."""
 
-    async def open(self, prefix: str) -> None: ...
-    async def close(self) -> None: ...
-    def relay(self) -> Any: ...
-    async def publish_batch(self, rows: list[Row], *, bare: bool = False) -> None: ...
-    async def publish_one(self, event_id: int, topic: str, body: bytes) -> None: ...
-    async def count(self) -> int: ...
+    name: str
+    prefix: str
+
+    async def open(self, prefix: str) -> None:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        raise NotImplementedError
+
+    def relay(self) -> Any:
+        raise NotImplementedError
+
+    async def publish_batch(self, rows: list[Row], *, bare: bool = False) -> None:
+        raise NotImplementedError
+
+    async def publish_one(self, event_id: int, topic: str, body: bytes) -> None:
+        raise NotImplementedError
+
+    async def count(self) -> int:
+        raise NotImplementedError
 
 
 class RabbitMQ(Broker):
@@ -120,7 +134,7 @@ class RabbitMQ(Broker):
 
         return aio_pika.Message(
             body,
-            headers=headers,
+            headers=dict(headers) if headers is not None else None,
             message_id=str(event_id),
             type=None if headers is None else headers["outbox-topic"],
             content_type="application/json",

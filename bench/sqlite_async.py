@@ -114,7 +114,7 @@ def _run(configuration: str, args: argparse.Namespace) -> float:
             (rows,) = conn.execute("SELECT count(DISTINCT event_id) FROM ledger").fetchone()
         if rows != args.events:
             print(f"  warning: {configuration}: the ledger holds {rows} of {args.events} events")
-    return args.events / seconds
+    return float(args.events / seconds)
 
 
 def main(argv: list[str] | None = None) -> None:
