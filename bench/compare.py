@@ -12,6 +12,7 @@ contender's median events/s and the ratio outboxkit / reference of the medians.
     python bench/compare.py --json                 # machine-readable
     python bench/compare.py --update-readme        # rewrite the table in bench/README.md
     python bench/compare.py --statements           # statements and round trips per event
+    python bench/compare.py --only pg-batch-2 --ref-handler-us 8   # see below
 
 The references (one table of events, one of delivery records, no token, no foreign key):
 
@@ -22,6 +23,9 @@ The references (one table of events, one of delivery records, no token, no forei
   mark;
 - SQLite (WAL, ``synchronous=NORMAL``, as outboxkit's store): the same, with
   ``BEGIN IMMEDIATE``.
+
+``--ref-handler-us N`` is no reference: the minimal loops' handler then spends N µs of CPU per
+event, which shows how far a poller's own per-event Python moves a ratio.
 
 The peers: pgqueuer (asyncpg driver, ``QueueExecutionMode.drain``, batch 10 - its default - and
 100) and procrastinate (a worker with ``wait=False``, its defaults otherwise), each in a
@@ -321,8 +325,21 @@ class Drained:
     handled: int  # handler calls in this process
 
 
+REF_HANDLER_ENV = "OUTBOXKIT_COMPARE_REF_HANDLER_US"
+_REF_HANDLER_SECONDS = float(os.environ.get(REF_HANDLER_ENV) or 0) / 1_000_000
+
+
 def noop(*_: object) -> None:
     """The handler: it does nothing (the caller counts its calls)."""
+
+
+def ref_handler(*_: object) -> None:
+    """The minimal loops' handler: nothing, or with ``--ref-handler-us N`` N microseconds of
+    CPU (a busy loop on the monotonic counter)."""
+    if _REF_HANDLER_SECONDS:
+        end = time.perf_counter() + _REF_HANDLER_SECONDS
+        while time.perf_counter() < end:
+            pass
 
 
 def _pg_ref_worker(job: Job, barrier: Barrier) -> Drained:
@@ -340,7 +357,7 @@ def _pg_ref_worker(job: Job, barrier: Barrier) -> Drained:
                 with conn.transaction():
                     rows = conn.execute(claim, {"batch": c.batch_size}).fetchall()
                     for event_id, topic, payload in rows:
-                        noop(event_id, topic, payload)
+                        ref_handler(event_id, topic, payload)
                     with conn.cursor() as cur:
                         cur.executemany(record, [(row[0], HANDLER) for row in rows])
                     conn.execute(mark, ([row[0] for row in rows],))
@@ -349,10 +366,10 @@ def _pg_ref_worker(job: Job, barrier: Barrier) -> Drained:
                 for event_id, topic, payload in rows:
                     if c.mode == "tx":
                         with conn.transaction():
-                            noop(event_id, topic, payload)
+                            ref_handler(event_id, topic, payload)
                             conn.execute(record, (event_id, HANDLER))
                     else:
-                        noop(event_id, topic, payload)
+                        ref_handler(event_id, topic, payload)
                         conn.execute(record, (event_id, HANDLER))
                 if rows:
                     conn.execute(mark, ([row[0] for row in rows],))
@@ -378,7 +395,7 @@ def _sqlite_ref_worker(job: Job, barrier: Barrier) -> Drained:
             conn.execute("BEGIN IMMEDIATE")
             rows = conn.execute(SQLITE_REF_CLAIM, claim).fetchall()
             for event_id, topic, payload in rows:
-                noop(event_id, topic, json.loads(payload))
+                ref_handler(event_id, topic, json.loads(payload))
             conn.executemany(SQLITE_REF_RECORD, [(row[0], HANDLER, now) for row in rows])
             ids = json.dumps([row[0] for row in rows])
             conn.execute(SQLITE_REF_MARK, {"now": time.time(), "ids": ids})
@@ -389,7 +406,7 @@ def _sqlite_ref_worker(job: Job, barrier: Barrier) -> Drained:
             conn.execute("COMMIT")
             for event_id, topic, payload in rows:
                 conn.execute("BEGIN IMMEDIATE")
-                noop(event_id, topic, json.loads(payload))
+                ref_handler(event_id, topic, json.loads(payload))
                 conn.execute(SQLITE_REF_RECORD, (event_id, HANDLER, time.time()))
                 conn.execute("COMMIT")
             if rows:
@@ -1218,9 +1235,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--statements", action="store_true", help="only count statements per event (PG)"
     )
+    parser.add_argument(
+        "--ref-handler-us",
+        type=float,
+        default=0.0,
+        metavar="N",
+        help="not a reference: the minimal loops' handler spends N microseconds of CPU per event"
+        " (what a poller's own per-event work costs in a ratio)",
+    )
     args = parser.parse_args(argv)
     if args.events < 1 or args.rounds < 1:
         parser.error("--events and --rounds must be at least 1")
+    if args.ref_handler_us < 0:
+        parser.error(f"--ref-handler-us must be at least 0, got {args.ref_handler_us}")
+    if args.ref_handler_us and args.update_readme:
+        parser.error("--ref-handler-us changes the references: not for --update-readme")
+    os.environ[REF_HANDLER_ENV] = str(args.ref_handler_us)  # for the spawned workers
 
     if args.statements:
         found = count_statements(args.pg_url, args.events)
