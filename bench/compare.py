@@ -380,11 +380,17 @@ def _pg_ref_worker(job: Job, barrier: Barrier) -> Drained:
     return Drained(started, ended, handled)
 
 
-def _sqlite_ref_worker(job: Job, barrier: Barrier) -> Drained:
-    c = job.contender
-    conn = sqlite3.connect(job.target, isolation_level=None, timeout=30)
+def _sqlite_connect(path: str) -> sqlite3.Connection:
+    """A connection at the SQLite store's settings (WAL, ``synchronous=NORMAL``), autocommit."""
+    conn = sqlite3.connect(path, isolation_level=None, timeout=30)
     conn.execute("PRAGMA journal_mode=WAL")
     conn.execute("PRAGMA synchronous=NORMAL")
+    return conn
+
+
+def _sqlite_ref_worker(job: Job, barrier: Barrier) -> Drained:
+    c = job.contender
+    conn = _sqlite_connect(job.target)
     handled = 0
     barrier.wait()
     started = time.monotonic()
@@ -420,6 +426,19 @@ def _sqlite_ref_worker(job: Job, barrier: Barrier) -> Drained:
     return Drained(started, ended, handled)
 
 
+def _fenced_record(event_id: int, token: Any, attempt: int, now: Any) -> dict[str, Any]:
+    """``insert_record_fenced``'s parameters for the no-op handler's success."""
+    return {
+        "event_id": event_id,
+        "token": token,
+        "handler": HANDLER,
+        "outcome": "succeeded",
+        "attempt": attempt,
+        "now": now,
+        "reason": None,
+    }
+
+
 def _bare_worker(job: Job, barrier: Barrier) -> Drained:
     """outboxkit's own statements (its store's SQL, its pipeline syncs), sent by a plain loop:
     no poller, no handler dispatch, no observers - what the database gives for its work."""
@@ -453,15 +472,7 @@ def _bare_worker(job: Job, barrier: Barrier) -> Drained:
                 if batched:
                     kept.append((event_id, token, HANDLER, "succeeded", attempt, None, None))
                 else:
-                    record = {
-                        "event_id": event_id,
-                        "token": token,
-                        "handler": HANDLER,
-                        "outcome": "succeeded",
-                        "attempt": attempt,
-                        "now": None,
-                        "reason": None,
-                    }
+                    record = _fenced_record(event_id, token, attempt, None)
                     conn.execute(q["insert_record_fenced"], record)
             # The round's settlement: every event published (outboxkit's publish_many), with
             # the batch's kept records in the same statement (publish_recording).
@@ -495,9 +506,7 @@ def _bare_sqlite_worker(job: Job, barrier: Barrier) -> Drained:
     c = job.contender
     store = SQLiteStore(job.target, migrate=False)
     q = store._queries
-    conn = sqlite3.connect(job.target, isolation_level=None, timeout=30)
-    conn.execute("PRAGMA journal_mode=WAL")
-    conn.execute("PRAGMA synchronous=NORMAL")
+    conn = _sqlite_connect(job.target)
     handled = 0
     barrier.wait()
     started = time.monotonic()
@@ -518,15 +527,7 @@ def _bare_sqlite_worker(job: Job, barrier: Barrier) -> Drained:
             if c.mode == "batch":
                 kept.append((event_id, token, HANDLER, "succeeded", attempt, now, None))
             else:
-                record = {
-                    "event_id": event_id,
-                    "token": token,
-                    "handler": HANDLER,
-                    "outcome": "succeeded",
-                    "attempt": attempt,
-                    "now": int(time.time() * 1_000_000),
-                    "reason": None,
-                }
+                record = _fenced_record(event_id, token, attempt, int(time.time() * 1_000_000))
                 conn.execute(q["insert_record_fenced"], record)
         if kept:
             conn.execute(q["insert_records_fenced"], {"items": json.dumps(kept)})
