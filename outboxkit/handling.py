@@ -168,16 +168,18 @@ class Shell:
 
     def _begin_run(
         self, claim: Claim, spec: HandlerSpec
-    ) -> tuple[Context, datetime, datetime, AbstractContextManager[object]]:
+    ) -> tuple[Context, datetime, datetime | None, AbstractContextManager[object]]:
         """What both pollers do as one of ``claim``'s handlers starts: its ``ctx``, the instant
-        (the outbox's clock) and the local one it started at, ``HandlerStarted`` emitted, and
-        what the handler scope plugins wrap its run in."""
+        (the outbox's clock) and the local one it started at (for the observers' durations:
+        None when no one observes), ``HandlerStarted`` emitted, and what the handler scope
+        plugins wrap its run in."""
         outbox = self.outbox
         attempt = claim.event.attempts
         ctx = Context(spec.name, attempt, *self._context_args)
         at = outbox.clock.now()
-        began = outbox.local_clock.now()
+        began = None
         if self._observed:
+            began = outbox.local_clock.now()
             started(outbox, claim, spec, at)
         scope = (
             handler_scope(outbox, claim.event, spec, attempt, self._batched)
@@ -482,16 +484,9 @@ def delivery(
     error: str | None = None,
     exc: BaseException | None = None,
 ) -> Delivery:
-    return Delivery(
-        event_id=claim.event.id,
-        topic=claim.event.topic,
-        handler=spec.name,
-        attempt=claim.attempt,
-        outcome=outcome,
-        at=at,
-        error=error,
-        exception=exc,
-    )
+    event = claim.event
+    # positionally, in field order (one per handler run: it counts)
+    return Delivery(event.id, event.topic, spec.name, event.attempts, outcome, at, error, exc)
 
 
 def started(outbox: Outbox, claim: Claim, spec: HandlerSpec, at: datetime) -> None:

@@ -39,6 +39,7 @@ state ``settlement.state`` gives from the table (PUBLISH, RETRY or DEAD_LETTER, 
 
 from __future__ import annotations
 
+import operator
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
@@ -56,13 +57,15 @@ from .rows import (
     record_params,
     record_row,
     settle_row,
-    sort_claims,
     still_owned,
 )
 
 __all__ = ["KeptRecords", "SQLBatch", "SQLStore"]
 
 Row = Sequence[Any]
+
+_CLAIM_ORDER = operator.itemgetter(6, 0)
+"""A claimed row's ``(available_at, id)`` (``EVENT_COLUMNS``): the claim order."""
 
 
 class SQLStore(ABC):
@@ -212,15 +215,14 @@ class SQLStore(ABC):
         return "claim", params
 
     def _claims(self, rows: Sequence[Row]) -> list[Claim]:
-        return sort_claims(
-            Claim(
-                event=self._event(row),
-                token=str(row[12]),
-                locked_until=self._stored_instant(row[10]),
-                done=done_from_pairs(self._done(row[13])),
-            )
-            for row in rows
-        )
+        """The claim's rows as claims, in claim order (R3/R5: oldest ``(available_at, id)``
+        first; RETURNING has no order): the rows are sorted by those columns, then made into
+        claims, positionally (one per row: it counts)."""
+        event, instant, done = self._event, self._stored_instant, self._done
+        return [
+            Claim(event(row), str(row[12]), instant(row[10]), done_from_pairs(done(row[13])))
+            for row in sorted(rows, key=_CLAIM_ORDER)
+        ]
 
     def _extend_query(
         self, claims: Sequence[Claim], lease: timedelta, now: datetime | None

@@ -39,7 +39,6 @@ __all__ = [
     "inserted_ids",
     "resolve_ids",
     "settle_row",
-    "sort_claims",
     "still_owned",
 ]
 
@@ -121,6 +120,8 @@ def record_from_row(row: Sequence[Any], instant: Instant) -> DeliveryRecord:
 
 def done_from_pairs(pairs: Iterable[Sequence[str]]) -> dict[str, Outcome]:
     """The ``Claim.done`` mapping from (handler, outcome) pairs."""
+    if not pairs:  # no record yet, as nearly every claim has
+        return {}
     return {handler: Outcome(outcome) for handler, outcome in pairs}
 
 
@@ -200,11 +201,6 @@ def still_owned(claims: Iterable[Claim], lease_ends: Mapping[str, datetime]) -> 
         for claim in claims
         if claim.token in lease_ends
     ]
-
-
-def sort_claims(claims: Iterable[Claim]) -> list[Claim]:
-    """Claim order (R3/R5): oldest ``(available_at, id)`` first; RETURNING has no order."""
-    return sorted(claims, key=lambda c: (c.event.available_at, c.event.id))
 
 
 def fold_stats(rows: Iterable[Sequence[Any]], instant: Instant) -> Stats:

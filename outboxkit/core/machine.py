@@ -26,6 +26,7 @@ target state is ``transition(CLAIMED, settlement.transition)``, a requeue's is
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -322,10 +323,18 @@ def plan(
         )
         error = f"attempts used up: attempt {claim.attempt - 1} crashed or lost its lease"
         return SettleNow(settlement, None if isinstance(settlement, Publish) else error)
+    if not claim.done:  # nothing recorded yet (nearly every claim): every handler runs
+        return _run_all(tuple(subscribed))
     to_run = handlers_to_run(subscribed, claim.done)
     if not to_run:
         return SettleNow(PUBLISH)
     return Run(tuple(to_run))
+
+
+@functools.lru_cache(maxsize=1024)
+def _run_all(subscribed: tuple[str, ...]) -> Run:
+    """``Run(subscribed)``, one per tuple of names (a ``Run`` is immutable: plans share it)."""
+    return Run(subscribed)
 
 
 # -- leases and outages ------------------------------------------------------------------------
