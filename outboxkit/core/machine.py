@@ -172,6 +172,13 @@ def outcome_of(exc: BaseException | None) -> Outcome:
 # -- settlement ---------------------------------------------------------------------------------
 
 
+@functools.cache
+def _after_claim(move: Transition) -> State:
+    """The state ``move`` leads to from CLAIMED (``transition``'s table), kept: a settlement's
+    state is asked for every event settled. An illegal move raises every time."""
+    return transition(State.CLAIMED, move)
+
+
 @dataclass(frozen=True, slots=True)
 class Publish:
     """R8: every subscribed handler succeeded or rejected the event (R9: or there is none)."""
@@ -180,7 +187,7 @@ class Publish:
 
     @property
     def state(self) -> State:
-        return transition(State.CLAIMED, self.transition)
+        return _after_claim(self.transition)
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,7 +202,7 @@ class Retry:
 
     @property
     def state(self) -> State:
-        return transition(State.CLAIMED, self.transition)
+        return _after_claim(self.transition)
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +213,7 @@ class DeadLetter:
 
     @property
     def state(self) -> State:
-        return transition(State.CLAIMED, self.transition)
+        return _after_claim(self.transition)
 
 
 Settlement = Publish | Retry | DeadLetter
