@@ -32,7 +32,7 @@ from outboxkit._sql.rows import inserted_ids, resolve_ids
 from outboxkit.core.model import Claim, NewEvent, Outcome
 from outboxkit.errors import StoreError
 
-from .flow import BatchGuard, Flow, Result, Statement, Transaction, check_usable
+from .flow import BatchGuard, Flow, Result, Statement, Transaction, check_usable, has_rows
 from .listen import AsyncNotifyWaiter
 from .names import prepared
 from .pool import AsyncConnection, AsyncPool
@@ -80,7 +80,7 @@ class AsyncPostgresStore(AsyncSQLStore):
             await cur.execute(
                 store._queries[name], store._params(params) or None, prepare=prepared(conn, name)
             )
-            rows: list[Row] = await cur.fetchall() if cur.description is not None else []
+            rows: list[Row] = await cur.fetchall() if has_rows(cur) else []
             return rows
 
     # -- connections ------------------------------------------------------------------------------
@@ -357,15 +357,13 @@ async def _sync(conn: AsyncConnection, statements: Sequence[Statement]) -> list[
     if len(statements) == 1:
         (statement,) = statements
         cursor = await conn.cursor(row_factory=tuple_row).execute(statement.query, statement.params)
-        rows = await cursor.fetchall() if cursor.description is not None else []
+        rows = await cursor.fetchall() if has_rows(cursor) else []
         return [Result(cursor.rowcount, rows)]
     async with conn.pipeline():
         cursors = [
             await conn.cursor(row_factory=tuple_row).execute(s.query, s.params) for s in statements
         ]
-    return [
-        Result(c.rowcount, await c.fetchall() if c.description is not None else []) for c in cursors
-    ]
+    return [Result(c.rowcount, await c.fetchall() if has_rows(c) else []) for c in cursors]
 
 
 async def _abort(conn: AsyncConnection, statements: Sequence[bytes]) -> None:

@@ -23,7 +23,7 @@ from outboxkit.core.model import Claim, NewEvent, Outcome
 from outboxkit.errors import StoreError, StoreUnavailable
 from outboxkit.store import SettleItem
 
-from .flow import BatchGuard, Flow, Result, Statement
+from .flow import BatchGuard, Flow, Result, Statement, has_rows
 from .pipeline import RecordPipeline, drain
 from .pool import Connection
 
@@ -226,13 +226,13 @@ def _sync(conn: Connection, statements: Sequence[Statement]) -> list[Result]:
     if len(statements) == 1:
         (statement,) = statements
         cursor = conn.cursor(row_factory=tuple_row).execute(statement.query, statement.params)
-        rows = cursor.fetchall() if cursor.description is not None else []
+        rows = cursor.fetchall() if has_rows(cursor) else []
         return [Result(cursor.rowcount, rows)]
     with conn.pipeline():
         cursors = [
             conn.cursor(row_factory=tuple_row).execute(s.query, s.params) for s in statements
         ]
-    return [Result(c.rowcount, c.fetchall() if c.description is not None else []) for c in cursors]
+    return [Result(c.rowcount, c.fetchall() if has_rows(c) else []) for c in cursors]
 
 
 def _abort(conn: Connection, statements: Sequence[bytes]) -> None:

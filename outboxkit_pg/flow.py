@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import psycopg
 from psycopg import errors as pg_errors
-from psycopg.pq import TransactionStatus
+from psycopg.pq import ExecStatus, TransactionStatus
 
 from outboxkit._sql.rows import record_params
 from outboxkit.core.model import Claim, Outcome
@@ -331,6 +331,14 @@ class Transaction(Generic[C]):
         """Before follow-ups are inserted: the transaction is still usable; what is done."""
         self._flow.check_usable()
         return f"enqueue {len(events)} follow-up(s)"
+
+
+def has_rows(cursor: psycopg.Cursor[Any] | psycopg.AsyncCursor[Any]) -> bool:
+    """Whether ``cursor``'s statement returned rows (a SELECT, a RETURNING): read from its
+    result's status, where ``cursor.description`` would make a column object per column on
+    every statement."""
+    result = cursor.pgresult
+    return result is not None and result.status == ExecStatus.TUPLES_OK
 
 
 def check_usable(conn: AnyConnection, where: str, what: str) -> None:

@@ -56,7 +56,7 @@ from outboxkit.store import Capabilities, SettleItem
 
 from .delivery import Batch, Delivery, Round, delivering
 from .errors import map_error
-from .flow import check_usable
+from .flow import check_usable, has_rows
 from .listen import NotifyWaiter
 from .names import Names, Queries, prepared, validate_schema
 from .pool import AnyConnection, Connection, Lender, Pool, is_url, scheme_of
@@ -267,7 +267,7 @@ class PostgresStore(SQLStore):
             cur.execute(
                 self._queries[name], self._params(params) or None, prepare=prepared(conn, name)
             )
-            return cur.fetchall() if cur.description is not None else []
+            return cur.fetchall() if has_rows(cur) else []
 
     def _instant(self, at: datetime | None) -> datetime | None:
         return at  # None: the database's clock (coalesce(%(now)s, now()))
