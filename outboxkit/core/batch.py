@@ -34,7 +34,17 @@ from typing import NamedTuple
 
 from ..errors import LeaseLostError
 from .backoff import BackoffPolicy
-from .machine import LeaseCheck, Plan, Retry, Run, Settlement, SettleNow, check_lease, plan
+from .machine import (
+    LeaseCheck,
+    Plan,
+    Retry,
+    Run,
+    Settlement,
+    SettleNow,
+    check_lease,
+    held_until,
+    plan,
+)
 from .machine import decide_settlement as _decide
 from .model import Claim, Delivery, Outcome, PollReport, State
 from .text import storable
@@ -102,6 +112,9 @@ class ClaimedBatch:
         self._position = {c.event.id: i for i, c in enumerate(claims)}
         self._unstarted: deque[Claim] = deque(claims)
         self._deadlines = {c.token: claimed_at + lease for c in claims}
+        # Every deadline that a later check_lease asks about is at least this one's (the
+        # claims' own, then the extension's): before held_until of it, every lease is HELD.
+        self._held_until = held_until(deadline=claimed_at + lease, lease=lease)
         self._running: dict[str, EventRun] = {}
         self._to_write: list[Settled] = []  # decided, not written yet
         self._written: list[Settled] = []  # written, not committed yet
@@ -140,6 +153,8 @@ class ClaimedBatch:
         """R13, before one of ``run``'s handlers starts at ``now`` (local clock)."""
         if run.lost:
             return LeaseCheck.LOST
+        if now <= self._held_until:  # what check_lease answers for each deadline of the batch
+            return LeaseCheck.HELD
         return check_lease(deadline=self._deadlines[run.claim.token], now=now, lease=self.lease)
 
     def to_extend(self) -> list[Claim]:
@@ -157,6 +172,8 @@ class ClaimedBatch:
         running one is marked lost)."""
         kept_tokens = {c.token for c in kept}
         lost: list[Claim] = []
+        if kept:  # what is asked about later was asked now: kept, or lost or dropped below
+            self._held_until = held_until(deadline=now + self.lease, lease=self.lease)
         for claim in asked:
             if claim.token in kept_tokens:
                 self._deadlines[claim.token] = now + self.lease

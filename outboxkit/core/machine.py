@@ -63,6 +63,7 @@ __all__ = [
     "decide_settlement",
     "handlers_to_run",
     "is_due",
+    "held_until",
     "lease_is_low",
     "outage_delay",
     "outcome_of",
@@ -358,6 +359,13 @@ class LeaseCheck(enum.Enum):
 def lease_is_low(*, remaining: timedelta, lease: timedelta) -> bool:
     """R13: extend the batch's leases once less than half of a lease is left."""
     return remaining < lease / 2
+
+
+def held_until(*, deadline: datetime, lease: timedelta) -> datetime:
+    """R13: the last instant at which ``check_lease`` says HELD for ``deadline`` (after it,
+    less than half a lease is left): a batch whose deadlines are all at least ``deadline``
+    needs no closer look before then."""
+    return deadline - lease / 2
 
 
 def check_lease(*, deadline: datetime, now: datetime, lease: timedelta) -> LeaseCheck:

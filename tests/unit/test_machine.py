@@ -9,20 +9,25 @@ from typing import Any
 
 import pytest
 
-from outboxkit import ExponentialBackoff, IllegalTransition, OutboxError, Outcome, State
+from outboxkit import Event, ExponentialBackoff, IllegalTransition, OutboxError, Outcome, State
+from outboxkit.core.batch import ClaimedBatch
 from outboxkit.core.machine import (
     TRANSITIONS,
     DeadLetter,
+    LeaseCheck,
     Publish,
     Retry,
     Transition,
+    check_lease,
     decide_settlement,
     handlers_to_run,
+    held_until,
     is_due,
     lease_is_low,
     state_of,
     transition,
 )
+from outboxkit.core.model import Claim
 
 # The lifecycle written out independently of the implementation's table (docs/lifecycle.md).
 LEGAL: dict[tuple[State, Transition], State] = {
@@ -345,3 +350,42 @@ LEASE = timedelta(seconds=30)
 )
 def test_lease_is_low(remaining: timedelta, expected: bool) -> None:
     assert lease_is_low(remaining=remaining, lease=LEASE) is expected
+
+
+# -- held_until, and a batch's lease checks (R13) -----------------------------------------------
+
+US = timedelta(microseconds=1)
+OFFSETS = [timedelta(0), US, 14 * SEC, 15 * SEC - US, 15 * SEC, 15 * SEC + US, 29 * SEC, 30 * SEC]
+
+
+@pytest.mark.parametrize("lease", [LEASE, timedelta(microseconds=3), timedelta(seconds=7)])
+def test_held_until_is_the_last_instant_check_lease_says_held(lease: timedelta) -> None:
+    deadline = NOW + lease
+    last = held_until(deadline=deadline, lease=lease)
+    assert check_lease(deadline=deadline, now=last, lease=lease) is LeaseCheck.HELD
+    assert check_lease(deadline=deadline, now=last + US, lease=lease) is not LeaseCheck.HELD
+
+
+def _claim(event_id: int) -> Claim:
+    event = Event(event_id, "t", {}, {}, None, NOW, NOW, 1, None, None, NOW + LEASE, None)
+    return Claim(event, f"token-{event_id}", NOW + LEASE)
+
+
+def test_a_batch_checks_each_lease_as_the_machine_does_before_and_after_an_extension() -> None:
+    """The batch answers HELD without a look at the deadline while every lease is far off
+    (held_until): the same answer as check_lease, at every instant around the thresholds."""
+    claims = [_claim(1), _claim(2)]
+    batch = ClaimedBatch(
+        claims, claimed_at=NOW, lease=LEASE, max_retries=3, backoff=ExponentialBackoff()
+    )
+    run = batch.take(lambda topic: ("h",))
+    assert run is not None
+    for offset in OFFSETS:
+        expected = check_lease(deadline=NOW + LEASE, now=NOW + offset, lease=LEASE)
+        assert batch.check_lease(run, NOW + offset) is expected, offset
+    extended_at = NOW + 20 * SEC
+    assert batch.extended(claims, claims[:1], extended_at) == claims[1:]
+    for offset in OFFSETS:
+        now = extended_at + offset
+        expected = check_lease(deadline=extended_at + LEASE, now=now, lease=LEASE)
+        assert batch.check_lease(run, now) is expected, offset
