@@ -21,7 +21,6 @@ Order: a pipeline's commands run in order, so a stream gets a batch's events in 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +30,7 @@ from . import (
     BrokerRelay,
     Destination,
     RelayMessage,
+    _dumps,
     client_module,
     parse_event_id,
     topic_destination,
@@ -136,7 +136,7 @@ def fields(message: RelayMessage) -> dict[str, str | bytes]:
         name: message.headers[name] for name in _OWN if name in message.headers
     }
     own = {k: v for k, v in message.headers.items() if k not in _OWN}
-    entry["headers"] = json.dumps(own, ensure_ascii=False, separators=(",", ":"))
+    entry["headers"] = _dumps(own) if own else "{}"  # no headers of the app's: nearly always
     entry["payload"] = message.body
     return entry
 
