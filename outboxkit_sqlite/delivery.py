@@ -12,6 +12,7 @@ import sqlite3
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, ExitStack, contextmanager, suppress
 from datetime import datetime
+from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from outboxkit._sql.base import SQLBatch
@@ -38,7 +39,7 @@ __all__ = [
     "delivering",
     "handler_failure",
     "in_savepoint",
-    "lazily",
+    "Lazily",
 ]
 
 
@@ -62,7 +63,7 @@ class Delivery:
         self.conn = conn
         self.ended_by_handler = False
         self._deferred: list[tuple[str, dict[str, Any]]] | None = None
-        # Set while the transaction is still to be opened (``lazily``): opens it when the
+        # Set while the transaction is still to be opened (``Lazily``): opens it when the
         # connection is first taken, then clears itself.
         self.opener = opener
 
@@ -103,7 +104,7 @@ class Delivery:
             StoreError: SQLite failed.
         """
         params = record_params(self._claim, handler, outcome, reason, self._now)
-        if self.opener is not None:  # written when the block ends (``lazily``)
+        if self.opener is not None:  # written when the block ends (``Lazily``)
             self._deferred = [*(self._deferred or ()), (handler, params)]
             return
         self._write_record(handler, params)
@@ -174,13 +175,13 @@ class Batch(SQLBatch):
     def delivery(self, claim: Claim, *, now: datetime | None) -> AbstractContextManager[Delivery]:
         """A delivery in a savepoint of the batch (``in_savepoint``), opened only when the
         handler first takes the connection; one that never did keeps its record for
-        ``write_kept`` (``lazily``)."""
+        ``write_kept`` (``Lazily``)."""
         store, conn = self._store, self._conn
 
         def keep(tx: Delivery) -> None:
             self.keep(claim, tx.take_single())
 
-        return lazily(
+        return Lazily(
             store, conn, claim, now, lambda tx: in_savepoint(store, conn, claim, now, tx), keep
         )
 
@@ -190,46 +191,70 @@ class Batch(SQLBatch):
         return in_savepoint(self._store, self._conn, claim, now)
 
 
-@contextmanager
-def lazily(
-    store: SQLiteStore,
-    conn: StoreConnection,
-    claim: Claim,
-    now: datetime | None,
-    opening: Callable[[Delivery], AbstractContextManager[Delivery]],
-    single: Callable[[Delivery], None],
-) -> Iterator[Delivery]:
+class Lazily(AbstractContextManager[Delivery]):
     """A delivery opened (``opening(tx)``: a transaction, or a savepoint of the batch's) only
     when its handler first takes the connection or enqueues a follow-up; a block that never
     did and ends with exactly one record is ended by ``single(tx)`` instead (the record fenced
     by the token in one statement, or kept by the batch). A failure of the opening is the
-    delivery's error, whatever the handler made of it."""
-    with ExitStack() as stack:
-        opened: list[Delivery] = []
-        failed: list[BaseException] = []
+    delivery's error, whatever the handler made of it.
 
-        def open_now() -> None:
-            tx.opener = None
-            try:
-                opened.append(stack.enter_context(opening(tx)))
-            except BaseException as exc:
-                failed.append(exc)
-                raise
+    A class rather than a generator: one is made per delivery, and nearly none opens, so it
+    makes the opened block's stack only when it opens."""
 
-        tx = Delivery(store, conn, claim, store._instant(now), open_now)
+    __slots__ = ("_failed", "_opening", "_single", "_stack", "tx")
+
+    def __init__(
+        self,
+        store: SQLiteStore,
+        conn: StoreConnection,
+        claim: Claim,
+        now: datetime | None,
+        opening: Callable[[Delivery], AbstractContextManager[Delivery]],
+        single: Callable[[Delivery], None],
+    ) -> None:
+        self._opening = opening
+        self._single = single
+        self._stack: ExitStack | None = None  # the opened block, once it is
+        self._failed: BaseException | None = None  # the opening's failure
+        self.tx = Delivery(store, conn, claim, store._instant(now), self._open_now)
+
+    def _open_now(self) -> None:
+        self.tx.opener = None
+        stack = ExitStack()
         try:
-            yield tx
+            stack.enter_context(self._opening(self.tx))
         except BaseException as exc:
-            if failed and failed[0] is not exc:
-                raise failed[0] from exc
-            raise  # into the opened transaction (the stack), which rolls back
-        if failed:
-            raise failed[0]  # the handler swallowed it: the delivery fails all the same
-        if not opened and tx.single_record:
-            tx.opener = None
-            single(tx)
-        elif not opened:
-            open_now()
+            self._failed = exc
+            raise
+        self._stack = stack
+
+    def __enter__(self) -> Delivery:
+        return self.tx
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        failed, stack = self._failed, self._stack
+        if exc is not None:
+            if failed is not None and failed is not exc:
+                raise failed from exc
+            # into the opened transaction (the stack), which rolls back
+            return stack is not None and bool(stack.__exit__(exc_type, exc, tb))
+        if failed is not None:
+            raise failed  # the handler swallowed it: the delivery fails all the same
+        if stack is None:
+            if self.tx.single_record:
+                self.tx.opener = None
+                self._single(self.tx)
+                return False
+            self._open_now()
+            stack = self._stack
+            assert stack is not None
+        stack.close()
+        return False
 
 
 @contextmanager

@@ -64,7 +64,7 @@ from .connections import (
     in_transaction,
     retry_busy,
 )
-from .delivery import Batch, Delivery, delivering, lazily
+from .delivery import Batch, Delivery, Lazily, delivering
 from .errors import map_error, open_error
 from .tables import INSERT_COLUMNS, INSERT_TAIL, TableNames, insert_events, render_queries
 
@@ -616,7 +616,7 @@ class SQLiteStore(SQLStore):
         self, conn: StoreConnection, claim: Claim, now: datetime | None
     ) -> AbstractContextManager[Delivery]:
         """``delivery`` on ``conn``, opened (``_delivery_on``) only when the handler first
-        takes the connection or enqueues a follow-up (``delivery.lazily``); one that never did
+        takes the connection or enqueues a follow-up (``delivery.Lazily``); one that never did
         and ends with one record is that record, fenced by the token, autocommitted."""
 
         def fenced(tx: Delivery) -> None:
@@ -624,7 +624,7 @@ class SQLiteStore(SQLStore):
                 raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
             self._wal.after_commit(conn)
 
-        return lazily(
+        return Lazily(
             self, conn, claim, now, lambda tx: self._delivery_on(conn, claim, now, tx), fenced
         )
 
