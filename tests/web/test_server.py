@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import http.client
+import signal
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -83,3 +85,39 @@ def test_a_foreign_host_is_refused_and_a_short_token_is_not_taken(
         conn.close()
     with pytest.raises(ConfigurationError, match="at least 8 characters"):
         Dashboard(dead_letter[0], token="short")
+
+
+def test_a_signal_another_thread_took_stops_serve_forever(
+    dead_letter: tuple[Outbox, int],
+) -> None:
+    """Ctrl-C reaches serve_forever even when the kernel hands SIGINT to a thread other than
+    the main one (Python runs the handler in the main thread only, once it runs again)."""
+    served = DashboardServer(Dashboard(dead_letter[0], token=TOKEN), port=0, sample_every=None)
+    interrupted = threading.Event()
+    stopped_by_guard: list[bool] = []
+
+    def interrupt_from_another_thread() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
+        try:  # answered: the server is serving, the main thread waits in serve_forever
+            conn.request("GET", "/")
+            assert conn.getresponse().status == 200
+        finally:
+            conn.close()
+        signal.pthread_kill(threading.get_ident(), signal.SIGINT)  # taken by this thread
+        if not interrupted.wait(timeout=30):  # a guard, not a timing: without it, a hang
+            stopped_by_guard.append(True)
+            served.stop()
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    other = threading.Thread(target=interrupt_from_another_thread)
+    try:
+        other.start()
+        with pytest.raises(KeyboardInterrupt):
+            served.serve_forever()
+        interrupted.set()
+    finally:
+        interrupted.set()
+        other.join(timeout=60)
+        signal.signal(signal.SIGINT, previous)
+    assert not other.is_alive()
+    assert not stopped_by_guard, "serve_forever went on serving after the signal"

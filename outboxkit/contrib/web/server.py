@@ -38,6 +38,7 @@ __all__ = ["DashboardServer"]
 log = logging.getLogger("outboxkit.web")
 
 _MAX_BODY = 4096
+_SIGNAL_TICK = 0.2  # seconds: how soon serve_forever notices a signal another thread took
 _SECURITY_HEADERS = {
     "Content-Security-Policy": (
         "default-src 'none'; style-src 'unsafe-inline'; img-src 'self'; form-action 'self'; "
@@ -118,7 +119,11 @@ class DashboardServer:
         """Serve in this thread until :meth:`stop` (or KeyboardInterrupt)."""
         self.start()
         try:
-            self._stop.wait()
+            # Timed waits, not one untimed one: a signal (Ctrl-C, SIGINT) may be delivered to
+            # one of the serving threads, and Python runs its handler only in the main thread
+            # as that thread runs again, which an untimed wait would never let it do.
+            while not self._stop.wait(_SIGNAL_TICK):
+                pass
         finally:
             self.stop()
 
