@@ -61,6 +61,7 @@ from ..waiter import LoopWaiter
 from .errors import WRONG_INPUT
 from .params import DURATION, StoreOption, format_duration
 from .progress import DrainProgress, StatusLine, StatusLineHandler
+from .signals import stop_signals
 from .stores import STORE_ENV, STORE_OPTIONS_ENV, open_outbox
 
 __all__ = ["RunSettings", "run", "run_command"]
@@ -71,7 +72,7 @@ SUPERVISOR_ENV = "OUTBOXKIT_SUPERVISOR_PID"
 POLLER_ENV = "OUTBOXKIT_POLLER"
 METRICS_ENV = "OUTBOXKIT_METRICS_CHILD"  # "1": count into the supervisor's multiprocess files
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
-_TICK = 0.1  # seconds between the main thread's checks (signals interrupt the wait)
+_TICK = 0.1  # seconds between the main thread's checks (and its signal handlers' runs)
 _LOG_FORMAT = "%(asctime)s %(levelname)s {who}%(name)s: %(message)s"
 
 T = TypeVar("T")
@@ -367,20 +368,6 @@ class _PrintableFormatter(logging.Formatter):
         return printable(super().format(record), newlines=True)
 
 
-@contextmanager
-def _signals(handler: Callable[[int, FrameType | None], None]) -> Iterator[None]:
-    """Route SIGTERM and SIGINT to ``handler`` (main thread only), restoring them afterwards."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
-
-
 def _force_exit(message: str, *args: object) -> None:
     log.error(message, *args)
     for handler in logging.getLogger("outboxkit").handlers:
@@ -560,7 +547,7 @@ def _poll_here(
 
     stopping = _Stopping(poller.stop, settings.grace.total_seconds())
     summary = _Summary(outbox, throughput, settings.log_every.total_seconds())
-    with _signals(stopping.on_signal):
+    with stop_signals(stopping.on_signal):
         worker = threading.Thread(target=work, name="outboxkit-poller", daemon=True)
         if progress is not None:
             progress.maybe_show()  # drawn at once, however soon the drain ends
@@ -743,7 +730,7 @@ class _Supervisor:
                 server, _ = _serve_metrics(
                     self.outbox, self.settings, multiprocess_dir=self.metrics_dir
                 )
-            with _signals(self.on_signal):
+            with stop_signals(self.on_signal):
                 try:
                     for child in self.children:
                         self._start(child)

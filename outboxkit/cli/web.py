@@ -1,4 +1,5 @@
-"""``outboxkit web``: the dashboard (``outboxkit.contrib.web``) on a store, until Ctrl-C."""
+"""``outboxkit web``: the dashboard (``outboxkit.contrib.web``) on a store, until Ctrl-C or
+SIGTERM."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from ..core.text import redact_url
 from .errors import InputError
 from .output import echo
 from .params import DURATION
+from .signals import stop_signals
 from .stores import open_outbox, with_store_options
 
 __all__ = ["web_command"]
@@ -68,10 +70,9 @@ def web_command(
             )
         except OSError as exc:
             raise InputError(f"cannot serve on {host}:{port}: {exc.strerror or exc}") from None
-        echo(f"outboxkit dashboard on {server.origin}/ for {outbox.store!r}")
-        if token is None:
-            echo(f"action token (requeue, purge; shown only now): {dashboard.token}")
-        try:
+        with stop_signals(lambda signum, frame: server.request_stop()):
+            echo(f"outboxkit dashboard on {server.origin}/ for {outbox.store!r}")
+            if token is None:
+                echo(f"action token (requeue, purge; shown only now): {dashboard.token}")
             server.serve_forever()
-        except KeyboardInterrupt:
-            echo("stopped")
+        echo("stopped")

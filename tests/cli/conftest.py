@@ -225,13 +225,25 @@ class Procs:
         self.tmp_path = tmp_path
         self.started: list[Proc] = []
 
-    def start(self, cli: Cli, args: Sequence[str], env: dict[str, str] | None = None) -> Proc:
+    def start(
+        self,
+        cli: Cli,
+        args: Sequence[str],
+        env: dict[str, str] | None = None,
+        *,
+        sigint_ignored: bool = False,
+    ) -> Proc:
+        """``outboxkit ARGS`` in the background; ``sigint_ignored``: started with SIGINT
+        ignored, as a non-interactive shell starts a background job."""
         n = len(self.started)
+        command = [*outboxkit_command(), *args]
+        if sigint_ignored:
+            command = ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *command]
         stderr_path = self.tmp_path / f"proc{n}.stderr"
         stdout_path = self.tmp_path / f"proc{n}.stdout"
         with stderr_path.open("wb") as err, stdout_path.open("wb") as out:
             popen = subprocess.Popen(
-                [*outboxkit_command(), *args],
+                command,
                 cwd=cli.cwd,
                 env=cli.env(env),
                 stdout=out,

@@ -10,6 +10,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import pytest
+
 from outboxkit import open_store
 
 from .conftest import Cli, Procs, wait_for
@@ -29,13 +31,22 @@ def _request(url: str, *, host: str | None = None, data: bytes | None = None) ->
         return exc.code
 
 
+@pytest.mark.parametrize(
+    ("stop_with", "sigint_ignored"),
+    [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGINT, True)],
+    ids=["ctrl-c", "sigterm", "ctrl-c-though-inherited-ignored"],
+)
 def test_web_serves_on_localhost_and_guards_its_actions(
-    process_cli: Cli, procs: Procs, tmp_path: Path
+    process_cli: Cli, procs: Procs, tmp_path: Path, stop_with: int, sigint_ignored: bool
 ) -> None:
     db = tmp_path / "ops.db"
     store = open_store(f"sqlite:///{db}")
     store.close()
-    proc = procs.start(process_cli, ["web", "--store", f"sqlite:///{db}", "--port", "0"])
+    proc = procs.start(
+        process_cli,
+        ["web", "--store", f"sqlite:///{db}", "--port", "0"],
+        sigint_ignored=sigint_ignored,
+    )
     wait_for(lambda: "action token" in proc.stdout() or proc.popen.poll() is not None, "start")
     out = proc.stdout()
     (origin,) = re.findall(r"outboxkit dashboard on (http://127\.0\.0\.1:\d+)/", out)
@@ -46,7 +57,7 @@ def test_web_serves_on_localhost_and_guards_its_actions(
     assert _request(f"{origin}/events/1/requeue", data=b"token=wrong-token") == 403
     # The right token is taken (the event does not exist, so nothing is done).
     assert _request(f"{origin}/events/1/requeue", data=f"token={token}".encode()) == 409
-    proc.popen.send_signal(signal.SIGINT)
+    proc.popen.send_signal(stop_with)
     assert proc.popen.wait(timeout=30) == 0, proc.report()
     assert "stopped" in proc.stdout()
     assert token not in proc.stderr()

@@ -116,16 +116,22 @@ class DashboardServer:
             thread.start()
 
     def serve_forever(self) -> None:
-        """Serve in this thread until :meth:`stop` (or KeyboardInterrupt)."""
+        """Serve in this thread until :meth:`request_stop` or :meth:`stop` (or
+        KeyboardInterrupt)."""
         self.start()
         try:
-            # Timed waits, not one untimed one: a signal (Ctrl-C, SIGINT) may be delivered to
+            # Timed waits, not one untimed one: a signal (Ctrl-C, SIGTERM) may be delivered to
             # one of the serving threads, and Python runs its handler only in the main thread
             # as that thread runs again, which an untimed wait would never let it do.
             while not self._stop.wait(_SIGNAL_TICK):
                 pass
         finally:
             self.stop()
+
+    def request_stop(self) -> None:
+        """Make :meth:`serve_forever` return soon; it stops the server as it does. Only sets
+        an event: safe from another thread and from a signal handler."""
+        self._stop.set()
 
     def stop(self) -> None:
         """Stop serving and sampling; idempotent."""
