@@ -114,7 +114,6 @@ def test_a_signal_another_thread_took_stops_serve_forever(
         other.start()
         with pytest.raises(KeyboardInterrupt):
             served.serve_forever()
-        interrupted.set()
     finally:
         interrupted.set()
         other.join(timeout=60)
