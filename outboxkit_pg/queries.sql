@@ -214,6 +214,20 @@ SELECT n.topic, n.payload, n.headers, n.key, k.last_seq - n.of_key + n.nth, n.de
 ON CONFLICT (dedupe_key) WHERE dedupe_key IS NOT NULL DO NOTHING
 RETURNING id, dedupe_key, (SELECT pg_notify(%(channel)s, '') WHERE %(notify)s::boolean)
 
+-- name: enqueue_plain
+-- `enqueue` for a batch in which no event has a key or a dedupe key (the usual batch): the same
+-- rows, ids in batch order and notification, without numbering keys or the dedupe arbiter (the
+-- keys CTE's window functions sort the batch; with them a 100-event batch cost 3.5 us more per
+-- event on the server, measured). The second column stands for `enqueue`'s dedupe key.
+INSERT INTO {events} (topic, payload, headers, created_at, available_at)
+SELECT x.e ->> 0, x.e -> 1, x.e -> 2,
+       coalesce(%(now)s::timestamptz, now()),
+       coalesce((x.e ->> 6)::timestamptz,
+                coalesce(%(now)s::timestamptz, now()) + (x.e ->> 4)::bigint * interval '1 microsecond')
+  FROM jsonb_array_elements(%(events)s::jsonb) WITH ORDINALITY AS x (e, position)
+ ORDER BY x.position
+RETURNING id, NULL::text, (SELECT pg_notify(%(channel)s, '') WHERE %(notify)s::boolean)
+
 -- name: dedupe_holders
 -- R16: the stored events holding the given dedupe keys.
 SELECT dedupe_key, id FROM {events} WHERE dedupe_key = ANY(%(keys)s::text[])
@@ -243,6 +257,19 @@ SELECT n.topic, n.payload, n.headers, n.key, k.last_seq - n.of_key + n.nth,
                 coalesce(CAST(:now AS timestamptz), now()) + n.delay_us * interval '1 microsecond')
   FROM n LEFT JOIN k ON k.key = n.key
  ORDER BY n.position
+RETURNING id,
+          (SELECT count(*) FROM (SELECT pg_notify(:channel, '') WHERE CAST(:notify AS boolean)) AS n)
+
+-- name: enqueue_portable_plain
+-- `enqueue_portable` for a batch without keys (see enqueue_plain).
+INSERT INTO {events} (topic, payload, headers, created_at, available_at)
+SELECT x.e ->> 0, x.e -> 1, x.e -> 2,
+       coalesce(CAST(:now AS timestamptz), now()),
+       coalesce(CAST(x.e ->> 6 AS timestamptz),
+                coalesce(CAST(:now AS timestamptz), now())
+                + CAST(x.e ->> 4 AS bigint) * interval '1 microsecond')
+  FROM jsonb_array_elements(CAST(:events AS jsonb)) WITH ORDINALITY AS x (e, position)
+ ORDER BY x.position
 RETURNING id,
           (SELECT count(*) FROM (SELECT pg_notify(:channel, '') WHERE CAST(:notify AS boolean)) AS n)
 

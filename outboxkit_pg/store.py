@@ -557,9 +557,11 @@ class PostgresStore(SQLStore):
         self, events: Sequence[NewEvent], now: datetime | None
     ) -> tuple[str, dict[str, Any]]:
         """The statement that inserts ``events`` (and queues the notification), by name, and
-        its parameters: ``enqueue_one`` for one event, else ``enqueue`` for the batch."""
+        its parameters: ``enqueue_one`` for one event, else ``enqueue_plain`` for a batch
+        without keys or dedupe keys, else ``enqueue``."""
         channel = {"channel": self.names.channel, "notify": self._notify}
-        if len(events) == 1 and events[0].key is None and events[0].dedupe_key is None:
+        plain = _without_keys(events)
+        if plain and len(events) == 1:
             (event,) = events
             return "enqueue_one", {
                 "now": now,
@@ -570,7 +572,8 @@ class PostgresStore(SQLStore):
                 "available_at": event.available_at,
                 **channel,
             }
-        return "enqueue", {"now": now, "events": _batch_document(events), **channel}
+        name = "enqueue_plain" if plain else "enqueue"
+        return name, {"now": now, "events": _batch_document(events), **channel}
 
     def portable_enqueue(
         self, events: Sequence[NewEvent], now: datetime | None
@@ -591,7 +594,8 @@ class PostgresStore(SQLStore):
                 "notify": self._notify,
             }
         )
-        return [(self._queries.text("enqueue_portable"), dict(params))]
+        name = "enqueue_portable_plain" if _without_keys(events) else "enqueue_portable"
+        return [(self._queries.text(name), dict(params))]
 
     @staticmethod
     def _inserted(name: str, rows: Sequence[Row]) -> list[int]:
@@ -743,6 +747,12 @@ class PostgresStore(SQLStore):
 
 _json_text = json.JSONEncoder(ensure_ascii=False).encode
 _MICROSECOND = timedelta(microseconds=1)
+
+
+def _without_keys(events: Sequence[NewEvent]) -> bool:
+    """Whether no event of ``events`` has a key or a dedupe key (``enqueue_plain`` inserts
+    them)."""
+    return all(e.key is None and e.dedupe_key is None for e in events)
 
 
 def _batch_document(events: Sequence[NewEvent]) -> str:
