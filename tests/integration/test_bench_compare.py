@@ -5,8 +5,10 @@ never a timing one."""
 
 from __future__ import annotations
 
+import sqlite3
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -91,3 +93,26 @@ def test_the_table_and_the_readme_block(compare, tmp_path, monkeypatch):
     text = readme.read_text()
     assert "old" not in text
     assert text.endswith(f"{table}\n{compare.END_MARK}\n\ntail\n")
+
+
+def test_sqlite_statements_drains_every_event_on_both_sides(compare, tmp_path):
+    """``bench/sqlite_statements.py``: both sides' statements drain every event, each timed."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import sqlite_statements
+    finally:
+        sys.path.remove(str(BENCH))
+        sys.modules.pop("sqlite_statements", None)
+    minimal = sqlite_statements.minimal(tmp_path / "minimal.db", EVENTS)
+    store = sqlite_statements.store_statements(tmp_path / "store.db", EVENTS)
+    assert set(minimal) == {"claim", "records", "settle", "commit"}
+    assert set(store) == {"claim", "claim commit", "records", "settle", "commit"}
+    with closing(sqlite3.connect(tmp_path / "minimal.db")) as conn:
+        assert conn.execute(
+            "SELECT count(*) FROM ref_events WHERE published_at IS NOT NULL"
+        ).fetchone() == (EVENTS,)
+    with closing(sqlite3.connect(tmp_path / "store.db")) as conn:
+        assert conn.execute(
+            "SELECT count(*) FROM outbox_events WHERE published_at IS NOT NULL"
+        ).fetchone() == (EVENTS,)
+        assert conn.execute("SELECT count(*) FROM outbox_deliveries").fetchone() == (EVENTS,)
