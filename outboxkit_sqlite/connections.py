@@ -164,24 +164,40 @@ class Connections:
     def closed(self) -> bool:
         return self._closed
 
-    @contextmanager
-    def acquire(self) -> Iterator[StoreConnection]:
+    def take(self) -> StoreConnection:
+        """A connection for one user, handed back with ``give`` (``acquire`` as two calls, for
+        a context manager written as a class: the delivery's, made once per event).
+
+        Raises:
+            StoreError: the store is closed.
+            sqlite3.Error: a new connection could not be opened.
+        """
         if self._shared is not None:
-            with self._shared_lock:
-                if self._closed:
-                    raise StoreError("the SQLite store is closed")
-                yield self._shared
-            return
+            self._shared_lock.acquire()
+            if self._closed:
+                self._shared_lock.release()
+                raise StoreError("the SQLite store is closed")
+            return self._shared
         with self._lock:
             if self._closed:
                 raise StoreError("the SQLite store is closed")
             conn = self._idle.pop() if self._idle else None
-        if conn is None:
-            conn = self._connect()
+        return self._connect() if conn is None else conn
+
+    def give(self, conn: StoreConnection) -> None:
+        """Hand back a connection ``take`` gave."""
+        if self._shared is not None:
+            self._shared_lock.release()
+        else:
+            self._give_back(conn)
+
+    @contextmanager
+    def acquire(self) -> Iterator[StoreConnection]:
+        conn = self.take()
         try:
             yield conn
         finally:
-            self._give_back(conn)
+            self.give(conn)
 
     def _give_back(self, conn: StoreConnection) -> None:
         try:

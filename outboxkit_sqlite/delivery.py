@@ -40,6 +40,7 @@ __all__ = [
     "handler_failure",
     "in_savepoint",
     "Lazily",
+    "Pooled",
 ]
 
 
@@ -189,6 +190,41 @@ class Batch(SQLBatch):
         """A delivery in a savepoint of the batch, opened at once (``in_savepoint``): the
         asyncio side's, whose handler takes the aiosqlite connection without asking here."""
         return in_savepoint(self._store, self._conn, claim, now)
+
+
+class Pooled(AbstractContextManager[Delivery]):
+    """``SQLiteStore.delivery``: one of the store's connections, taken for the block
+    (``Connections.take``), and on it a delivery opened lazily (``SQLiteStore._lazily``); the
+    connection handed back when the block ends, whatever happened. A class, as ``Lazily`` is:
+    one is made per delivery, and two generator-based context managers cost it ~3.5 µs more."""
+
+    __slots__ = ("_claim", "_conn", "_delivery", "_now", "_store")
+
+    def __init__(self, store: SQLiteStore, claim: Claim, now: datetime | None) -> None:
+        self._store = store
+        self._claim = claim
+        self._now = now
+
+    def __enter__(self) -> Delivery:
+        connections = self._store._connections
+        self._conn = conn = connections.take()
+        try:
+            self._delivery = delivery = self._store._lazily(conn, self._claim, self._now)
+            return delivery.__enter__()
+        except BaseException:
+            connections.give(conn)
+            raise
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        try:
+            return self._delivery.__exit__(exc_type, exc, tb)
+        finally:
+            self._store._connections.give(self._conn)
 
 
 class Lazily(AbstractContextManager[Delivery]):

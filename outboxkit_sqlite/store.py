@@ -64,7 +64,7 @@ from .connections import (
     in_transaction,
     retry_busy,
 )
-from .delivery import Batch, Delivery, Lazily, delivering
+from .delivery import Batch, Delivery, Lazily, Pooled, delivering
 from .errors import map_error, open_error
 from .tables import INSERT_COLUMNS, INSERT_TAIL, TableNames, insert_events, render_queries
 
@@ -549,8 +549,7 @@ class SQLiteStore(SQLStore):
                 f"{migrate_hint()}"
             )
 
-    @contextmanager
-    def delivery(self, claim: Claim, *, now: datetime | None) -> Iterator[Delivery]:
+    def delivery(self, claim: Claim, *, now: datetime | None) -> AbstractContextManager[Delivery]:
         """A delivery transaction (``BEGIN IMMEDIATE``, the claim's token checked), opened when
         ``tx.connection`` is first taken; a block that never takes it ends with its record in
         one fenced, autocommitted statement (``_lazily``).
@@ -564,8 +563,7 @@ class SQLiteStore(SQLStore):
             StoreUnavailable: the database failed under the handler.
             StoreError: SQLite failed.
         """
-        with self._connections.acquire() as conn, self._lazily(conn, claim, now) as tx:
-            yield tx
+        return Pooled(self, claim, now)
 
     @contextmanager
     def batch(self, *, now: datetime | None) -> Iterator[Batch]:

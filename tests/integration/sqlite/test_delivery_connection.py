@@ -1,0 +1,91 @@
+"""``SQLiteStore.delivery`` takes one of the store's connections for its block and hands it back
+however the block ends: recorded, raised, refused for a stale token, or its connection taken
+by the handler; on ``:memory:`` (one connection under a lock) another thread can use the store
+after each."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from outboxkit import LeaseLostError, Outcome, StoreError
+from outboxkit.core.model import Claim
+from outboxkit.core.payload import build_event
+from outboxkit_sqlite import SQLiteStore
+
+NOW = datetime(2030, 1, 1, tzinfo=UTC)
+LEASE = timedelta(seconds=30)
+
+
+class Boom(Exception):
+    pass
+
+
+def _recorded(store: SQLiteStore, claim: Claim) -> None:
+    with store.delivery(claim, now=NOW) as tx:
+        tx.record("h", Outcome.SUCCEEDED)
+
+
+def _raised(store: SQLiteStore, claim: Claim) -> None:
+    with pytest.raises(Boom), store.delivery(claim, now=NOW) as tx:
+        tx.connection.execute("SELECT 1")
+        raise Boom
+
+
+def _stale(store: SQLiteStore, claim: Claim) -> None:
+    store.claim(batch_size=10, lease=LEASE, now=NOW + 2 * LEASE)  # taken over
+    with pytest.raises(LeaseLostError), store.delivery(claim, now=NOW) as tx:
+        tx.record("h", Outcome.SUCCEEDED)
+
+
+def _opened(store: SQLiteStore, claim: Claim) -> None:
+    with store.delivery(claim, now=NOW) as tx:
+        tx.connection.execute("SELECT 1")
+        tx.record("h", Outcome.SUCCEEDED)
+
+
+ENDINGS = {"recorded": _recorded, "raised": _raised, "stale": _stale, "opened": _opened}
+
+
+@pytest.fixture(params=["file", "memory"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[SQLiteStore]:
+    where = str(tmp_path / "d.db") if request.param == "file" else ":memory:"
+    with SQLiteStore(where) as store:
+        yield store
+
+
+def _claim(store: SQLiteStore) -> Claim:
+    with store.transaction() as conn:
+        store.enqueue(conn, [build_event("t", {"n": 1})], now=NOW)
+    (claim,) = store.claim(batch_size=10, lease=LEASE, now=NOW)
+    return claim
+
+
+@pytest.mark.parametrize("ending", ENDINGS)
+def test_the_connection_comes_back_however_the_delivery_ends(
+    store: SQLiteStore, ending: str
+) -> None:
+    end: Callable[[SQLiteStore, Claim], None] = ENDINGS[ending]
+    end(store, _claim(store))
+    pool = store._connections
+    if pool._shared is None:
+        assert len(pool._idle) == 1  # the one the delivery took, back and reused each time
+        assert not pool._idle[0].in_transaction
+    else:
+        assert not pool._shared.in_transaction
+    stats: list[int] = []
+    other = threading.Thread(target=lambda: stats.append(store.stats(now=NOW).total))
+    other.start()
+    other.join(timeout=10)  # a bound, not a wait: the thread finds the store free at once
+    assert stats == [1]
+
+
+def test_a_closed_store_refuses_a_delivery_and_keeps_nothing(store: SQLiteStore) -> None:
+    claim = _claim(store)
+    store.close()
+    with pytest.raises(StoreError, match="closed"), store.delivery(claim, now=NOW):
+        pass
