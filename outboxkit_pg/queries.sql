@@ -300,7 +300,12 @@ RETURNING id, (SELECT pg_notify(%(channel)s, '') WHERE %(notify)s::boolean)
 -- consecutive ones, 891 of the 991 rows walked for a batch of 100 were hits, measured). A
 -- LATERAL with a LIMIT can only run as a parameterized nested loop, so the plan never turns
 -- into a join over the whole table. A keyed event without key_seq keeps its old rule (never
--- blocked).
+-- blocked). The UPDATE finds the picked rows by their primary key (id = ANY of the CTE's ids,
+-- one index probe each), not by joining the CTE: the planner sizes a parameterized LIMIT at a
+-- third of the table, and a join then hashes the CTE against a scan of the whole table, which
+-- it keeps doing until the table holds some tens of thousands of rows (a prepared claim of 100
+-- out of 10,000 rows: 2.64 ms with the join, 0.91 ms with the probes; the same 0.9 ms both
+-- ways from 50,000 rows on, measured).
 WITH due AS MATERIALIZED (
     SELECT e.id
       FROM {events} AS e
@@ -325,8 +330,7 @@ UPDATE {events} AS e
    SET locked_until = coalesce(%(now)s::timestamptz, now()) + %(lease)s::interval,
        attempts = e.attempts + 1,
        claim_token = gen_random_uuid()
-  FROM due
- WHERE e.id = due.id
+ WHERE e.id = ANY(ARRAY(SELECT id FROM due))
 RETURNING e.id, e.topic, e.payload::text, e.headers::text, e.key, e.created_at,
           e.available_at, e.attempts, e.published_at, e.failed_at, e.locked_until, e.last_error,
           e.claim_token::text,

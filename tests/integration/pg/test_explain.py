@@ -127,3 +127,31 @@ def test_a_rounds_settlement_never_compares_every_row_with_every_claim(
     # rows removed for 500 claims when id = ANY(...) stood beside the join) is never right.
     assert sum(n.get("Rows Removed by Join Filter", 0) for n in plan) <= len(claims), plan
     assert next(n for n in plan if n["Node Type"] == "ModifyTable")["Actual Rows"] == 500
+
+
+@pytest.mark.parametrize("plan_cache_mode", ["force_custom_plan", "force_generic_plan"])
+def test_a_claim_on_a_small_table_probes_the_key_instead_of_scanning_the_table(
+    pg_store: PostgresStore, admin: psycopg.Connection[Any], plan_cache_mode: str
+) -> None:
+    """10,000 due events and nothing else: the claim's UPDATE reaches the 100 rows it picked
+    by the primary key, in the plan of its first runs (custom) and in the one a prepared claim
+    settles on (generic, where the LIMIT's size is unknown and a join with the picked rows was
+    planned as a hash over a scan of the whole table)."""
+    store = pg_store
+    events = sql.Identifier(store.names.schema, store.names.events)
+    with store.transaction() as conn:
+        store.enqueue(conn, [build_event("due", {"n": n}) for n in range(10_000)], now=None)
+    admin.execute(sql.SQL("ANALYZE {}").format(events))
+    params = store._params({"now": None, "batch_size": 100, "lease": LEASE, "hold": False})
+    with admin.transaction(force_rollback=True):
+        admin.execute("SELECT set_config('plan_cache_mode', %s, true)", (plan_cache_mode,))
+        ((result,),) = admin.execute(
+            b"EXPLAIN (ANALYZE, FORMAT JSON) " + store._queries["claim"], params
+        ).fetchall()
+    plan = list(nodes(result[0]["Plan"]))
+    scans = [n for n in plan if n.get("Relation Name") == store.names.events]
+    assert not [n for n in scans if n["Node Type"] == "Seq Scan"], plan
+    update = next(n for n in plan if n["Node Type"] == "ModifyTable")
+    assert update["Actual Rows"] == 100
+    probes = [n for n in scans if str(n.get("Index Name", "")).endswith("_pkey")]
+    assert probes and probes[0]["Actual Rows"] == 100, plan
