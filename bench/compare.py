@@ -25,7 +25,11 @@ The references (one table of events, one of delivery records, no token, no forei
   ``BEGIN IMMEDIATE``.
 
 ``--ref-handler-us N`` is no reference: the minimal loops' handler then spends N µs of CPU per
-event, which shows how far a poller's own per-event Python moves a ratio.
+event, which shows how far a poller's own per-event Python moves a ratio. Nor is
+``--ref-claim-probe``: the PostgreSQL minimal loops then claim as outboxkit does, reaching the
+picked rows by primary key (``WHERE id = ANY(ARRAY(SELECT id FROM due))``) instead of joining the
+CTE, which a prepared claim plans as a hash over a scan of the whole table while the table is
+small (10,000 rows here); it shows how much of a ratio is that plan.
 
 The peers: pgqueuer (asyncpg driver, ``QueueExecutionMode.drain``, batch 10 - its default - and
 100) and procrastinate (a worker with ``wait=False``, its defaults otherwise), each in a
@@ -265,6 +269,13 @@ UPDATE {s}.ref_events AS e
   FROM due WHERE e.id = due.id
 RETURNING e.id, e.topic, e.payload
 """
+# --ref-claim-probe (no reference): the same claim reaching its rows as outboxkit's claim does,
+# by primary key, instead of joining the CTE (which a prepared claim plans as a hash over a scan
+# of the whole table while the table is small).
+PG_REF_CLAIM_PROBE = PG_REF_CLAIM.replace(
+    "  FROM due WHERE e.id = due.id", " WHERE e.id = ANY(ARRAY(SELECT id FROM due))"
+)
+assert PG_REF_CLAIM_PROBE != PG_REF_CLAIM
 PG_REF_RECORD = "INSERT INTO {s}.ref_records (event_id, handler) VALUES (%s, %s)"
 PG_REF_MARK = """
 UPDATE {s}.ref_events SET published_at = now(), leased_until = NULL WHERE id = ANY(%s)
@@ -326,6 +337,7 @@ class Drained:
 
 
 REF_HANDLER_ENV = "OUTBOXKIT_COMPARE_REF_HANDLER_US"
+REF_CLAIM_PROBE_ENV = "OUTBOXKIT_COMPARE_REF_CLAIM_PROBE"
 _REF_HANDLER_SECONDS = float(os.environ.get(REF_HANDLER_ENV) or 0) / 1_000_000
 
 
@@ -346,7 +358,9 @@ def _pg_ref_worker(job: Job, barrier: Barrier) -> Drained:
     import psycopg
 
     c = job.contender
-    claim, mark = _pg(PG_REF_CLAIM, job.schema), _pg(PG_REF_MARK, job.schema)
+    probe = os.environ.get(REF_CLAIM_PROBE_ENV) == "1"
+    claim = _pg(PG_REF_CLAIM_PROBE if probe else PG_REF_CLAIM, job.schema)
+    mark = _pg(PG_REF_MARK, job.schema)
     record = _pg(PG_REF_RECORD, job.schema)
     handled = 0
     with psycopg.connect(job.target, autocommit=True) as conn:
@@ -1244,14 +1258,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="not a reference: the minimal loops' handler spends N microseconds of CPU per event"
         " (what a poller's own per-event work costs in a ratio)",
     )
+    parser.add_argument(
+        "--ref-claim-probe",
+        action="store_true",
+        help="not a reference: the PostgreSQL minimal loops claim by primary key (id = ANY of"
+        " the picked ids), as outboxkit's claim does, instead of joining the CTE",
+    )
     args = parser.parse_args(argv)
     if args.events < 1 or args.rounds < 1:
         parser.error("--events and --rounds must be at least 1")
     if args.ref_handler_us < 0:
         parser.error(f"--ref-handler-us must be at least 0, got {args.ref_handler_us}")
-    if args.ref_handler_us and args.update_readme:
-        parser.error("--ref-handler-us changes the references: not for --update-readme")
+    if (args.ref_handler_us or args.ref_claim_probe) and args.update_readme:
+        parser.error(
+            "--ref-handler-us and --ref-claim-probe change the references: not for --update-readme"
+        )
     os.environ[REF_HANDLER_ENV] = str(args.ref_handler_us)  # for the spawned workers
+    os.environ[REF_CLAIM_PROBE_ENV] = "1" if args.ref_claim_probe else "0"
 
     if args.statements:
         found = count_statements(args.pg_url, args.events)
