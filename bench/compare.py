@@ -354,12 +354,17 @@ def ref_handler(*_: object) -> None:
             pass
 
 
+def ref_claim() -> str:
+    """The PostgreSQL minimal loops' claim: ``PG_REF_CLAIM``, or with ``--ref-claim-probe``
+    (in a spawned worker: its environment) ``PG_REF_CLAIM_PROBE``."""
+    return PG_REF_CLAIM_PROBE if os.environ.get(REF_CLAIM_PROBE_ENV) == "1" else PG_REF_CLAIM
+
+
 def _pg_ref_worker(job: Job, barrier: Barrier) -> Drained:
     import psycopg
 
     c = job.contender
-    probe = os.environ.get(REF_CLAIM_PROBE_ENV) == "1"
-    claim = _pg(PG_REF_CLAIM_PROBE if probe else PG_REF_CLAIM, job.schema)
+    claim = _pg(ref_claim(), job.schema)
     mark = _pg(PG_REF_MARK, job.schema)
     record = _pg(PG_REF_RECORD, job.schema)
     handled = 0
@@ -1232,6 +1237,20 @@ def _trace_counts(text: str) -> dict[str, int]:
 # -- main -------------------------------------------------------------------------------------
 
 
+def command_line(args: argparse.Namespace) -> str:
+    """The command that gives ``args``' figures, as the README shows it (``--json`` and
+    ``--update-readme`` left out: they change where the figures go, not what they are)."""
+    words = ["python bench/compare.py"]
+    if args.bare:
+        words.append("--bare")
+    if args.events != 10_000:
+        words.append(f"--events {args.events}")
+    if args.rounds != 3:
+        words.append(f"--rounds {args.rounds}")
+    words.extend(f"--only {name}" for name in args.only)
+    return " ".join(words)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--events", type=int, default=10_000)
@@ -1321,7 +1340,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.update_readme:
         today = datetime.date.today().isoformat()
         header = (
-            f"`python bench/compare.py` on {today}: {where}; {args.events:,} events,"
+            f"`{command_line(args)}` on {today}: {where}; {args.events:,} events,"
             f" {args.rounds} rounds (medians; ratio = outboxkit / reference)."
         )
         update_readme(table, header)

@@ -75,6 +75,21 @@ def test_pg_contenders_drain_every_event_once(compare):
     _drain_all(compare, PG_CONTENDERS, url)
 
 
+@pytest.mark.pg
+def test_pg_minimal_loops_claiming_by_primary_key_drain_every_event_once(compare, monkeypatch):
+    """``--ref-claim-probe``: the minimal loops' claim by primary key (no reference, a
+    diagnostic) is still a correct claim."""
+    from tests.integration.pg import conftest as pg
+
+    url = pg.test_url(pg.pg_url_from_env())
+    pg.require_server(url)
+    assert compare.PG_REF_CLAIM_PROBE != compare.PG_REF_CLAIM
+    assert compare.ref_claim() is compare.PG_REF_CLAIM
+    monkeypatch.setenv(compare.REF_CLAIM_PROBE_ENV, "1")  # the spawned workers inherit it
+    assert compare.ref_claim() is compare.PG_REF_CLAIM_PROBE
+    _drain_all(compare, ["ref-tx-1", "ref-batch-1"], url)
+
+
 def test_sqlite_contenders_drain_every_event_once(compare):
     _drain_all(compare, SQLITE_CONTENDERS, "")
 
@@ -116,3 +131,39 @@ def test_sqlite_statements_drains_every_event_on_both_sides(compare, tmp_path):
             "SELECT count(*) FROM outbox_events WHERE published_at IS NOT NULL"
         ).fetchone() == (EVENTS,)
         assert conn.execute("SELECT count(*) FROM outbox_deliveries").fetchone() == (EVENTS,)
+
+
+@pytest.mark.pg
+def test_cpu_split_drains_every_event_with_each_drain(compare):
+    """``bench/cpu_split.py``: the minimal loop, outboxkit's statements and the poller (with
+    and without prefetch) each drain every event (each drain checks it), measured."""
+    from tests.integration.pg import conftest as pg
+
+    url = pg.test_url(pg.pg_url_from_env())
+    pg.require_server(url)
+    sys.path.insert(0, str(BENCH))
+    try:
+        import cpu_split
+    finally:
+        sys.path.remove(str(BENCH))
+        sys.modules.pop("cpu_split", None)
+    splits = cpu_split.run(url, EVENTS, 1)
+    assert list(splits) == list(cpu_split.DRAINS)
+    for got in splits.values():
+        ((client, server, wall),) = got
+        assert client > 0 and server >= 0 and wall > 0
+
+
+def test_the_readme_header_names_the_command_that_gave_the_figures(compare):
+    import argparse
+
+    def line(**given):
+        args = {"bare": False, "events": 10_000, "rounds": 3, "only": []} | given
+        return compare.command_line(argparse.Namespace(**args))
+
+    assert line() == "python bench/compare.py"
+    assert line(bare=True, rounds=5) == "python bench/compare.py --bare --rounds 5"
+    assert (
+        line(events=2000, only=["pg-tx-1", "sqlite-event"])
+        == "python bench/compare.py --events 2000 --only pg-tx-1 --only sqlite-event"
+    )
