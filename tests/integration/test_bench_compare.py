@@ -147,11 +147,11 @@ def test_cpu_split_drains_every_event_with_each_drain(compare):
     finally:
         sys.path.remove(str(BENCH))
         sys.modules.pop("cpu_split", None)
-    splits = cpu_split.run(url, EVENTS, 1)
+    splits = cpu_split.run(url, EVENTS, 1)  # each drain asserts it drained every event
     assert list(splits) == list(cpu_split.DRAINS)
     for got in splits.values():
-        ((client, server, wall),) = got
-        assert client > 0 and server >= 0 and wall > 0
+        ((client, _server, wall),) = got  # the server's share is 0 for a server elsewhere
+        assert client > 0 and wall > 0
 
 
 def test_the_readme_header_names_the_command_that_gave_the_figures(compare):
