@@ -327,6 +327,17 @@ class Job:
     contender: Contender
     target: str  # PG URL, or SQLite file
     schema: str = ""  # PG schema of the store and the reference tables
+    # Called as the drain ends, before the worker closes its connections (a worker run in this
+    # process: cpu_split.py reads the server's CPU then, while the backends still live).
+    on_end: Callable[[], object] | None = None
+
+
+def _end(job: Job) -> float:
+    """The drain's end (``time.monotonic``), after which ``job.on_end`` is called."""
+    ended = time.monotonic()
+    if job.on_end is not None:
+        job.on_end()
+    return ended
 
 
 @dataclass
@@ -395,7 +406,7 @@ def _pg_ref_worker(job: Job, barrier: Barrier) -> Drained:
             if not rows:
                 break
             handled += len(rows)
-        ended = time.monotonic()
+        ended = _end(job)
     return Drained(started, ended, handled)
 
 
@@ -440,7 +451,7 @@ def _sqlite_ref_worker(job: Job, barrier: Barrier) -> Drained:
         if not rows:
             break
         handled += len(rows)
-    ended = time.monotonic()
+    ended = _end(job)
     conn.close()
     return Drained(started, ended, handled)
 
@@ -510,7 +521,7 @@ def _bare_worker(job: Job, barrier: Barrier) -> Drained:
             if batched:
                 conn.execute(b"COMMIT")
             handled += n
-        ended = time.monotonic()
+        ended = _end(job)
     store.close()
     return Drained(started, ended, handled)
 
@@ -560,7 +571,7 @@ def _bare_sqlite_worker(job: Job, barrier: Barrier) -> Drained:
         conn.execute(q["publish_many"], settle).fetchall()
         conn.execute("COMMIT")
         handled += len(rows)
-    ended = time.monotonic()
+    ended = _end(job)
     conn.close()
     store.close()
     return Drained(started, ended, handled)
@@ -627,7 +638,7 @@ def _kit_worker(job: Job, barrier: Barrier) -> Drained:
     else:
         while poller.run_once():
             pass
-    ended = time.monotonic()
+    ended = _end(job)
     store.close()
     return Drained(started, ended, calls[0])
 
@@ -833,52 +844,57 @@ def _one(conn: Any, query: Any, params: Any = None) -> int:
     return int(row[0]) if row else 0
 
 
-def run_pg(contender: Contender, url: str, events: int) -> Outcome:
+def prepare_pg(url: str, contender: Contender, schema: str, events: int) -> None:
+    """``contender``'s tables in ``schema``, holding ``events`` due events, analyzed."""
     import psycopg
 
     from outboxkit import EventBus, Outbox
     from outboxkit_pg import PostgresStore
 
+    with psycopg.connect(url, autocommit=True) as conn:
+        if contender.kind == "ref":
+            conn.execute(_pg(PG_REF_DDL, schema))
+            conn.execute(_pg(PG_REF_FILL, schema), {"topic": TOPIC, "n": events})
+            conn.execute(_pg("VACUUM ANALYZE {s}.ref_events", schema))
+        else:
+            with contextlib.closing(PostgresStore(url, schema=schema, notify=False)) as store:
+                store.migrate()
+                _fill_kit(Outbox(store, EventBus(), load_entry_points=False), events)
+            conn.execute(_pg("VACUUM ANALYZE {s}.outbox_events", schema))
+
+
+def pg_outcome(
+    url: str, contender: Contender, schema: str, seconds: float, handled: int
+) -> Outcome:
+    """A drain of ``contender``'s in ``schema``: its time and handler calls, and what the
+    tables hold after it (events settled, events recorded)."""
+    import psycopg
+
+    if contender.kind == "ref":
+        settled = "SELECT count(*) FROM {s}.ref_events WHERE published_at IS NOT NULL"
+        records = "SELECT count(DISTINCT event_id) FROM {s}.ref_records"
+    else:
+        settled = "SELECT count(*) FROM {s}.outbox_events WHERE published_at IS NOT NULL"
+        records = (
+            "SELECT count(DISTINCT event_id) FROM {s}.outbox_deliveries WHERE outcome = 'succeeded'"
+        )
+    with psycopg.connect(url, autocommit=True) as conn:
+        done, recorded = _one(conn, _pg(settled, schema)), _one(conn, _pg(records, schema))
+    return Outcome(contender.name, seconds, handled, done, recorded)
+
+
+def pg_worker(contender: Contender) -> Callable[[Job, Barrier], Drained]:
+    """The worker that drains for a PostgreSQL contender of the minimal loop, outboxkit's
+    statements or outboxkit's blocking poller (in this process, for ``--statements`` and
+    ``cpu_split.py``)."""
+    return {"ref": _pg_ref_worker, "bare": _bare_worker}.get(contender.kind, _kit_worker)
+
+
+def run_pg(contender: Contender, url: str, events: int) -> Outcome:
     with pg_schema(url, "outboxkit_compare") as schema:
-        with psycopg.connect(url, autocommit=True) as conn:
-            if contender.kind == "ref":
-                conn.execute(_pg(PG_REF_DDL, schema))
-                conn.execute(_pg(PG_REF_FILL, schema), {"topic": TOPIC, "n": events})
-                conn.execute(_pg("VACUUM ANALYZE {s}.ref_events", schema))
-            else:
-                with contextlib.closing(PostgresStore(url, schema=schema, notify=False)) as store:
-                    store.migrate()
-                    _fill_kit(Outbox(store, EventBus(), load_entry_points=False), events)
-                conn.execute(_pg("VACUUM ANALYZE {s}.outbox_events", schema))
+        prepare_pg(url, contender, schema, events)
         seconds, handled = run_processes(Job(contender, url, schema))
-        with psycopg.connect(url, autocommit=True) as conn:
-            if contender.kind == "ref":
-                settled = _one(
-                    conn,
-                    _pg(
-                        "SELECT count(*) FROM {s}.ref_events WHERE published_at IS NOT NULL", schema
-                    ),
-                )
-                records = _one(
-                    conn, _pg("SELECT count(DISTINCT event_id) FROM {s}.ref_records", schema)
-                )
-            else:
-                settled = _one(
-                    conn,
-                    _pg(
-                        "SELECT count(*) FROM {s}.outbox_events WHERE published_at IS NOT NULL",
-                        schema,
-                    ),
-                )
-                records = _one(
-                    conn,
-                    _pg(
-                        "SELECT count(DISTINCT event_id) FROM {s}.outbox_deliveries"
-                        " WHERE outcome = 'succeeded'",
-                        schema,
-                    ),
-                )
-    return Outcome(contender.name, seconds, handled, settled, records)
+        return pg_outcome(url, contender, schema, seconds, handled)
 
 
 def run_sqlite(contender: Contender, events: int) -> Outcome:
@@ -1147,11 +1163,6 @@ def compare(
 def count_statements(url: str, events: int) -> dict[str, dict[str, float]]:
     """Statements and round trips (syncs) per event, from libpq's protocol trace, of the PG
     per-event and per-batch drains, outboxkit's and the references', in this process."""
-    import psycopg
-
-    from outboxkit import EventBus, Outbox
-    from outboxkit_pg import PostgresStore
-
     found: dict[str, dict[str, float]] = {}
     for name in (
         "ref-tx-1",
@@ -1165,22 +1176,9 @@ def count_statements(url: str, events: int) -> dict[str, dict[str, float]]:
     ):
         contender = CONTENDERS[name]
         with pg_schema(url, "outboxkit_compare") as schema:
-            with psycopg.connect(url, autocommit=True) as conn:
-                if contender.kind == "ref":
-                    conn.execute(_pg(PG_REF_DDL, schema))
-                    conn.execute(_pg(PG_REF_FILL, schema), {"topic": TOPIC, "n": events})
-                else:
-                    with contextlib.closing(
-                        PostgresStore(url, schema=schema, notify=False)
-                    ) as store:
-                        store.migrate()
-                        _fill_kit(Outbox(store, EventBus(), load_entry_points=False), events)
+            prepare_pg(url, contender, schema, events)
             with tempfile.TemporaryFile("w+") as trace, _traced_connections(trace.fileno()):
-                job = Job(contender, url, schema)
-                worker = {"ref": _pg_ref_worker, "bare": _bare_worker}.get(
-                    contender.kind, _kit_worker
-                )
-                worker(job, _NoBarrier())  # type: ignore[arg-type]
+                pg_worker(contender)(Job(contender, url, schema), _NoBarrier())  # type: ignore[arg-type]
                 trace.flush()
                 trace.seek(0)
                 text = trace.read()

@@ -1,12 +1,14 @@
 """PostgreSQL per batch: the CPU each drain costs the client and the server, per event.
 
-Drains ``--events`` events in batches of 100, one process, on a fresh schema each time: the
-minimal per-batch loop of ``compare.py``, outboxkit's own statements sent by a plain loop (its
-``--bare`` line) and outboxkit's poller (``transaction="per_batch"``, without and with
-``prefetch``), the four alternating for ``--rounds`` rounds. For each drain: this process's CPU
-time (``time.process_time``: every thread of it), the server's (the CPU time every ``postgres``
-process of this machine spent meanwhile, read from ``/proc``: the backends, the WAL writer,
-the checkpointer), and the wall time, in µs per event, medians.
+Runs ``compare.py``'s own contenders with its own setup and workers, in this process, on a fresh
+schema each time, ``--events`` events in batches of 100: the minimal per-batch loop
+(``ref-batch-1``), outboxkit's own statements sent by a plain loop (``bare-batch-1``) and
+outboxkit's poller (``per_batch``, without and with ``prefetch``: ``kit-batch-1``,
+``kit-batch-1p``), the four alternating for ``--rounds`` rounds; each drain is checked as
+``compare.py`` checks it. For each: this process's CPU time (``time.process_time``: every thread
+of it) and the server's (the CPU time every ``postgres`` process of this machine spent: the
+backends, the WAL writer, the checkpointer), both from the worker's start barrier, and the wall
+time ``compare.py`` times, in µs per event, medians.
 
 Two pollers on two cores share the machine's CPU with the server: the sum of the two is what a
 drain costs there. Not a throughput figure (``compare.py`` is); where the time goes. Needs the
@@ -19,22 +21,13 @@ server on this machine (it refuses to run otherwise).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime
 import os
 import statistics
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import compare
-import psycopg
 from _common import pg_schema, pg_url_default
-
-from outboxkit import EventBus, Outbox
-from outboxkit.poller import ThreadWaiter
-from outboxkit_pg import PostgresStore
 
 BATCH = compare.BATCH
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -57,115 +50,51 @@ def server_cpu() -> float:
 
 Split = tuple[float, float, float]  # client CPU, server CPU, wall (seconds)
 
-
-@contextlib.contextmanager
-def measured(out: list[Split]) -> Any:
-    server, client, wall = server_cpu(), time.process_time(), time.perf_counter()
-    yield
-    out.append((time.process_time() - client, server_cpu() - server, time.perf_counter() - wall))
-
-
-def minimal(url: str, schema: str, events: int) -> Split:
-    """The minimal per-batch loop (``compare.py``'s ``ref-batch-1``)."""
-    out: list[Split] = []
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(compare._pg(compare.PG_REF_DDL, schema))
-        conn.execute(
-            compare._pg(compare.PG_REF_FILL, schema), {"topic": compare.TOPIC, "n": events}
-        )
-        conn.execute(compare._pg("VACUUM ANALYZE {s}.ref_events", schema))
-        claim = compare._pg(compare.ref_claim(), schema)
-        record = compare._pg(compare.PG_REF_RECORD, schema)
-        mark = compare._pg(compare.PG_REF_MARK, schema)
-        with measured(out):
-            while True:
-                with conn.transaction():
-                    rows = conn.execute(claim, {"batch": BATCH}).fetchall()
-                    for event_id, topic, payload in rows:
-                        compare.noop(event_id, topic, payload)
-                    with conn.cursor() as cur:
-                        cur.executemany(record, [(row[0], compare.HANDLER) for row in rows])
-                    conn.execute(mark, ([row[0] for row in rows],))
-                if not rows:
-                    break
-        published = conn.execute(
-            compare._pg(
-                "SELECT count(*) FROM {s}.ref_events WHERE published_at IS NOT NULL", schema
-            )
-        ).fetchone()
-    assert published == (events,), published
-    return out[0]
-
-
-def _store(url: str, schema: str, events: int) -> tuple[PostgresStore, Outbox, list[int]]:
-    calls = [0]
-
-    def handle(event: Any, ctx: Any) -> None:
-        calls[0] += 1
-
-    bus = EventBus()
-    bus.subscribe(compare.TOPIC, handle, name=compare.HANDLER)
-    store = PostgresStore(url, schema=schema, notify=False)
-    store.migrate()
-    outbox = Outbox(store, bus, load_entry_points=False)
-    compare._fill_kit(outbox, events)
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(compare._pg("VACUUM ANALYZE {s}.outbox_events", schema))
-    return store, outbox, calls
-
-
-def bare(url: str, schema: str, events: int) -> Split:
-    """outboxkit's statements by a plain loop (``compare.py``'s ``bare-batch-1``)."""
-    store, _, _ = _store(url, schema, events)
-    queries = store._queries
-    _, claim = store._claim_query(BATCH, datetime.timedelta(seconds=30), None, "release")
-    out: list[Split] = []
-    settled = 0
-    with contextlib.closing(store), psycopg.connect(url, autocommit=True) as conn, measured(out):
-        while rows := conn.execute(queries["claim"], claim).fetchall():
-            conn.execute(b"BEGIN")
-            for row in rows:
-                compare.noop(row[0], row[2])
-            ids = [row[0] for row in rows]
-            params = {
-                "now": None,
-                "ids": ids,
-                "tokens": [row[12] for row in rows],
-                "record_ids": ids,
-                "handlers": [compare.HANDLER] * len(rows),
-            }
-            settled += len(conn.execute(queries["publish_recording"], params).fetchall())
-            conn.execute(b"COMMIT")
-    assert settled == events, settled
-    return out[0]
-
-
-def poller(prefetch: bool) -> Callable[[str, str, int], Split]:
-    def drain(url: str, schema: str, events: int) -> Split:
-        """outboxkit's poller, ``per_batch`` (``compare.py``'s ``kit-batch-1[p]``)."""
-        store, outbox, calls = _store(url, schema, events)
-        run = outbox.poller(
-            batch_size=BATCH, waiter=ThreadWaiter(), transaction="per_batch", prefetch=prefetch
-        )
-        out: list[Split] = []
-        with contextlib.closing(store):
-            with contextlib.ExitStack() as held:  # the connections it holds at once, opened
-                for _ in range(2):
-                    held.enter_context(store.transaction())
-            with measured(out):
-                run.run_until_idle()
-            assert calls[0] == events and store.stats(now=None).published == events
-        return out[0]
-
-    return drain
-
-
-DRAINS: dict[str, Callable[[str, str, int], Split]] = {
-    "minimal loop": minimal,
-    "outboxkit's statements": bare,
-    "poller": poller(prefetch=False),
-    "poller, prefetch": poller(prefetch=True),
+DRAINS = {
+    "minimal loop": "ref-batch-1",
+    "outboxkit's statements": "bare-batch-1",
+    "poller": "kit-batch-1",
+    "poller, prefetch": "kit-batch-1p",
 }
+"""What is measured: ``compare.py``'s contenders of these names, run by its own workers."""
+
+
+class _Counters:
+    """Both CPU counters, read as the worker starts (``wait``: its start barrier, after its
+    connections are open, as the clock of ``compare.py`` starts) and as its drain ends
+    (``ended``: ``Job.on_end``, before it closes them, while the backends still live)."""
+
+    def __init__(self) -> None:
+        self.start = self.end = (0.0, 0.0)
+
+    def wait(self) -> None:
+        self.start = (time.process_time(), server_cpu())
+
+    def ended(self) -> None:
+        self.end = (time.process_time(), server_cpu())
+
+
+def drain(url: str, name: str, events: int) -> Split:
+    """``compare.py``'s contender ``name`` drains ``events`` in this process, on a fresh schema:
+    its client CPU, the server's, and its wall time (from the start barrier to the last
+    settle).
+
+    Raises:
+        RuntimeError: the drain did not handle, settle and record every event exactly once.
+    """
+    contender = compare.CONTENDERS[name]
+    with pg_schema(url, "outboxkit_cpu_split") as schema:
+        compare.prepare_pg(url, contender, schema, events)
+        counters = _Counters()
+        job = compare.Job(contender, url, schema, on_end=counters.ended)
+        drained = compare.pg_worker(contender)(job, counters)  # type: ignore[arg-type]
+        wall = drained.ended - drained.started
+        outcome = compare.pg_outcome(url, contender, schema, wall, drained.handled)
+    problems = outcome.problems(events)
+    if problems:
+        raise RuntimeError("; ".join(problems))
+    (client, server), (client_0, server_0) = counters.end, counters.start
+    return client - client_0, server - server_0, wall
 
 
 def run(url: str, events: int, rounds: int) -> dict[str, list[Split]]:
@@ -174,8 +103,7 @@ def run(url: str, events: int, rounds: int) -> dict[str, list[Split]]:
     splits: dict[str, list[Split]] = {name: [] for name in names}
     for round_ in range(rounds):
         for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
-            with pg_schema(url) as schema:
-                splits[name].append(DRAINS[name](url, schema, events))
+            splits[name].append(drain(url, DRAINS[name], events))
     return splits
 
 
