@@ -36,6 +36,7 @@ from .core.model import (
     Published,
     RetryScheduled,
     Unrouted,
+    make_delivery,
 )
 from .core.options import PollerOptions
 from .core.payload import build_event
@@ -486,7 +487,7 @@ def delivery(
 ) -> Delivery:
     event = claim.event
     # positionally, in field order (one per handler run: it counts)
-    return Delivery(event.id, event.topic, spec.name, event.attempts, outcome, at, error, exc)
+    return make_delivery(event.id, event.topic, spec.name, event.attempts, outcome, at, error, exc)
 
 
 def started(outbox: Outbox, claim: Claim, spec: HandlerSpec, at: datetime) -> None:

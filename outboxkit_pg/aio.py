@@ -306,7 +306,7 @@ class AsyncBatch(BatchGuard, AsyncSQLBatch):
     def delivery(
         self, claim: Claim, *, now: datetime | None
     ) -> AbstractAsyncContextManager[AsyncDelivery]:
-        self._check_open()
+        self._check_for_delivery()
         return delivering(self._side, self._conn, claim, now, self)
 
     def _where(self) -> str:

@@ -188,7 +188,7 @@ class Batch(BatchGuard, SQLBatch):
     _conn: Connection
 
     def delivery(self, claim: Claim, *, now: datetime | None) -> AbstractContextManager[Delivery]:
-        self._check_open()
+        self._check_for_delivery()
         return Delivery(self._store, self._conn, claim, now, self)
 
     def _where(self) -> str:

@@ -104,6 +104,10 @@ class BatchGuard:
     and set it), and the refusal of a step once that transaction has ended."""
 
     guarded: bool = False
+    # Whether a delivery opened its savepoint (its handler was given the connection) since the
+    # transaction was last checked for a delivery: only such a handler can end it (a lost
+    # connection fails the next statement, and the batch's own writes check it anyway).
+    taken: bool = True
     _conn: AnyConnection
 
     def _where(self) -> str:
@@ -111,6 +115,12 @@ class BatchGuard:
 
     def _check_open(self) -> None:
         check_batch_open(self._conn, self._where())
+
+    def _check_for_delivery(self) -> None:
+        """``_check_open`` before a delivery, if a handler had the connection since the last."""
+        if self.taken:
+            check_batch_open(self._conn, self._where())
+            self.taken = False
 
 
 C = TypeVar("C", psycopg.Connection[Any], psycopg.AsyncConnection[Any])
@@ -172,6 +182,8 @@ class Flow(Generic[C]):
         """The first pipeline sync: (the batch's guard,) the transaction or savepoint, the
         row lock with the token check."""
         statements = []
+        if self._batch is not None:
+            self._batch.taken = True  # the handler may use the batch's connection from now on
         if self._guarding:
             statements.append(Statement(self.store._queries["lock_for_delivery"], self._params))
         if self.frame.begin:

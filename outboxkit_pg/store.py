@@ -48,9 +48,9 @@ from outboxkit._sql.names import (
     table_names,
     validate_identifier,
 )
-from outboxkit._sql.rows import encode_headers, inserted_ids, resolve_ids
+from outboxkit._sql.rows import encode_headers, event_from_row, inserted_ids, resolve_ids
 from outboxkit.core.machine import Publish
-from outboxkit.core.model import Claim, Migration, NewEvent, Outcome
+from outboxkit.core.model import Claim, Event, Migration, NewEvent, Outcome
 from outboxkit.errors import ConfigurationError, SchemaError, StoreError, migrate_hint
 from outboxkit.store import Capabilities, SettleItem
 
@@ -275,6 +275,10 @@ class PostgresStore(SQLStore):
     def _stored_instant(self, raw: Any) -> datetime:
         instant: datetime = raw
         return instant
+
+    def _event(self, row: Row) -> Event:
+        # psycopg loads the timestamptz columns as aware datetimes already
+        return event_from_row(row, None, json_column=self.payload_is_json)
 
     def _duration(self, delta: timedelta) -> timedelta:
         return delta

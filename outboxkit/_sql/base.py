@@ -47,7 +47,17 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from ..core.machine import Publish, blocks_key
-from ..core.model import Claim, DeadKey, DeadLetter, DeliveryRecord, Event, Outcome, State, Stats
+from ..core.model import (
+    Claim,
+    DeadKey,
+    DeadLetter,
+    DeliveryRecord,
+    Event,
+    Outcome,
+    State,
+    Stats,
+    make_claim,
+)
 from ..store import SettleItem
 from .rows import (
     done_from_pairs,
@@ -218,10 +228,11 @@ class SQLStore(ABC):
         """The claim's rows as claims, in claim order (R3/R5: oldest ``(available_at, id)``
         first; RETURNING has no order): the rows are sorted by those columns, then made into
         claims, positionally (one per row: it counts)."""
-        event, instant, done = self._event, self._stored_instant, self._done
+        event, done = self._event, self._done
         return [
-            Claim(event(row), str(row[12]), instant(row[10]), done_from_pairs(done(row[13])))
+            make_claim(e, str(row[12]), e.locked_until, done_from_pairs(done(row[13])))
             for row in sorted(rows, key=_CLAIM_ORDER)
+            if (e := event(row))
         ]
 
     def _extend_query(

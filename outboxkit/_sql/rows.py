@@ -23,6 +23,7 @@ from ..core.model import (
     Stats,
     StoredJSON,
     decode_payload,
+    make_event,
 )
 from ..errors import ConfigurationError, StoreError
 
@@ -78,9 +79,12 @@ def decode_headers(raw: str | bytes | Mapping[str, str] | None) -> dict[str, str
     return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else {}
 
 
-def event_from_row(row: Sequence[Any], instant: Instant, *, json_column: bool = False) -> Event:
+def event_from_row(
+    row: Sequence[Any], instant: Instant | None, *, json_column: bool = False
+) -> Event:
     """An ``Event`` from the leading ``EVENT_COLUMNS`` of a row; ``instant`` turns a stored
-    instant into an aware datetime. The payload may be JSON text or already parsed; text from
+    instant into an aware datetime (None: the row holds them so already, as PostgreSQL's
+    ``timestamptz`` columns load). The payload may be JSON text or already parsed; text from
     a ``json_column`` (one the database keeps valid, as ``jsonb``) is decoded on first read
     (``StoredJSON``), other text at once (so that an undecodable one is dead-lettered)."""
     payload = row[2]
@@ -88,19 +92,28 @@ def event_from_row(row: Sequence[Any], instant: Instant, *, json_column: bool = 
         payload = StoredJSON(payload)
     elif isinstance(payload, str | bytes):
         payload = decode_payload(payload)
+    created_at, available_at = row[5], row[6]
     published_at, failed_at, locked_until = row[8], row[9], row[10]
-    return Event(  # positionally, in field order (a claim makes one per row: it counts)
+    if instant is not None:
+        created_at, available_at = instant(created_at), instant(available_at)
+        if published_at is not None:
+            published_at = instant(published_at)
+        if failed_at is not None:
+            failed_at = instant(failed_at)
+        if locked_until is not None:
+            locked_until = instant(locked_until)
+    return make_event(  # positionally, in field order (a claim makes one per row: it counts)
         row[0],  # id
         row[1],  # topic
         payload,
         {} if row[3] == "{}" else decode_headers(row[3]),
         row[4],  # key
-        instant(row[5]),  # created_at
-        instant(row[6]),  # available_at
+        created_at,
+        available_at,
         row[7],  # attempts
-        None if published_at is None else instant(published_at),
-        None if failed_at is None else instant(failed_at),
-        None if locked_until is None else instant(locked_until),
+        published_at,
+        failed_at,
+        locked_until,
         row[11],  # last_error
     )
 
@@ -139,7 +152,7 @@ def record_params(
     return {
         "event_id": claim.event.id,
         "handler": handler,
-        "outcome": outcome.value,
+        "outcome": outcome._value_,  # the attribute ``value`` reads, without its descriptor
         "attempt": claim.attempt,
         "now": now,
         "reason": reason,

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, make_dataclass
 from datetime import datetime, timedelta
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 __all__ = [
     "DEAD_KEY_CHOICES",
@@ -161,6 +161,40 @@ class StoredJSON:
         return f"StoredJSON({self.text[:60]!r})"
 
 
+_T = TypeVar("_T")
+
+
+def quick_maker(cls: type[_T]) -> Callable[..., _T]:
+    """What a call of ``cls`` (a frozen dataclass with slots) makes, made faster, for the hot
+    paths: the same instance (of type ``cls``, frozen, equal to the one ``cls(...)`` makes)
+    built by a twin class with the same slots, whose ``__init__`` stores them plainly, and then
+    handed to ``cls`` by ``__class__`` (allowed: the two lay their slots out alike). A frozen
+    dataclass's own ``__init__`` calls ``object.__setattr__`` once per field: 1.2 µs for an
+    ``Event`` against 0.3 this way. ``cls`` must have no ``__post_init__`` (it is not run).
+    """
+    if hasattr(cls, "__post_init__"):
+        raise TypeError(f"{cls.__name__} has a __post_init__ that quick_maker would skip")
+    twin = make_dataclass(
+        f"_{cls.__name__}Maker",
+        [
+            (f.name, f.type, field(default=f.default, default_factory=f.default_factory))
+            for f in fields(cls)  # type: ignore[arg-type]
+        ],
+        slots=True,
+        eq=False,
+        repr=False,
+        match_args=False,
+    )
+
+    def make(*args: Any, **kwargs: Any) -> _T:
+        made: Any = twin(*args, **kwargs)
+        made.__class__ = cls
+        return made  # type: ignore[no-any-return]
+
+    make.__doc__ = f"``{cls.__name__}(...)``, made faster (``quick_maker``)."
+    return make
+
+
 @dataclass(frozen=True, slots=True)
 class Event:
     """An event as handlers (and operators) see it.
@@ -218,6 +252,10 @@ setattr(  # noqa: B010 - mypy keeps seeing the field's type
 )
 
 
+make_event: Callable[..., Event] = quick_maker(Event)
+"""``Event(...)`` for the stores' reads, made faster (``quick_maker``)."""
+
+
 def stored_payload_text(event: Event) -> str | None:
     """``event``'s payload as the store's JSON text, while nothing has read ``payload`` yet;
     None for a payload already decoded (or an event not read from such a store)."""
@@ -262,6 +300,10 @@ class Claim:
     @property
     def attempt(self) -> int:
         return self.event.attempts
+
+
+make_claim: Callable[..., Claim] = quick_maker(Claim)
+"""``Claim(...)`` for the stores' claims, made faster (``quick_maker``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -329,6 +371,10 @@ class Delivery:
     at: datetime
     error: str | None = None
     exception: BaseException | None = field(default=None, compare=False, repr=False)
+
+
+make_delivery: Callable[..., Delivery] = quick_maker(Delivery)
+"""``Delivery(...)`` for the pollers, made faster (``quick_maker``)."""
 
 
 @dataclass(slots=True)

@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import json
 import pickle
-from dataclasses import FrozenInstanceError, replace
+from dataclasses import FrozenInstanceError, dataclass, replace
+from datetime import UTC, datetime
 
 import pytest
 
 from outboxkit import Event, Migration
 from outboxkit.core.model import (
+    Claim,
+    Delivery,
+    Outcome,
     StoredJSON,
     UndecodablePayload,
     decode_payload,
+    make_claim,
+    make_delivery,
+    make_event,
     payload_is_undecodable,
+    quick_maker,
     stored_payload_text,
 )
 from outboxkit.relay import message_of, topic_destination
@@ -78,3 +86,43 @@ def test_a_relay_sends_a_stored_payload_as_stored_and_a_decoded_one_encoded() ->
     read = stored_event('{"a": 1}')
     read.payload["a"] = 2  # a handler before the relay changed it: the change is sent
     assert json.loads(message_of(read, destination).body) == {"a": 2}
+
+
+# -- the hot paths' makers -----------------------------------------------------------------------
+
+AT = datetime(2030, 1, 1, tzinfo=UTC)
+
+
+def test_the_quick_makers_make_what_the_classes_make() -> None:
+    """Same type, fields, equality, hash, repr, pickling and immutability as a call of the
+    class, positionally or by keyword, defaults included."""
+    made = make_event(7, "order.placed", StoredJSON('{"a": 1}'), {}, "k", AT, AT, 2)
+    event = Event(7, "order.placed", {"a": 1}, {}, "k", AT, AT, 2)
+    assert type(made) is Event
+    assert made == event and repr(made) == repr(event)
+    assert made.payload == {"a": 1} and made.state is event.state
+    assert pickle.loads(pickle.dumps(made)) == event
+    assert replace(made, attempts=3) == replace(event, attempts=3)
+    with pytest.raises(FrozenInstanceError):
+        made.attempts = 9  # type: ignore[misc]
+    claim = make_claim(event=made, token="t", locked_until=AT)
+    assert type(claim) is Claim and claim == Claim(event, "t", AT) and claim.done == {}
+    delivery = make_delivery(7, "order.placed", "h", 2, Outcome.SUCCEEDED, AT)
+    assert delivery == Delivery(7, "order.placed", "h", 2, Outcome.SUCCEEDED, AT)
+    assert hash(delivery) == hash(Delivery(7, "order.placed", "h", 2, Outcome.SUCCEEDED, AT))
+    assert delivery.error is None and delivery.exception is None
+    with pytest.raises(TypeError):
+        make_delivery(7, "order.placed")  # missing fields: refused as the class refuses them
+
+
+def test_a_quick_maker_refuses_a_class_with_a_post_init() -> None:
+    @dataclass(frozen=True, slots=True)
+    class Checked:
+        value: int
+
+        def __post_init__(self) -> None:
+            if self.value < 0:
+                raise ValueError(self.value)
+
+    with pytest.raises(TypeError, match="Checked has a __post_init__"):
+        quick_maker(Checked)

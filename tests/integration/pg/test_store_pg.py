@@ -11,12 +11,13 @@ import sys
 import threading
 import uuid
 from collections.abc import Iterator
-from datetime import timedelta
+from datetime import UTC, timedelta
 from typing import Any
 
 import psycopg
 import pytest
 from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import ConnectionPool
 
 from outboxkit import (
@@ -637,3 +638,79 @@ def test_the_claim_is_prepared_at_its_first_run(
             assert row == (expected,)
         finally:
             store.close()
+
+
+# -- the session's time zone ------------------------------------------------------------------------
+
+
+def _session_zone(store: PostgresStore) -> str:
+    with store.transaction() as conn:
+        row = conn.execute("SHOW TimeZone").fetchone()
+    assert row is not None
+    return str(row[0])
+
+
+def test_the_stores_own_connections_are_in_utc_and_load_instants_in_utc(
+    pg_store: PostgresStore, admin: psycopg.Connection[Any]
+) -> None:
+    """The server's default zone stays the server's; the store's own sessions are in UTC, so a
+    claim's instants load in ``datetime.UTC`` (psycopg's cheapest conversion)."""
+    admin_zone = admin.execute("SHOW TimeZone").fetchone()
+    assert admin_zone is not None
+    assert _session_zone(pg_store) == "UTC"
+    bus = EventBus()
+    bus.subscribe("t", lambda event, ctx: None, name="h")
+    outbox = Outbox(pg_store, bus, load_entry_points=False)
+    with pg_store.transaction() as conn:
+        outbox.enqueue(conn, "t", {})
+    (claim,) = pg_store.claim(batch_size=1, lease=LEASE, now=None)
+    assert claim.event.created_at is not None and claim.event.created_at.tzinfo is UTC
+    assert claim.locked_until.tzinfo is UTC
+
+
+@pytest.mark.parametrize(
+    ("options", "environ", "expected"),
+    [
+        ("-c TimeZone=Europe/Berlin", {}, "Europe/Berlin"),  # given: kept
+        ("-c statement_timeout=5000", {}, "UTC"),  # other options: kept, and UTC
+        (None, {"PGTZ": "Asia/Tokyo"}, "Asia/Tokyo"),  # libpq's environment says otherwise
+        (None, {"PGOPTIONS": "--TimeZone=America/Lima"}, "America/Lima"),
+        (None, {"PGOPTIONS": "-c statement_timeout=5000"}, "UTC"),
+    ],
+)
+def test_a_time_zone_the_connection_settings_give_is_kept(
+    pg_url: str,
+    pg_schema: str,
+    monkeypatch: pytest.MonkeyPatch,
+    options: str | None,
+    environ: dict[str, str],
+    expected: str,
+) -> None:
+    for name, value in environ.items():
+        monkeypatch.setenv(name, value)
+    params = {k: v for k, v in conninfo_to_dict(pg_url).items() if k != "options"}
+    if options is not None:
+        params["options"] = options
+    store = PostgresStore(make_conninfo(**params), schema=pg_schema)
+    try:
+        store.migrate()
+        assert _session_zone(store) == expected
+        if "statement_timeout" in (options or "") + environ.get("PGOPTIONS", ""):
+            with store.transaction() as conn:
+                assert conn.execute("SHOW statement_timeout").fetchone() == ("5s",)
+    finally:
+        store.close()
+
+
+def test_an_apps_pool_keeps_its_sessions_zone(
+    pg_url: str, pg_schema: str, admin: psycopg.Connection[Any]
+) -> None:
+    zone = admin.execute("SHOW TimeZone").fetchone()
+    with ConnectionPool(
+        pg_url, min_size=1, max_size=1, open=True, kwargs={"options": "-c TimeZone=Asia/Tokyo"}
+    ) as pool:
+        store = PostgresStore(pool, schema=pg_schema)
+        store.migrate()
+        assert _session_zone(store) == "Asia/Tokyo"
+        store.close()
+    assert admin.execute("SHOW TimeZone").fetchone() == zone
