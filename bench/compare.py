@@ -491,8 +491,6 @@ def _bare_worker(job: Job, barrier: Barrier) -> Drained:
             if not rows:
                 break
             batched = c.mode == "batch"
-            if batched:
-                conn.execute(b"BEGIN")
             kept: list[tuple[Any, ...]] = []
             for row in rows:
                 event_id, attempt, token = row[0], row[7], row[12]
@@ -505,7 +503,8 @@ def _bare_worker(job: Job, barrier: Barrier) -> Drained:
                     record = _fenced_record(event_id, token, attempt, None)
                     conn.execute(q["insert_record_fenced"], record)
             # The round's settlement: every event published (outboxkit's publish_many), with
-            # the batch's kept records in the same statement (publish_recording).
+            # the batch's kept records in the same statement (publish_recording), which is the
+            # batch's one transaction (no handler took the connection: no BEGIN, no COMMIT).
             settle: dict[str, Any] = {
                 "now": None,
                 "ids": [row[0] for row in rows],
@@ -517,10 +516,7 @@ def _bare_worker(job: Job, barrier: Barrier) -> Drained:
                 conn.execute(q["publish_recording"], settle)
             else:
                 conn.execute(q["publish_many"], settle)
-            n = len(rows)
-            if batched:
-                conn.execute(b"COMMIT")
-            handled += n
+            handled += len(rows)
         ended = _end(job)
     store.close()
     return Drained(started, ended, handled)

@@ -34,7 +34,7 @@ from .errors import (
     SchemaError,
     StoreError,
 )
-from .store import AsyncDeliveries, AsyncStore, record_each_async
+from .store import AsyncDeliveries, AsyncStore, record_each_async, settle_last_async
 from .waiter import AsyncClosingWaiter, AsyncWaiter, LoopWaiter
 
 if TYPE_CHECKING:
@@ -283,7 +283,11 @@ class AsyncPoller(handling.Shell):
         items = batch.to_write()
         if not items:
             return
-        results = await deliveries.settle_many(items, now=self.outbox.store_now())
+        now = self.outbox.store_now()
+        if self._batched:  # the batch's last write: the block ends right after it
+            results = await settle_last_async(deliveries, items, now=now)
+        else:
+            results = await deliveries.settle_many(items, now=now)
         for claim in batch.wrote(items, results):
             handling.lease_lost(self.outbox, claim, None)
         if not self._batched:

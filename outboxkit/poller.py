@@ -29,7 +29,7 @@ from .errors import (
     SchemaError,
     StoreError,
 )
-from .store import Deliveries, Rounds, record_each
+from .store import Deliveries, Rounds, record_each, settle_last
 from .waiter import ClosingWaiter, ThreadWaiter, Waiter
 
 if TYPE_CHECKING:
@@ -259,11 +259,16 @@ class Poller(handling.Shell):
         return check is not LeaseCheck.LOST
 
     def _write(self, deliveries: Deliveries, batch: ClaimedBatch) -> None:
-        """The round's settlements in one ``settle_many`` (R8, each fenced by its token)."""
+        """The round's settlements in one ``settle_many`` (R8, each fenced by its token); in a
+        batch, its last write (``settle_last``: the block ends right after it)."""
         items = batch.to_write()
         if not items:
             return
-        results = deliveries.settle_many(items, now=self.outbox.store_now())
+        now = self.outbox.store_now()
+        if self._batched:
+            results = settle_last(deliveries, items, now=now)
+        else:
+            results = deliveries.settle_many(items, now=now)
         for claim in batch.wrote(items, results):
             handling.lease_lost(self.outbox, claim, None)
         if not self._batched:

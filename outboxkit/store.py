@@ -55,6 +55,7 @@ __all__ = [
     "AsyncDeliveryTransaction",
     "AsyncStore",
     "AsyncRecordsMany",
+    "AsyncSettlesLast",
     "BatchTransaction",
     "Capabilities",
     "Deliveries",
@@ -62,9 +63,12 @@ __all__ = [
     "RecordsMany",
     "Rounds",
     "SettleItem",
+    "SettlesLast",
     "Store",
     "record_each",
     "record_each_async",
+    "settle_last",
+    "settle_last_async",
     "settle_one",
 ]
 
@@ -541,3 +545,52 @@ async def record_each_async(
         else:
             written.append(True)
     return written
+
+
+# -- a batch's last write (optional) ------------------------------------------------------------
+
+
+@runtime_checkable
+class SettlesLast(Protocol):
+    """What a ``BatchTransaction`` may also offer: its settlement as the batch's last write.
+
+    A poller in ``transaction="per_batch"`` settles its round once, at the end of the batch's
+    block, and writes nothing after it. Told so, a store may spare the batch's own ``BEGIN``
+    and ``COMMIT`` when the settlement is all there is to write (no delivery took the
+    connection): the settlement, with the kept records, is then one statement that is its own
+    transaction (the PostgreSQL store: two round trips fewer per batch). Otherwise it is
+    ``settle_many`` and the block's end commits, as ever. Either way the settlement commits
+    with everything else the batch wrote, or not at all."""
+
+    def settle_last(self, items: Sequence[SettleItem], *, now: datetime | None) -> list[bool]:
+        """``settle_many`` as the batch's last write: the block writes nothing more and ends
+        (if it raises instead, what this wrote may already be committed)."""
+        ...
+
+
+@runtime_checkable
+class AsyncSettlesLast(Protocol):
+    """``SettlesLast`` for ``AsyncBatchTransaction``."""
+
+    async def settle_last(
+        self, items: Sequence[SettleItem], *, now: datetime | None
+    ) -> list[bool]: ...
+
+
+def settle_last(
+    deliveries: Deliveries, items: Sequence[SettleItem], *, now: datetime | None
+) -> list[bool]:
+    """A batch's settlement as its last write: ``SettlesLast.settle_last`` where the batch
+    has it, else ``settle_many``."""
+    if isinstance(deliveries, SettlesLast):
+        return deliveries.settle_last(items, now=now)
+    return deliveries.settle_many(items, now=now)
+
+
+async def settle_last_async(
+    deliveries: AsyncDeliveries, items: Sequence[SettleItem], *, now: datetime | None
+) -> list[bool]:
+    """``settle_last`` for ``AsyncDeliveries``."""
+    if isinstance(deliveries, AsyncSettlesLast):
+        return await deliveries.settle_last(items, now=now)
+    return await deliveries.settle_many(items, now=now)

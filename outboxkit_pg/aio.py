@@ -207,12 +207,22 @@ class AsyncPostgresStore(AsyncSQLStore):
     @asynccontextmanager
     async def batch(self, *, now: datetime | None) -> AsyncIterator[AsyncBatch]:
         """``PostgresStore.batch`` for async code: one transaction for a claimed batch on a
-        pooled async connection, a savepoint per delivery, one commit at the end."""
-        async with self._open_transaction("the batch") as conn:
+        pooled async connection, a savepoint per delivery, one commit at the end; begun lazily
+        (``BatchGuard.begun``), as the blocking store's."""
+        async with self._connection("open the batch") as conn:
             batch = AsyncBatch(self, conn)
-            yield batch
-            await batch.write_kept()
-            check_usable(conn, self._store.where, "the batch")
+            batch.begun = False
+            try:
+                yield batch
+                await batch.write_kept()
+                if batch.begun:
+                    check_usable(conn, self._store.where, "the batch")
+                    with self._store._mapped("commit the batch", conn):
+                        await conn.execute(b"COMMIT")
+            except BaseException:
+                if batch.begun:
+                    await abort_quietly(conn, (b"ROLLBACK",))  # the error raised is the one to see
+                raise
 
     # -- wake-ups and the end ---------------------------------------------------------------------
 
@@ -309,6 +319,12 @@ class AsyncBatch(BatchGuard, AsyncSQLBatch):
         self._check_for_delivery()
         return delivering(self._side, self._conn, claim, now, self)
 
+    async def _begin(self) -> None:
+        if not self.begun:
+            with self._side._store._mapped("begin the batch", self._conn):
+                await self._conn.execute(b"BEGIN")
+            self.begun = True
+
     def _where(self) -> str:
         return self._side._store.where
 
@@ -345,7 +361,7 @@ async def delivering(
             flow.closed(await _sync(conn, flow.closing()))
     except BaseException as exc:
         error = flow.error_for(exc)
-        await _abort(conn, flow.aborting())
+        await abort_quietly(conn, flow.aborting())
         if error is exc:
             raise
         raise error from exc
@@ -366,8 +382,8 @@ async def _sync(conn: AsyncConnection, statements: Sequence[Statement]) -> list[
     return [Result(c.rowcount, await c.fetchall() if has_rows(c) else []) for c in cursors]
 
 
-async def _abort(conn: AsyncConnection, statements: Sequence[bytes]) -> None:
-    """Roll a delivery back, quietly (see ``delivery._abort``)."""
+async def abort_quietly(conn: AsyncConnection, statements: Sequence[bytes]) -> None:
+    """Roll a delivery back, quietly (see ``delivery.abort_quietly``)."""
     try:
         for statement in statements:
             await conn.execute(statement)

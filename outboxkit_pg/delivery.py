@@ -176,7 +176,7 @@ class Delivery:
         (``Flow.error_for``) when that is another (returns when it is ``failure`` itself)."""
         error = flow.error_for(failure)
         if flow.is_open or self._round is None:  # a round's unopened delivery: nothing to undo
-            _abort(self._conn, flow.aborting())
+            abort_quietly(self._conn, flow.aborting())
         if error is not failure:
             raise error from failure
 
@@ -190,6 +190,12 @@ class Batch(BatchGuard, SQLBatch):
     def delivery(self, claim: Claim, *, now: datetime | None) -> AbstractContextManager[Delivery]:
         self._check_for_delivery()
         return Delivery(self._store, self._conn, claim, now, self)
+
+    def _begin(self) -> None:
+        if not self.begun:
+            with self._store._mapped("begin the batch", self._conn):
+                self._conn.execute(b"BEGIN")
+            self.begun = True
 
     def _where(self) -> str:
         return self._store.where
@@ -235,7 +241,7 @@ def _sync(conn: Connection, statements: Sequence[Statement]) -> list[Result]:
     return [Result(c.rowcount, c.fetchall() if has_rows(c) else []) for c in cursors]
 
 
-def _abort(conn: Connection, statements: Sequence[bytes]) -> None:
+def abort_quietly(conn: Connection, statements: Sequence[bytes]) -> None:
     """Roll a delivery back, quietly: the error that brought us here is the one to report, and
     a connection that cannot roll back is discarded by the pool."""
     try:

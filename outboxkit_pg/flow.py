@@ -108,18 +108,25 @@ class BatchGuard:
     # transaction was last checked for a delivery: only such a handler can end it (a lost
     # connection fails the next statement, and the batch's own writes check it anyway).
     taken: bool = True
+    # Whether the batch's transaction has begun. On an autocommit connection (the store's own
+    # pool) it begins lazily: with the first delivery that opens its savepoint (``BEGIN`` in
+    # the same pipeline sync) or the first step of more than one statement (``begin``). A
+    # batch whose handlers never took the connection settles in one statement, a transaction
+    # of its own: no BEGIN and no COMMIT, two round trips fewer.
+    begun: bool = True
     _conn: AnyConnection
 
     def _where(self) -> str:
         raise NotImplementedError
 
     def _check_open(self) -> None:
-        check_batch_open(self._conn, self._where())
+        if self.begun:
+            check_batch_open(self._conn, self._where())
 
     def _check_for_delivery(self) -> None:
         """``_check_open`` before a delivery, if a handler had the connection since the last."""
         if self.taken:
-            check_batch_open(self._conn, self._where())
+            self._check_open()
             self.taken = False
 
 
@@ -171,6 +178,7 @@ class Flow(Generic[C]):
         # opened is, at its end, one fenced statement (``closing``).
         self.is_open = False
         self.open_error: BaseException | None = None
+        self._guard_at = 0  # where the guard's statement is in the opening sync
 
     @property
     def what(self) -> str:
@@ -182,8 +190,13 @@ class Flow(Generic[C]):
         """The first pipeline sync: (the batch's guard,) the transaction or savepoint, the
         row lock with the token check."""
         statements = []
-        if self._batch is not None:
-            self._batch.taken = True  # the handler may use the batch's connection from now on
+        batch = self._batch
+        if batch is not None:
+            batch.taken = True  # the handler may use the batch's connection from now on
+            if not batch.begun:  # the batch's transaction begins here (``BatchGuard.begun``)
+                statements.append(Statement(b"BEGIN"))
+                batch.begun = True
+        self._guard_at = len(statements)
         if self._guarding:
             statements.append(Statement(self.store._queries["lock_for_delivery"], self._params))
         if self.frame.begin:
@@ -197,7 +210,7 @@ class Flow(Generic[C]):
         Raises:
             LeaseLostError: the token is stale (the caller rolls back; nothing ran).
         """
-        if self._guarding and self._batch is not None and results[0].rowcount == 1:
+        if self._guarding and self._batch is not None and results[self._guard_at].rowcount == 1:
             self._batch.guarded = True
         if not results[-1].rows:
             raise LeaseLostError(f"{self.what}: claim token is stale")

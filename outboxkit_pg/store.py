@@ -54,7 +54,7 @@ from outboxkit.core.model import Claim, Event, Migration, NewEvent, Outcome
 from outboxkit.errors import ConfigurationError, SchemaError, StoreError, migrate_hint
 from outboxkit.store import Capabilities, SettleItem
 
-from .delivery import Batch, Delivery, Round, delivering
+from .delivery import Batch, Delivery, Round, abort_quietly, delivering
 from .errors import map_error
 from .flow import check_usable, has_rows
 from .listen import NotifyWaiter
@@ -496,20 +496,25 @@ class PostgresStore(SQLStore):
     def _open_transaction(self, what: str) -> Iterator[Connection]:
         """A pooled connection in a psycopg transaction: committed when the block ends, rolled
         back if it raises; driver errors mapped, naming ``what`` (``transaction``, ``batch``)."""
-        with self._connection(f"open {what}") as conn:
-            tx = psycopg.Transaction(conn)
-            with self._mapped(f"begin {what}", conn):
-                tx.__enter__()
-            try:
-                yield conn
-            except BaseException as exc:
-                # A failed rollback (the connection is gone) is logged by psycopg, never
-                # raised: it must not mask ``exc``.
-                if not tx.__exit__(type(exc), exc, exc.__traceback__):
-                    raise
-                return
-            with self._mapped(f"commit {what}", conn):
-                tx.__exit__(None, None, None)
+        with self._connection(f"open {what}") as conn, self._transaction_on(conn, what):
+            yield conn
+
+    @contextmanager
+    def _transaction_on(self, conn: Connection, what: str) -> Iterator[None]:
+        """A psycopg transaction on ``conn`` (``_open_transaction``)."""
+        tx = psycopg.Transaction(conn)
+        with self._mapped(f"begin {what}", conn):
+            tx.__enter__()
+        try:
+            yield
+        except BaseException as exc:
+            # A failed rollback (the connection is gone) is logged by psycopg, never
+            # raised: it must not mask ``exc``.
+            if not tx.__exit__(type(exc), exc, exc.__traceback__):
+                raise
+            return
+        with self._mapped(f"commit {what}", conn):
+            tx.__exit__(None, None, None)
 
     def enqueue(self, conn: Any, events: Sequence[NewEvent], *, now: datetime | None) -> list[int]:
         """Insert ``events`` through the app's ``psycopg.Connection``, in its transaction.
@@ -675,12 +680,32 @@ class PostgresStore(SQLStore):
     def batch(self, *, now: datetime | None) -> Iterator[Batch]:
         """One transaction for a claimed batch (``transaction="per_batch"``) on a pooled
         connection: each delivery in a savepoint of it, settlements and lease extensions in
-        it, one commit at the end. The rows it delivers stay locked until then."""
-        with self._open_transaction("the batch") as conn:
+        it, one commit at the end. The rows it delivers stay locked until then.
+
+        On the store's own (autocommit) connections the transaction begins lazily
+        (``BatchGuard.begun``): a batch whose handlers never took the connection settles in
+        one statement, with its records, and that statement is its transaction."""
+        with self._connection("open the batch") as conn:
+            if not conn.autocommit:  # an app's pool: psycopg begins the transaction
+                with self._transaction_on(conn, "the batch"):
+                    batch = Batch(self, conn)
+                    yield batch
+                    batch.write_kept()
+                    check_usable(conn, self.where, "the batch")
+                return
             batch = Batch(self, conn)
-            yield batch
-            batch.write_kept()
-            check_usable(conn, self.where, "the batch")
+            batch.begun = False
+            try:
+                yield batch
+                batch.write_kept()
+                if batch.begun:
+                    check_usable(conn, self.where, "the batch")
+                    with self._mapped("commit the batch", conn):
+                        conn.execute(b"COMMIT")
+            except BaseException:
+                if batch.begun:
+                    abort_quietly(conn, (b"ROLLBACK",))  # the error raised is the one to see
+                raise
 
     # -- wake-ups -------------------------------------------------------------------------------
 

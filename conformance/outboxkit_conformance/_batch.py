@@ -10,7 +10,7 @@ import pytest
 from outboxkit import FrozenClock, LeaseLostError, Outcome, Store
 from outboxkit.core.machine import Publish, Retry
 from outboxkit.core.payload import build_event
-from outboxkit.store import settle_one
+from outboxkit.store import SettleItem, settle_last, settle_one
 
 from ._base import LEASE, ConformanceBase, S
 
@@ -92,6 +92,49 @@ class BatchTests(ConformanceBase):
         assert two is not None and two.available_at == at + 5 * S and two.last_error == "h: boom"
         assert three is not None and three.published_at is None  # a foreign token settles nothing
         assert settle_one(store, other, Publish(), error=None, now=at) is True
+
+    def test_batch_settle_last_commits_everything_the_batch_wrote(
+        self, store: Store, clock: FrozenClock
+    ) -> None:
+        """The settlement as the batch's last write (``settle_last``; ``settle_many`` on a
+        store without it): fenced by token, committed with the batch's records and its
+        deliveries' writes, whether or not a delivery took the connection."""
+        self.require(store, "batches")
+        ids = self.put(store, clock.now(), ("t", 1), ("t", 2), ("t", 3))
+        claims = self.claim(store, clock.now(), batch_size=2)
+        at = clock.now() + S
+        with store.batch(now=at) as batch:  # no delivery takes the connection
+            for claim in claims:
+                with batch.delivery(claim, now=at) as tx:
+                    tx.record("h", Outcome.SUCCEEDED)
+            stale = replace(claims[1], token=claims[0].token)
+            first = [(claims[0], Publish(), None), (stale, Publish(), None)]
+            assert settle_last(batch, first, now=at) == [True, False]
+        one, two, three = (store.get(i) for i in ids)
+        assert one is not None and one.published_at == at
+        assert [(r.handler, r.outcome) for r in store.records(ids[0])] == [("h", Outcome.SUCCEEDED)]
+        assert two is not None and two.published_at is None  # its settlement was stale
+        (other,) = self.claim(store, clock.now(), batch_size=1)  # the third
+        follow_ups: list[int] = []
+        with store.batch(now=at) as batch:  # the deliveries take the connection
+            for claim in (claims[1], other):
+                with batch.delivery(claim, now=at) as tx:
+                    follow_ups += tx.enqueue([build_event("next", claim.event.id)])
+                    tx.record("h2", Outcome.SUCCEEDED)
+            retry = Retry(delay=5 * S, retry=1)
+            items: list[SettleItem] = [(claims[1], Publish(), None), (other, retry, "h2: boom")]
+            assert settle_last(batch, items, now=at) == [True, True]
+        two, three = store.get(ids[1]), store.get(ids[2])
+        assert two is not None and two.published_at == at
+        assert three is not None and three.available_at == at + 5 * S
+        assert three.last_error == "h2: boom"
+        assert all(store.get(i) is not None for i in follow_ups) and len(follow_ups) == 2
+        assert [(r.handler, r.outcome) for r in store.records(ids[2])] == [
+            ("h2", Outcome.SUCCEEDED)
+        ]
+        with store.batch(now=at) as batch:  # nothing to settle: nothing written
+            assert settle_last(batch, [], now=at) == []
+        assert store.stats(now=at).published == 2
 
     def test_batch_that_raises_leaves_nothing(self, store: Store, clock: FrozenClock) -> None:
         self.require(store, "batches")

@@ -102,6 +102,9 @@ class AsyncSQLBatch(KeptRecords):
     def _check_open(self) -> None:
         """Raise if the batch's transaction is no longer the one the store opened."""
 
+    async def _begin(self) -> None:
+        """``SQLBatch._begin``: make sure the batch's transaction has begun."""
+
     async def record_many(
         self, handler: str, claims: Sequence[Claim], *, now: datetime | None
     ) -> list[bool]:
@@ -126,22 +129,34 @@ class AsyncSQLBatch(KeptRecords):
         if not claims:
             return []
         self._check_open()
+        await self._begin()
         with self._side._store._mapped(f"extend {len(claims)} lease(s)", self._conn):
             return await self._side._extend_on(self._conn, claims, lease, now)
 
     async def settle_many(self, items: Sequence[SettleItem], *, now: datetime | None) -> list[bool]:
         """``settle_many`` inside the batch's transaction: true once the batch commits (with
         the kept records, as ``SQLBatch.settle_many``)."""
+        self._check_open()
+        await self._begin()
+        return await self._settle(items, now)
+
+    async def settle_last(self, items: Sequence[SettleItem], *, now: datetime | None) -> list[bool]:
+        """``AsyncSettlesLast.settle_last``, as ``SQLBatch.settle_last``."""
+        self._check_open()
+        return await self._settle(items, now)
+
+    async def _settle(self, items: Sequence[SettleItem], now: datetime | None) -> list[bool]:
         if not items:
             await self.write_kept()
             return []
-        self._check_open()
         store = self._side._store
         together = store._settle_kept_query(items, self._kept, now)
         if together is not None:
             self._kept = []
             with store._mapped(f"settle and record {len(items)} event(s)", self._conn):
                 return store._settled(items, await self._side._rows(self._conn, *together))
+        if self._kept:
+            await self._begin()  # the records and the settlement: one transaction
         await self.write_kept()
         with store._mapped(f"settle {len(items)} event(s)", self._conn):
             return await self._side._settle_many_on(self._conn, items, now)

@@ -414,6 +414,10 @@ class SQLBatch(KeptRecords):
     def _check_open(self) -> None:
         """Raise if the batch's transaction is no longer the one the store opened."""
 
+    def _begin(self) -> None:
+        """Make sure the batch's transaction has begun (a store whose batches begin it
+        lazily: the PostgreSQL store's); a store whose batches begin at once does nothing."""
+
     def record_many(
         self, handler: str, claims: Sequence[Claim], *, now: datetime | None
     ) -> list[bool]:
@@ -429,6 +433,7 @@ class SQLBatch(KeptRecords):
         if not claims:
             return []
         self._check_open()
+        self._begin()
         with self._store._mapped(f"extend {len(claims)} lease(s)", self._conn):
             return self._store._extend_on(self._conn, claims, lease, now)
 
@@ -438,16 +443,29 @@ class SQLBatch(KeptRecords):
         The kept records go first (``write_kept``) or, on a store with ``settle_many_recording``
         and when every kept record is one of these events' (the usual round), with the
         settlement in one statement."""
+        self._check_open()
+        self._begin()
+        return self._settle(items, now)
+
+    def settle_last(self, items: Sequence[SettleItem], *, now: datetime | None) -> list[bool]:
+        """``SettlesLast.settle_last``: ``settle_many``, but a batch not begun yet (nothing
+        written in it) begins only for a settlement of more than one statement; one statement
+        is then a transaction of its own, and the block's end has nothing to commit."""
+        self._check_open()
+        return self._settle(items, now)
+
+    def _settle(self, items: Sequence[SettleItem], now: datetime | None) -> list[bool]:
         if not items:
             self.write_kept()
             return []
-        self._check_open()
         store = self._store
         together = store._settle_kept_query(items, self._kept, now)
         if together is not None:
             self._kept = []
             with store._mapped(f"settle and record {len(items)} event(s)", self._conn):
                 return store._settled(items, store._rows(self._conn, *together))
+        if self._kept:
+            self._begin()  # the records and the settlement: one transaction
         self.write_kept()
         with store._mapped(f"settle {len(items)} event(s)", self._conn):
             return store._settle_many_on(self._conn, items, now)

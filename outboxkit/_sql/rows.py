@@ -153,7 +153,7 @@ def record_params(
         "event_id": claim.event.id,
         "handler": handler,
         "outcome": outcome._value_,  # the attribute ``value`` reads, without its descriptor
-        "attempt": claim.attempt,
+        "attempt": claim.event.attempts,  # the claim's attempt
         "now": now,
         "reason": reason,
     }

@@ -35,6 +35,7 @@ from typing import NamedTuple
 from ..errors import LeaseLostError
 from .backoff import BackoffPolicy
 from .machine import (
+    PUBLISH,
     LeaseCheck,
     Plan,
     Retry,
@@ -285,13 +286,13 @@ class ClaimedBatch:
             settlement = _decide(
                 subscribed=run.subscribed,
                 outcomes=run.outcomes,
-                attempts=run.claim.attempt,
+                attempts=run.claim.event.attempts,  # the claim's attempt
                 max_retries=self.max_retries,
                 backoff=self.backoff,
             )
-            notes = list(run.errors)
+            notes = run.errors
             if isinstance(settlement, Retry) and settlement.note:
-                notes.append(settlement.note)
+                notes = [*notes, settlement.note]
             error = storable("; ".join(notes)) if notes else None
         settled = Settled(run.claim, settlement, error)
         self._to_write.append(settled)
@@ -319,13 +320,17 @@ class ClaimedBatch:
         """What was written is committed (at once per event; at the batch's commit in a
         batch): the settlements to announce, now reported."""
         done, self._written = self._written, []
+        published = self.report.published
         by_state = {
-            State.PUBLISHED: self.report.published,
+            State.PUBLISHED: published,
             State.DEAD: self.report.dead_lettered,
             State.PENDING: self.report.retried,
         }
-        for item in done:
-            by_state[item.settlement.state].append(item.claim.event.id)
+        for claim, settlement, _ in done:
+            if settlement is PUBLISH:  # nearly every one: its state is known
+                published.append(claim.event.id)
+            else:
+                by_state[settlement.state].append(claim.event.id)
         return done
 
     def unstarted(self) -> list[Claim]:

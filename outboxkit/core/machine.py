@@ -321,7 +321,7 @@ def plan(
         return SettleNow(DeadLetter(), storable(undecodable.error))
     if not subscribed:
         return SettleNow(PUBLISH, unrouted=True)
-    if claim.attempt > max_retries + 1:
+    if claim.event.attempts > max_retries + 1:
         settlement = decide_settlement(
             subscribed=subscribed,
             outcomes=claim.done,

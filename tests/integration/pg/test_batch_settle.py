@@ -2,7 +2,12 @@
 the connection) are written with the settlement in one statement when every kept record is one
 of the events being settled, by ``insert_records_fenced`` before the settlement otherwise; a
 stale token settles nothing and records nothing either way. The asyncio side's batch keeps them
-the same way."""
+the same way.
+
+A batch begins its transaction lazily: with the first delivery that takes the connection, or
+the first step of more than one statement. Settled as its last write (``settle_last``), a batch
+whose handlers never took the connection is one statement, a transaction of its own.
+"""
 
 from __future__ import annotations
 
@@ -13,10 +18,12 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
+from psycopg.pq import TransactionStatus
 
 from outboxkit import EventBus, Outbox, Outcome
 from outboxkit.core.machine import Publish, Retry
 from outboxkit.core.model import Claim
+from outboxkit.store import settle_last, settle_last_async
 from outboxkit_pg import PostgresStore
 
 pytestmark = pytest.mark.pg
@@ -174,3 +181,104 @@ async def test_the_asyncio_batch_keeps_records_the_same_way(
     assert names == ["publish_recording"]
     assert recorded(store, claims) == [c.event.id for c in claims]
     assert published(store, claims) == [True, True, True]
+
+
+# -- the batch's transaction, begun lazily -------------------------------------------------------
+
+
+def seen_published(pg_url: str, store: PostgresStore, claims: list[Claim]) -> list[bool]:
+    """Whether another session sees ``claims``' events published (committed)."""
+    query = sql.SQL("SELECT published_at IS NOT NULL FROM {} WHERE id = ANY(%s) ORDER BY id")
+    with psycopg.connect(pg_url, autocommit=True) as other:
+        table = sql.Identifier(store.names.schema, "outbox_events")
+        rows = other.execute(query.format(table), ([c.event.id for c in claims],)).fetchall()
+    return [row[0] for row in rows]
+
+
+def test_a_batch_whose_handlers_never_took_the_connection_settles_last_in_one_statement(
+    store: PostgresStore, statements: list[str], pg_url: str
+) -> None:
+    claims = claimed(store, 3)
+    statements.clear()
+    with store.batch(now=None) as batch:
+        conn = batch._conn
+        for claim in claims:
+            with batch.delivery(claim, now=None) as tx:
+                tx.record("h", Outcome.SUCCEEDED)
+        assert conn.info.transaction_status == TransactionStatus.IDLE  # nothing begun
+        settled = settle_last(batch, [(c, Publish(), None) for c in claims], now=None)
+        # committed before the block ends: the statement was its own transaction
+        assert conn.info.transaction_status == TransactionStatus.IDLE
+        assert seen_published(pg_url, store, claims) == [True, True, True]
+    assert settled == [True, True, True]
+    assert statements == ["publish_recording"]
+    assert recorded(store, claims) == [c.event.id for c in claims]
+
+
+def test_a_batch_whose_handler_took_the_connection_commits_once_at_its_end(
+    store: PostgresStore, pg_url: str
+) -> None:
+    claims = claimed(store, 2)
+    with store.batch(now=None) as batch:
+        conn = batch._conn
+        with batch.delivery(claims[0], now=None) as tx:
+            tx.record("h", Outcome.SUCCEEDED)
+        assert conn.info.transaction_status == TransactionStatus.IDLE
+        with batch.delivery(claims[1], now=None) as tx:
+            tx.connection.execute("SELECT 1")  # begins the batch's transaction
+            tx.record("h", Outcome.SUCCEEDED)
+        assert conn.info.transaction_status == TransactionStatus.INTRANS
+        settled = settle_last(batch, [(c, Publish(), None) for c in claims], now=None)
+        assert conn.info.transaction_status == TransactionStatus.INTRANS
+        assert seen_published(pg_url, store, claims) == [False, False]  # not yet committed
+    assert settled == [True, True]
+    assert seen_published(pg_url, store, claims) == [True, True]
+    assert recorded(store, claims) == [c.event.id for c in claims]
+
+
+def test_a_step_of_the_batch_before_its_settlement_begins_it(
+    store: PostgresStore, pg_url: str
+) -> None:
+    """``settle_many``, and a lease extension, are written in the batch's transaction (begun
+    for them): the batch that raises afterwards undoes them."""
+    claims = claimed(store, 2)
+    with pytest.raises(RuntimeError, match="poller died"), store.batch(now=None) as batch:
+        extended = batch.extend(claims, lease=LEASE * 10, now=None)
+        assert [c.token for c in extended] == [c.token for c in claims]
+        assert batch.settle_many([(claims[0], Publish(), None)], now=None) == [True]
+        assert batch._conn.info.transaction_status == TransactionStatus.INTRANS
+        raise RuntimeError("poller died")
+    assert seen_published(pg_url, store, claims) == [False, False]
+    event = store.get(claims[1].event.id)
+    assert event is not None and event.locked_until == claims[1].locked_until  # not extended
+
+
+@pytest.mark.asyncio
+async def test_the_asyncio_batch_begins_lazily_the_same_way(
+    store: PostgresStore, pg_url: str
+) -> None:
+    claims = claimed(store, 4)
+    side = store.async_store()
+    try:
+        async with side.batch(now=None) as batch:
+            for claim in claims[:2]:
+                async with batch.delivery(claim, now=None) as tx:
+                    await tx.record("h", Outcome.SUCCEEDED)
+            assert batch._conn.info.transaction_status == TransactionStatus.IDLE
+            items = [(c, Publish(), None) for c in claims[:2]]
+            assert await settle_last_async(batch, items, now=None) == [True, True]
+            assert seen_published(pg_url, store, claims[:2]) == [True, True]
+        async with side.batch(now=None) as batch:
+            for claim in claims[2:]:
+                async with batch.delivery(claim, now=None) as tx:
+                    await tx.open()
+                    await tx.connection.execute("SELECT 1")
+                    await tx.record("h", Outcome.SUCCEEDED)
+            items = [(c, Publish(), None) for c in claims[2:]]
+            assert await settle_last_async(batch, items, now=None) == [True, True]
+            assert batch._conn.info.transaction_status == TransactionStatus.INTRANS
+            assert seen_published(pg_url, store, claims[2:]) == [False, False]
+    finally:
+        await side.close()
+    assert seen_published(pg_url, store, claims) == [True, True, True, True]
+    assert recorded(store, claims) == [c.event.id for c in claims]
