@@ -46,6 +46,11 @@ Since 1.6.0 ``LifecycleTests`` checks the pollers' ``prefetch`` on a store that 
 delivered, every event still run and recorded once, and a stopping poller releasing the batch
 it claimed ahead. A store that declares those capabilities must let a claim run while another
 thread's batch or delivery is open.
+
+Since 1.7.0 ``BatchTests`` checks a batch's settlement as its last write, which both pollers
+make it in ``per_batch`` mode (``outboxkit.store.settle_last``: the batch's ``settle_last``,
+``outboxkit.store.SettlesLast``, where it has one, else ``settle_many``): fenced by token and
+committed with everything else the batch wrote.
 """
 
 from __future__ import annotations
@@ -89,7 +94,7 @@ __all__ = [
     "load_factory",
 ]
 
-SUITE_VERSION = "1.6.0"
+SUITE_VERSION = "1.7.0"
 
 
 class StoreConformance(
