@@ -17,8 +17,11 @@ The seam is small:
   way a round's settlements are written by one ``settle_many``: there is no other path.
 
 Capabilities are typed and few (``Capabilities``): a store either offers batches and a waiter,
-or it does not; the poller never probes for a method. The other fields describe the store for
-the conformance suite, which runs the checks each one promises.
+or it does not; the poller never probes for a method to learn what it may do. The other fields
+describe the store for the conformance suite, which runs the checks each one promises. Three
+parts are optional, protocols a shell checks with ``isinstance``; without them a store works
+the same, only slower: ``Rounds`` (a per-event round's own context), ``RecordsMany`` (many
+records at once) and ``SettlesLast`` (a batch's settlement as its last write).
 
 Every store proves itself with the conformance suite (``outboxkit conformance``). Driver errors
 must be mapped at the boundary into ``outboxkit.errors`` (``StoreError``/``StoreUnavailable``,

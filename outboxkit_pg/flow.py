@@ -110,9 +110,10 @@ class BatchGuard:
     taken: bool = True
     # Whether the batch's transaction has begun. On an autocommit connection (the store's own
     # pool) it begins lazily: with the first delivery that opens its savepoint (``BEGIN`` in
-    # the same pipeline sync) or the first step of more than one statement (``begin``). A
-    # batch whose handlers never took the connection settles in one statement, a transaction
-    # of its own: no BEGIN and no COMMIT, two round trips fewer.
+    # the same pipeline sync) or a step that must be in it (``_begin``: a lease extension, a
+    # ``settle_many``, a settlement of more than one statement). A batch whose handlers never
+    # took the connection settles (``settle_last``) in one statement, a transaction of its own:
+    # no BEGIN and no COMMIT, two round trips fewer.
     begun: bool = True
     _conn: AnyConnection
 

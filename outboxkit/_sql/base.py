@@ -229,11 +229,13 @@ class SQLStore(ABC):
         first; RETURNING has no order): the rows are sorted by those columns, then made into
         claims, positionally (one per row: it counts)."""
         event, done = self._event, self._done
-        return [
-            make_claim(e, str(row[12]), e.locked_until, done_from_pairs(done(row[13])))
-            for row in sorted(rows, key=_CLAIM_ORDER)
-            if (e := event(row))
-        ]
+        claims = []
+        for row in sorted(rows, key=_CLAIM_ORDER):
+            made = event(row)
+            claims.append(
+                make_claim(made, str(row[12]), made.locked_until, done_from_pairs(done(row[13])))
+            )
+        return claims
 
     def _extend_query(
         self, claims: Sequence[Claim], lease: timedelta, now: datetime | None
