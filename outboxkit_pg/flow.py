@@ -179,7 +179,6 @@ class Flow(Generic[C]):
         # opened is, at its end, one fenced statement (``closing``).
         self.is_open = False
         self.open_error: BaseException | None = None
-        self._guard_at = 0  # where the guard's statement is in the opening sync
 
     @property
     def what(self) -> str:
@@ -188,8 +187,8 @@ class Flow(Generic[C]):
     # -- the first sync: open, lock the row, check the token ---------------------------------------
 
     def opening(self) -> list[Statement]:
-        """The first pipeline sync: (the batch's guard,) the transaction or savepoint, the
-        row lock with the token check."""
+        """The first pipeline sync: (the batch's BEGIN, its guard,) the transaction or
+        savepoint, the row lock with the token check."""
         statements = []
         batch = self._batch
         if batch is not None:
@@ -197,7 +196,6 @@ class Flow(Generic[C]):
             if not batch.begun:  # the batch's transaction begins here (``BatchGuard.begun``)
                 statements.append(Statement(b"BEGIN"))
                 batch.begun = True
-        self._guard_at = len(statements)
         if self._guarding:
             statements.append(Statement(self.store._queries["lock_for_delivery"], self._params))
         if self.frame.begin:
@@ -211,7 +209,9 @@ class Flow(Generic[C]):
         Raises:
             LeaseLostError: the token is stale (the caller rolls back; nothing ran).
         """
-        if self._guarding and self._batch is not None and results[self._guard_at].rowcount == 1:
+        # The guard's statement comes before the savepoint and the row lock (and after the
+        # batch's BEGIN, when this delivery begins it).
+        if self._guarding and self._batch is not None and results[-3].rowcount == 1:
             self._batch.guarded = True
         if not results[-1].rows:
             raise LeaseLostError(f"{self.what}: claim token is stale")

@@ -224,10 +224,12 @@ def test_a_batch_whose_handler_took_the_connection_commits_once_at_its_end(
         with batch.delivery(claims[0], now=None) as tx:
             tx.record("h", Outcome.SUCCEEDED)
         assert conn.info.transaction_status == TransactionStatus.IDLE
+        assert not batch.guarded
         with batch.delivery(claims[1], now=None) as tx:
             tx.connection.execute("SELECT 1")  # begins the batch's transaction
             tx.record("h", Outcome.SUCCEEDED)
         assert conn.info.transaction_status == TransactionStatus.INTRANS
+        assert batch.guarded  # the commit guard queued with the BEGIN, once for the batch
         settled = settle_last(batch, [(c, Publish(), None) for c in claims], now=None)
         assert conn.info.transaction_status == TransactionStatus.INTRANS
         assert seen_published(pg_url, store, claims) == [False, False]  # not yet committed
