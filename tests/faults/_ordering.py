@@ -25,7 +25,9 @@ the enqueue order (R15). So a key's commit order is its events sorted by (number
 - overlap: a run of ``a`` started at or after ``b``'s first run (``b`` began while ``a`` was
   unsettled: retried, leased, or run again after a lost lease).
 
-Run starts are ``time.monotonic_ns()``: one clock for every process of the machine (Linux's
+A run starts when its delivery transaction is open (``make_bus``: the token checked, the event
+held); a late run the token refuses changes nothing and is not one. Run starts are
+``time.monotonic_ns()``: one clock for every process of the machine (Linux's
 CLOCK_MONOTONIC), and ``a``'s last run starts before its publish commits, which comes before
 ``b`` can be claimed. Then the harness figures (``lost``, ``dup_tx``, ``stuck``, ``crash_dead``,
 ``overclaim``; ``tests/faults/_harness``).
@@ -82,7 +84,7 @@ def fails(event_id: int, attempt: int) -> bool:
 
 class RunLog:
     """Appends one JSON line per handler run (event, key, attempt, start, failed), flushed
-    before the handler does anything else."""
+    before the handler writes anything."""
 
     def __init__(self, path: Path) -> None:
         self.file = path.open("a", encoding="utf-8")
@@ -109,14 +111,22 @@ class HandlerFailure(RuntimeError):
 
 
 def make_bus(runs: RunLog, insert_ledger: Any) -> EventBus:
-    """``ledger`` on TOPIC: note the run, write the ledger row, then fail if ``fails`` says so
-    (the row rolls back with the delivery transaction)."""
+    """``ledger`` on TOPIC: take the delivery transaction, note the run, write the ledger row,
+    then fail if ``fails`` says so (the row rolls back with the delivery transaction).
+
+    A run is noted once its transaction is open: taking ``ctx.connection`` checks the claim's
+    token and holds the event (the row locked on PostgreSQL, the write lock on SQLite), so no
+    other poller can take it over while the run lasts. A poller frozen between its lease check
+    and the handler's first line, resumed after another took the event over, is refused there
+    (a stale token: the run can change nothing) and notes nothing; noted before it, such a run
+    would count as an overlap that no write of it could make."""
     bus = EventBus()
 
     def ledger(event: Event, ctx: Any) -> None:
         failed = fails(event.id, event.attempts)
+        conn = ctx.connection  # LeaseLostError on a stale token: this run changes nothing
         runs.started(event, failed)
-        ctx.connection.execute(*insert_ledger(event.id))
+        conn.execute(*insert_ledger(event.id))
         if failed:
             raise HandlerFailure(f"injected failure of event {event.id}, attempt {event.attempts}")
 
