@@ -41,6 +41,7 @@ from .core.model import (
     Unrouted,
 )
 from .errors import (
+    BatchRolledBack,
     CannotConnect,
     ConfigurationError,
     DrainError,
@@ -68,6 +69,7 @@ from .store import Store
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchRolledBack",
     "CannotConnect",
     "Claim",
     "Claimed",

@@ -16,7 +16,8 @@ so callers never need to import a driver to catch them::
     │   └── SchemaError                        schema missing, older than this code, or newer than it
     ├── LeaseLostError                         the claim token is stale: another poller owns the event
     ├── Reject                                 raised BY a handler: a business rejection, never retried
-    ├── HandlerCrashed                         a handler broke its delivery transaction (committed, closed it)
+    ├── HandlerCrashed                         a handler broke its delivery transaction (ended, reopened it)
+    │   └── BatchRolledBack                    ... and with it the batch's: the batch's work so far is redone
     ├── RelayError                             a relay's message was not confirmed (nack, timeout, lost link)
     │   └── Unroutable                         nothing takes the message (no queue bound, no stream)
     └── DrainError                             the test drain hit max_rounds or unexpected handler errors
@@ -27,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 __all__ = [
+    "BatchRolledBack",
     "CannotConnect",
     "ConfigurationError",
     "DrainError",
@@ -113,7 +115,37 @@ class Reject(OutboxError):
 
 
 class HandlerCrashed(OutboxError):
-    """A handler broke the delivery transaction it was given (committed or closed it)."""
+    """A handler broke the delivery transaction it was given: it committed, rolled back,
+    closed or reopened it, or left it marked for rollback (rule R17). The delivery failed:
+    nothing it wrote was committed, and it is retried."""
+
+
+class BatchRolledBack(HandlerCrashed):
+    """A handler ended the transaction of the batch it ran in (``transaction="per_batch"``),
+    and everything the batch had written in it was rolled back with its own writes.
+
+    The delivery of that handler failed (``HandlerCrashed``); the store has begun the batch
+    afresh. What the rolled-back transaction held of the batch's other deliveries is named
+    here, so that the poller undoes them too: their events are handed back (the attempt
+    refunded) and delivered again in a later round, so they lose nothing.
+
+    Attributes:
+        undone: ``(claim token, handler name)`` of every delivery record the rolled-back
+            transaction held.
+        extensions_lost: a lease extension was written in it (the leases are back where the
+            claim left them).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        undone: tuple[tuple[str, str], ...] = (),
+        extensions_lost: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.undone = undone
+        self.extensions_lost = extensions_lost
 
 
 class RelayError(OutboxError):

@@ -217,11 +217,9 @@ class AsyncPostgresStore(AsyncSQLStore):
                 await batch.write_kept()
                 if batch.begun:
                     check_usable(conn, self._store.where, "the batch")
-                    with self._store._mapped("commit the batch", conn):
-                        await conn.execute(b"COMMIT")
+                    await batch.commit()
             except BaseException:
-                if batch.begun:
-                    await abort_quietly(conn, (b"ROLLBACK",))  # the error raised is the one to see
+                await batch.abort()
                 raise
 
     # -- wake-ups and the end ---------------------------------------------------------------------
@@ -322,8 +320,19 @@ class AsyncBatch(BatchGuard, AsyncSQLBatch):
     async def _begin(self) -> None:
         if not self.begun:
             with self._side._store._mapped("begin the batch", self._conn):
-                await self._conn.execute(b"BEGIN")
-            self.begun = True
+                await _sync(self._conn, self.beginning())
+            self.began()
+
+    async def commit(self) -> None:
+        """``Batch.commit`` on the async connection."""
+        with self._side._store._mapped("commit the batch", self._conn):
+            await self._conn.execute(b"COMMIT")
+        self.ended()
+
+    async def abort(self) -> None:
+        """``Batch.abort`` on the async connection."""
+        if self.begun and not (await abort_quietly(self._conn, (b"ROLLBACK",)) and self.ended()):
+            await self._conn.close()
 
     def _where(self) -> str:
         return self._side._store.where
@@ -361,10 +370,33 @@ async def delivering(
             flow.closed(await _sync(conn, flow.closing()))
     except BaseException as exc:
         error = flow.error_for(exc)
-        await abort_quietly(conn, flow.aborting())
+        aborted = await abort_quietly(conn, flow.aborting())
+        if batch is not None:
+            if flow.lost_batch(aborted):
+                error = await restart(batch, conn, error)
+        else:
+            resets = flow.resetting()
+            if resets is None or not await abort_quietly(conn, resets):
+                await conn.close()  # left in a transaction, or as the handler set it: discarded
         if error is exc:
             raise
         raise error from exc
+
+
+async def restart(
+    batch: AsyncBatch, conn: AsyncConnection, failure: BaseException
+) -> BaseException:
+    """``delivery.restart`` on the async connection.
+
+    Raises:
+        StoreError: the connection could not be set right (the batch is abandoned).
+    """
+    if not await abort_quietly(conn, batch.restarting()):
+        raise batch.unusable() from failure
+    resets, error = batch.restarted(failure)
+    if not await abort_quietly(conn, resets):
+        raise batch.unusable() from failure
+    return error
 
 
 async def _sync(conn: AsyncConnection, statements: Sequence[Statement]) -> list[Result]:
@@ -382,10 +414,13 @@ async def _sync(conn: AsyncConnection, statements: Sequence[Statement]) -> list[
     return [Result(c.rowcount, await c.fetchall() if has_rows(c) else []) for c in cursors]
 
 
-async def abort_quietly(conn: AsyncConnection, statements: Sequence[bytes]) -> None:
-    """Roll a delivery back, quietly (see ``delivery.abort_quietly``)."""
+async def abort_quietly(conn: AsyncConnection, statements: Sequence[bytes]) -> bool:
+    """Roll a delivery back, quietly (see ``delivery.abort_quietly``); whether every
+    statement ran."""
     try:
         for statement in statements:
             await conn.execute(statement)
     except psycopg.Error as exc:
         log.debug("rollback of a delivery failed: %s", exc)
+        return False
+    return True

@@ -30,7 +30,7 @@ from .pool import Connection
 if TYPE_CHECKING:
     from .store import PostgresStore
 
-__all__ = ["Batch", "Delivery", "Round", "delivering"]
+__all__ = ["Batch", "Delivery", "Round", "delivering", "restart"]
 
 log = logging.getLogger("outboxkit")
 
@@ -173,12 +173,37 @@ class Delivery:
 
     def _fail(self, flow: Flow[Connection], failure: BaseException) -> None:
         """Roll the delivery back after ``failure``; raise the error it is for the delivery
-        (``Flow.error_for``) when that is another (returns when it is ``failure`` itself)."""
+        (``Flow.error_for``) when that is another (returns when it is ``failure`` itself). A
+        handler that ended the batch's transaction fails with ``BatchRolledBack``, the batch
+        begun afresh (``restart``)."""
         error = flow.error_for(failure)
+        conn = self._conn
         if flow.is_open or self._round is None:  # a round's unopened delivery: nothing to undo
-            abort_quietly(self._conn, flow.aborting())
+            aborted = abort_quietly(conn, flow.aborting())
+            if self._batch is not None:
+                if flow.lost_batch(aborted):
+                    error = restart(self._batch, conn, error)
+            else:
+                resets = flow.resetting()
+                if resets is None or not abort_quietly(conn, resets):
+                    conn.close()  # left in a transaction, or as the handler set it: discarded
         if error is not failure:
             raise error from failure
+
+
+def restart(batch: Batch, conn: Connection, failure: BaseException) -> BaseException:
+    """Begin ``batch`` afresh after a handler ended its transaction (``BatchGuard.restarted``);
+    the error the handler's delivery fails with.
+
+    Raises:
+        StoreError: the connection could not be set right (the batch is abandoned).
+    """
+    if not abort_quietly(conn, batch.restarting()):
+        raise batch.unusable() from failure
+    resets, error = batch.restarted(failure)
+    if not abort_quietly(conn, resets):
+        raise batch.unusable() from failure
+    return error
 
 
 class Batch(BatchGuard, SQLBatch):
@@ -194,8 +219,24 @@ class Batch(BatchGuard, SQLBatch):
     def _begin(self) -> None:
         if not self.begun:
             with self._store._mapped("begin the batch", self._conn):
-                self._conn.execute(b"BEGIN")
-            self.begun = True
+                _sync(self._conn, self.beginning())
+            self.began()
+
+    def commit(self) -> None:
+        """Commit the batch's transaction.
+
+        Raises:
+            StoreError: the database failed (the caller rolls back).
+        """
+        with self._store._mapped("commit the batch", self._conn):
+            self._conn.execute(b"COMMIT")
+        self.ended()
+
+    def abort(self) -> None:
+        """Roll the batch's transaction back after a failure that ends the batch (quietly: the
+        failure is the error to see); a connection that cannot is discarded."""
+        if self.begun and not (abort_quietly(self._conn, (b"ROLLBACK",)) and self.ended()):
+            self._conn.close()
 
     def _where(self) -> str:
         return self._store.where
@@ -241,14 +282,16 @@ def _sync(conn: Connection, statements: Sequence[Statement]) -> list[Result]:
     return [Result(c.rowcount, c.fetchall() if has_rows(c) else []) for c in cursors]
 
 
-def abort_quietly(conn: Connection, statements: Sequence[bytes]) -> None:
+def abort_quietly(conn: Connection, statements: Sequence[bytes]) -> bool:
     """Roll a delivery back, quietly: the error that brought us here is the one to report, and
-    a connection that cannot roll back is discarded by the pool."""
+    a connection that cannot roll back is discarded by the pool. Whether every statement ran."""
     try:
         for statement in statements:
             conn.execute(statement)
     except psycopg.Error as exc:
         log.debug("rollback of a delivery failed: %s", exc)
+        return False
+    return True
 
 
 class _Line:

@@ -36,6 +36,7 @@ from psycopg.pq import ExecStatus, TransactionStatus
 from outboxkit._sql.rows import record_params
 from outboxkit.core.model import Claim, Outcome
 from outboxkit.errors import (
+    BatchRolledBack,
     HandlerCrashed,
     LeaseLostError,
     Reject,
@@ -44,7 +45,7 @@ from outboxkit.errors import (
 )
 
 from .errors import session_ended_by_handler
-from .pool import AnyConnection
+from .pool import AnyConnection, hold_transaction, release_transaction
 
 if TYPE_CHECKING:
     from .store import PostgresStore
@@ -61,19 +62,40 @@ __all__ = [
 ]
 
 
+RESET_ROLE = b"RESET ROLE"
+"""R18: a role the handler took (``SET ROLE``) ends with its run: sent before the delivery's
+records, which are outboxkit's writes, not the handler's (``RESET ALL`` keeps the role)."""
+
+RESET_SESSION = b"RESET ALL"
+"""R18: a delivery's session settings (``SET statement_timeout``, ``SET search_path`` ...)
+end with it; sent after its records (the reset ends their open-delivery mark too), before its
+COMMIT (or the release of its savepoint)."""
+
+SESSION_RESETS = (RESET_SESSION, RESET_ROLE)
+"""R18 for a delivery that failed: whatever the handler left on its session, taken back."""
+
+
 @dataclass(frozen=True, slots=True)
 class Frame:
     """How a delivery opens, ends and abandons its transaction (or its savepoint of a batch's):
-    the statements sent in the pipeline syncs around the delivery."""
+    the statements sent in the pipeline syncs around the delivery.
+
+    ``reset``: what the session needs once an abandoned delivery is rolled back (R18): the
+    settings a handler may have left outside the transaction (after ending it).
+    """
 
     begin: bytes  # empty: psycopg begins (a connection without autocommit)
     end: bytes
     abort: tuple[bytes, ...]
+    reset: tuple[bytes, ...] = ()
 
 
-TRANSACTION = Frame(begin=b"BEGIN", end=b"COMMIT", abort=(b"ROLLBACK",))
-# A connection without autocommit (a pool of the app's own): psycopg begins the transaction.
-IMPLICIT = Frame(begin=b"", end=b"COMMIT", abort=(b"ROLLBACK",))
+# An autocommit connection (the store's own pool): outboxkit begins the transaction and holds
+# it (``pool.hold_transaction``) until it ends.
+TRANSACTION = Frame(begin=b"BEGIN", end=b"COMMIT", abort=(b"ROLLBACK",), reset=SESSION_RESETS)
+# A connection without autocommit (a pool of the app's own): psycopg begins the transaction;
+# the reset is then a transaction of its own.
+IMPLICIT = Frame(begin=b"", end=b"COMMIT", abort=(b"ROLLBACK",), reset=(*SESSION_RESETS, b"COMMIT"))
 SAVEPOINT = Frame(
     begin=b"SAVEPOINT outboxkit_delivery",
     end=b"RELEASE SAVEPOINT outboxkit_delivery",
@@ -115,7 +137,75 @@ class BatchGuard:
     # took the connection settles (``settle_last``) in one statement, a transaction of its own:
     # no BEGIN and no COMMIT, two round trips fewer.
     begun: bool = True
+    # Whether outboxkit began the batch's transaction itself, on an autocommit connection, and
+    # holds it (``pool.hold_transaction``) until it ends.
+    held: bool = False
     _conn: AnyConnection
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # The delivery records written inside the batch's transaction so far, as (claim
+        # token, handler): what a handler that ends that transaction takes with it.
+        self.written: list[tuple[str, str]] = []
+
+    def beginning(self) -> list[Statement]:
+        """The statement that begins the batch's transaction on an autocommit connection
+        (lazily: sent by the first delivery that opens its savepoint, or by ``_begin``);
+        ``began`` once it was answered."""
+        self.begun = True
+        return [Statement(b"BEGIN")]
+
+    def began(self) -> None:
+        """The batch's ``BEGIN`` was answered: outboxkit holds the transaction until it ends, so
+        that a statement after a handler's rollback cannot commit on its own (R17)."""
+        hold_transaction(self._conn)
+        self.held = True
+
+    def ended(self) -> bool:
+        """The batch's transaction ended (committed, or rolled back): the connection is back to
+        autocommit. False if it is not idle: the caller discards it."""
+        if not self.held:
+            return True
+        self.held = False
+        return release_transaction(self._conn)
+
+    def restarting(self) -> list[bytes]:
+        """A handler ended the batch's transaction (R17): what rolls back whatever it began
+        instead, before ``restarted``."""
+        conn = self._conn
+        return [] if conn.info.transaction_status == TransactionStatus.IDLE else [b"ROLLBACK"]
+
+    def restarted(self, failure: BaseException) -> tuple[list[bytes], BatchRolledBack]:
+        """After ``restarting``: what resets the session (R18), and the error the handler's
+        delivery fails with, naming the records the lost transaction held. The batch goes on:
+        its transaction begins again (lazily, on an autocommit connection; at once, by psycopg,
+        on one without), the commit guard is queued again.
+
+        Raises:
+            StoreError: the connection is not idle after the rollback.
+        """
+        if not self.ended():
+            raise self.unusable()
+        self.begun = not self._conn.autocommit
+        self.guarded = self.taken = False
+        undone, self.written = tuple(self.written), []
+        error = BatchRolledBack(
+            "a handler ended the batch's transaction (a commit or a rollback through "
+            "ctx.connection); its delivery failed, and the batch's earlier work in that "
+            f"transaction ({len(undone)} delivery record(s)) was rolled back and is redone: "
+            f"{failure}",
+            undone=undone,
+            extensions_lost=True,
+        )
+        return list(SESSION_RESETS), error
+
+    def unusable(self) -> StoreError:
+        """The batch's connection could not be set right after a handler ended its
+        transaction: the batch is abandoned (its events recover by their leases)."""
+        return StoreError(
+            f"PostgreSQL at {self._where()}: the batch's connection could not begin afresh "
+            "after a handler ended its transaction; the batch is abandoned"
+        )
 
     def _where(self) -> str:
         raise NotImplementedError
@@ -179,6 +269,10 @@ class Flow(Generic[C]):
         # opened is, at its end, one fenced statement (``closing``).
         self.is_open = False
         self.open_error: BaseException | None = None
+        self._batch_ended = False  # found by ``aborting``: see ``lost_batch``
+        self._begins_batch = False  # its opening begins the batch's transaction
+        # Whether the delivery's own transaction is held (``pool.hold_transaction``).
+        self.holding = False
 
     @property
     def what(self) -> str:
@@ -194,8 +288,8 @@ class Flow(Generic[C]):
         if batch is not None:
             batch.taken = True  # the handler may use the batch's connection from now on
             if not batch.begun:  # the batch's transaction begins here (``BatchGuard.begun``)
-                statements.append(Statement(b"BEGIN"))
-                batch.begun = True
+                statements += batch.beginning()
+                self._begins_batch = True
         if self._guarding:
             statements.append(Statement(self.store._queries["lock_for_delivery"], self._params))
         if self.frame.begin:
@@ -209,10 +303,17 @@ class Flow(Generic[C]):
         Raises:
             LeaseLostError: the token is stale (the caller rolls back; nothing ran).
         """
+        batch = self._batch
+        if batch is None:
+            if self.frame is TRANSACTION:  # begun: held until it ends (R17)
+                hold_transaction(self.conn)
+                self.holding = True
+        elif self._begins_batch:
+            batch.began()
         # The guard's statement comes before the savepoint and the row lock (and after the
         # batch's BEGIN, when this delivery begins it).
-        if self._guarding and self._batch is not None and results[-3].rowcount == 1:
-            self._batch.guarded = True
+        if self._guarding and batch is not None and results[-3].rowcount == 1:
+            batch.guarded = True
         if not results[-1].rows:
             raise LeaseLostError(f"{self.what}: claim token is stale")
         self.is_open = True
@@ -251,8 +352,10 @@ class Flow(Generic[C]):
     # -- the last sync: the records and the commit ------------------------------------------------
 
     def closing(self) -> list[Statement]:
-        """The last pipeline sync: the queued records and the COMMIT (or the release of the
-        savepoint).
+        """The last pipeline sync: the queued records (each checking that the transaction is
+        still the one outboxkit opened, R17; the last one closing the delivery for the commit
+        guard and taking back the handler's role), the session's settings reset (R18), and
+        the COMMIT (or the release of the savepoint).
 
         A delivery never opened (``must_open`` is false) ends in one statement instead: the
         record inserted only if the token still holds, the row locked meanwhile
@@ -271,8 +374,13 @@ class Flow(Generic[C]):
             return [fenced] if self.frame is TRANSACTION else [fenced, Statement(b"COMMIT")]
         self.check_usable()
         self._phase = _CLOSING
-        insert = self.store._queries["insert_record"]
-        return [Statement(insert, params) for params in self.records] + [Statement(self.frame.end)]
+        insert: bytes = self.store._queries["insert_record"]
+        last = len(self.records) - 1
+        statements = [Statement(RESET_ROLE)]
+        for i, params in enumerate(self.records):
+            statements.append(Statement(insert, {**params, "last": i == last}))
+        statements += [Statement(RESET_SESSION), Statement(self.frame.end)]
+        return statements
 
     def closed(self, results: Sequence[Result]) -> None:
         """Read the last sync's results.
@@ -281,8 +389,15 @@ class Flow(Generic[C]):
             LeaseLostError: the fenced record of a delivery never opened found the token stale
                 (nothing was written).
         """
-        if not self.is_open and not results[0].rows:
-            raise LeaseLostError(f"{self.what}: claim token is stale")
+        if not self.is_open:
+            if not results[0].rows:
+                raise LeaseLostError(f"{self.what}: claim token is stale")
+        elif self._batch is not None:  # held by the batch's transaction until it commits
+            token = self.claim.token
+            self._batch.written += [(token, params["handler"]) for params in self.records]
+        elif self.holding:  # committed: the connection is back to autocommit
+            self.holding = False
+            release_transaction(self.conn)
 
     # -- failures ---------------------------------------------------------------------------------
 
@@ -308,6 +423,15 @@ class Flow(Generic[C]):
         if self._phase == _CLOSING:
             if isinstance(exc, pg_errors.UniqueViolation):
                 return StoreError(f"{self.what} already has a delivery record")
+            if isinstance(exc, pg_errors.NotNullViolation) and exc.diag.column_name == "event_id":
+                # insert_record found the delivery's mark gone (R17): the transaction the
+                # handler returned in is not the one outboxkit opened.
+                return HandlerCrashed(
+                    f"{self.what}: a handler rolled back its delivery transaction (or ended "
+                    "it and began another) and went on; outboxkit commits the delivery "
+                    "transaction together with the delivery record, so nothing of this "
+                    "delivery was committed and it runs again"
+                )
             if isinstance(exc, psycopg.Error):
                 return store._error(exc, f"commit the delivery of {self.what}", conn)
             return exc
@@ -332,14 +456,41 @@ class Flow(Generic[C]):
         return exc
 
     def aborting(self) -> tuple[bytes, ...]:
-        """The statements that roll the delivery back (to its savepoint), or none when there is
-        nothing to roll back: the connection is gone (the pool discards it) or idle."""
+        """The statements that roll the delivery back (to its savepoint); none when the
+        connection is gone (the pool discards it) or idle. A batch's transaction found ended
+        (idle) has nothing to roll back to: the handler ended it (``lost_batch``)."""
         conn = self.conn
-        if not self.is_open and self._batch is not None:
-            return ()  # a delivery in a batch that never opened its savepoint
-        if conn.closed or conn.broken or conn.info.transaction_status == TransactionStatus.IDLE:
-            return ()
-        return self.frame.abort
+        if conn.closed or conn.broken or (not self.is_open and self._batch is not None):
+            return ()  # gone, or a delivery in a batch that never opened its savepoint
+        idle = conn.info.transaction_status == TransactionStatus.IDLE
+        if self._batch is not None:
+            self._batch_ended = idle
+        return () if idle else self.frame.abort
+
+    def resetting(self) -> tuple[bytes, ...] | None:
+        """After ``aborting``'s statements ran, for a delivery of its own: the transaction
+        outboxkit held is let go (autocommit back), and what resets the session of a
+        delivery whose handler had the connection (R18). None: the connection is still in a
+        transaction (the rollback failed), the caller discards it."""
+        if self.holding:
+            self.holding = False
+            if not release_transaction(self.conn):
+                return None
+        return self.frame.reset if self.is_open else ()
+
+    def lost_batch(self, aborted: bool) -> bool:
+        """Whether this delivery's handler ended the transaction of the batch it ran in: it
+        had the connection, which is still usable, and the transaction was found ended, or
+        rolling back to the delivery's savepoint failed (``aborted`` is false: the savepoint
+        is not in the transaction any more). See ``BatchGuard.rolled_back``."""
+        conn = self.conn
+        return (
+            self._batch is not None
+            and self.is_open
+            and not conn.closed
+            and not conn.broken
+            and (self._batch_ended or not aborted)
+        )
 
 
 class Transaction(Generic[C]):

@@ -44,6 +44,8 @@ from .loops import close_from_blocking, finish
 
 __all__ = [
     "AnyConnection",
+    "hold_transaction",
+    "release_transaction",
     "Lender",
     "AsyncConnection",
     "AsyncPool",
@@ -259,13 +261,17 @@ class Pool:
         conn = self._getconn(pool, doing)
         try:
             yield conn
-            if must_commit(conn):
+            if not self.owned and must_commit(conn):
                 conn.commit()
         except BaseException:
             if must_roll_back(conn):
                 rollback_quietly(conn)
             raise
         finally:
+            # The store's own connections go back in autocommit, or not at all (a transaction
+            # held by a delivery that could not end it: ``hold_transaction``).
+            if self.owned and not conn.autocommit and not release_transaction(conn):
+                conn.close()
             pool.putconn(conn)
 
     def _getconn(self, pool: ConnectionPool[Any] | Lender, doing: str) -> Connection:
@@ -420,13 +426,15 @@ class AsyncPool:
         conn = await self._getconn(pool, doing)
         try:
             yield conn
-            if must_commit(conn):
-                await conn.commit()
         except BaseException:
             if must_roll_back(conn):
                 await _rollback_quietly_async(conn)
             raise
         finally:
+            # Its own autocommit connections go back in autocommit, or not at all (see
+            # ``Pool.connection``).
+            if not conn.autocommit and not release_transaction(conn):
+                await conn.close()
             await pool.putconn(conn)
 
     async def _getconn(self, pool: AsyncConnectionPool[Any], doing: str) -> AsyncConnection:
@@ -524,6 +532,33 @@ async def _close_at_loop_end(pool: AsyncConnectionPool[Any]) -> None:
     except asyncio.CancelledError:
         await pool.close()
         raise
+
+
+def hold_transaction(conn: AnyConnection) -> None:
+    """Hold the transaction outboxkit just began on an autocommit connection (its ``BEGIN``
+    answered, in the delivery's first pipeline sync): until ``release_transaction``, psycopg
+    takes the connection as one without autocommit, so that a statement a handler runs after
+    ending that transaction (``ctx.connection.rollback()``, a raw ``ROLLBACK``) begins a
+    transaction of psycopg's, which outboxkit rolls back, instead of committing at once, on
+    every attempt (R17).
+
+    psycopg's setter refuses to turn autocommit off inside a transaction, and turning it off
+    before the ``BEGIN`` would make psycopg send a ``BEGIN`` of its own in a round trip of its
+    own, on every delivery: the flag is set here, on the driver's attribute (``_autocommit``,
+    what the public property reads; outboxkit's one write of psycopg's private state, checked
+    by ``tests/integration/pg/test_delivery_integrity.py``).
+    """
+    conn._autocommit = False
+
+
+def release_transaction(conn: AnyConnection) -> bool:
+    """End ``hold_transaction`` once the connection is idle again: autocommit back on. False
+    (nothing changed) when it is still in a transaction: its caller discards it, since the
+    pool must never get a connection without autocommit back."""
+    if conn.closed or conn.pgconn.transaction_status != TransactionStatus.IDLE:
+        return False
+    conn._autocommit = True
+    return True
 
 
 def must_commit(conn: AnyConnection) -> bool:

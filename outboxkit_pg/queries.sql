@@ -371,11 +371,18 @@ SELECT id, set_config('outboxkit.open_delivery', id::text, true)
    FOR UPDATE
 
 -- name: insert_record
--- The record closes the open delivery for the commit guard (see migration_2).
+-- R17: a record is written only in the transaction (or savepoint) that lock_for_delivery or
+-- lock_in_batch opened: their open-delivery mark is transaction-local, so a handler that rolled
+-- that transaction back (whole, or to a point before the lock) and wrote again in a new one
+-- finds it gone, and the NULL event id then fails the insert (not_null_violation on event_id,
+-- which the store reports as the handler's failure; nothing of the delivery commits). The last
+-- record of a delivery closes it for the commit guard (see migration_2).
 INSERT INTO {deliveries} (event_id, handler, outcome, attempt, recorded_at, reason)
-VALUES (%(event_id)s, %(handler)s, %(outcome)s, %(attempt)s,
-        coalesce(%(now)s::timestamptz, now()), %(reason)s)
-RETURNING set_config('outboxkit.open_delivery', '', true)
+VALUES (CASE WHEN current_setting('outboxkit.open_delivery', true) = %(event_id)s::text
+             THEN %(event_id)s::bigint END,
+        %(handler)s, %(outcome)s, %(attempt)s, coalesce(%(now)s::timestamptz, now()),
+        %(reason)s)
+RETURNING CASE WHEN %(last)s::boolean THEN set_config('outboxkit.open_delivery', '', true) END
 
 -- name: insert_record_fenced
 -- A delivery whose handler never used its connection (a non-transactional handler, a rejection,

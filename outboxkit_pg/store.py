@@ -54,7 +54,7 @@ from outboxkit.core.model import Claim, Event, Migration, NewEvent, Outcome
 from outboxkit.errors import ConfigurationError, SchemaError, StoreError, migrate_hint
 from outboxkit.store import Capabilities, SettleItem
 
-from .delivery import Batch, Delivery, Round, abort_quietly, delivering
+from .delivery import Batch, Delivery, Round, delivering
 from .errors import map_error
 from .flow import check_usable, has_rows
 from .listen import NotifyWaiter
@@ -700,11 +700,9 @@ class PostgresStore(SQLStore):
                 batch.write_kept()
                 if batch.begun:
                     check_usable(conn, self.where, "the batch")
-                    with self._mapped("commit the batch", conn):
-                        conn.execute(b"COMMIT")
+                    batch.commit()
             except BaseException:
-                if batch.begun:
-                    abort_quietly(conn, (b"ROLLBACK",))  # the error raised is the one to see
+                batch.abort()
                 raise
 
     # -- wake-ups -------------------------------------------------------------------------------

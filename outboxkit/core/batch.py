@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import NamedTuple
 
-from ..errors import LeaseLostError
+from ..errors import BatchRolledBack, LeaseLostError
 from .backoff import BackoffPolicy
 from .machine import (
     PUBLISH,
@@ -112,7 +112,9 @@ class ClaimedBatch:
         self.report = PollReport(claimed=[c.event.id for c in claims])
         self._position = {c.event.id: i for i, c in enumerate(claims)}
         self._unstarted: deque[Claim] = deque(claims)
-        self._deadlines = {c.token: claimed_at + lease for c in claims}
+        self._handed_back: list[Claim] = []  # delivered, but their work was undone: released
+        self._claimed_until = claimed_at + lease  # every claim's own deadline
+        self._deadlines = {c.token: self._claimed_until for c in claims}
         # Every deadline that a later check_lease asks about is at least this one's (the
         # claims' own, then the extension's): before held_until of it, every lease is HELD.
         self._held_until = held_until(deadline=claimed_at + lease, lease=lease)
@@ -264,7 +266,8 @@ class ClaimedBatch:
     # -- what happened ------------------------------------------------------------------------------
 
     def delivered(self, run: EventRun, delivery: Delivery) -> None:
-        """One of ``run``'s handlers ran (``CRASHED``: the lease was lost under it)."""
+        """One of ``run``'s handlers ran (``CRASHED``: the lease was lost under it). A run
+        that ended the batch's transaction (``BatchRolledBack``) undoes what it held."""
         self.report.deliveries.append(delivery)
         if delivery.outcome is Outcome.CRASHED:
             self.lose(run)
@@ -272,6 +275,34 @@ class ClaimedBatch:
         run.outcomes[delivery.handler] = delivery.outcome
         if delivery.outcome is Outcome.FAILED:
             run.errors.append(f"{delivery.handler}: {delivery.error}")
+            if isinstance(delivery.exception, BatchRolledBack):
+                self._rolled_back(delivery.exception)
+
+    def _rolled_back(self, rollback: BatchRolledBack) -> None:
+        """A handler ended the batch's transaction (R17): the delivery records it held are
+        gone, with their handlers' writes. Those handlers did not run after all: the event in
+        hand decides its settlement without them (its attempt is spent by the handler that
+        failed); an event already finished is not settled but handed back, its attempt
+        refunded (``unstarted``), to be delivered again. A lease extension written in that
+        transaction is gone too: the leases are back at the claim's deadline."""
+        undone: dict[str, list[str]] = {}
+        for token, handler in rollback.undone:
+            undone.setdefault(token, []).append(handler)
+        for token, handlers in undone.items():
+            run = self._running.get(token)
+            if run is not None:
+                for handler in handlers:
+                    run.outcomes.pop(handler, None)
+                continue
+            for settled in self._to_write:
+                if settled.claim.token == token:
+                    self._to_write.remove(settled)
+                    self._handed_back.append(settled.claim)
+                    break
+        if rollback.extensions_lost:
+            for token in self._deadlines:
+                self._deadlines[token] = self._claimed_until
+            self._held_until = held_until(deadline=self._claimed_until, lease=self.lease)
 
     def finish(self, run: EventRun) -> Settled | None:
         """R8: decide ``run``'s settlement and queue it for the round's write; None when its
@@ -334,9 +365,11 @@ class ClaimedBatch:
         return done
 
     def unstarted(self) -> list[Claim]:
-        """The claims not started (the poller is stopping): to be released. Taken."""
-        claims = list(self._unstarted)
+        """The claims to release, taken: those not started (the poller is stopping), and those
+        whose delivered work a handler's rollback of the batch undid (``delivered``)."""
+        claims = [*self._handed_back, *self._unstarted]
         self._unstarted.clear()
+        self._handed_back.clear()
         for claim in claims:
             self._deadlines.pop(claim.token, None)
         self.report.released.extend(c.event.id for c in claims)
