@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from . import handling
 from .bus import HandlerSpec
 from .core.batch import ClaimedBatch, EventRun
-from .core.machine import LeaseCheck, outage_delay, prefetches
+from .core.machine import LeaseCheck, check_lease, lost_of, outage_delay, prefetches
 from .core.model import Claim, Delivery, Event, Outcome, PollReport
 from .core.options import PollerOptions
 from .errors import (
@@ -84,6 +84,7 @@ class AsyncPoller(handling.Shell):
         # Set (and replaced) whenever a relay's publish ends: the workers whose events it held
         # wait on it (``_relay``).
         self._relay_answered = asyncio.Event()
+        self._prefetcher: _AsyncPrefetcher | None = None  # the loop's, while it runs
 
     def _described(self) -> str:
         return f", concurrency={self.concurrency}"
@@ -119,6 +120,7 @@ class AsyncPoller(handling.Shell):
     async def _round(self, prefetcher: _AsyncPrefetcher | None) -> PollReport:
         """``Poller._round``: with ``prefetch``, the next claim runs in a task of its own while
         this batch is delivered."""
+        self._prefetcher = prefetcher
         prefetched = None if prefetcher is None else await prefetcher.take()
         if prefetched is not None and prefetched[1]:
             claimed_at, claims = prefetched
@@ -262,6 +264,9 @@ class AsyncPoller(handling.Shell):
         extending: asyncio.Lock,
     ) -> bool:
         outbox = self.outbox
+        if self._prefetcher is not None:
+            async with extending:
+                await self._prefetcher.keep()  # the next batch's leases too, while it waits
         check = batch.check_lease(run, outbox.local_clock.now())
         if check is LeaseCheck.EXTEND:
             async with extending:  # one extension for every worker that found the lease low
@@ -400,14 +405,37 @@ class _AsyncPrefetcher:
     def __init__(self, poller: AsyncPoller) -> None:
         self._poller = poller
         self._pending: asyncio.Task[tuple[datetime, list[Claim]]] | None = None
+        self._kept: tuple[datetime, list[Claim]] | None = None  # what ``keep`` extended
 
     def start(self) -> None:
         if self._pending is None:
             self._pending = asyncio.ensure_future(self._poller._claim())
 
+    async def keep(self) -> None:
+        """``poller._Prefetcher.keep``: the waiting claims' leases extended once low."""
+        pending = self._pending
+        if pending is None or not pending.done() or pending.exception() is not None:
+            return
+        poller = self._poller
+        outbox, lease = poller.outbox, poller.options.lease
+        claimed_at, claims = self._kept or pending.result()
+        now = outbox.local_clock.now()
+        if not claims or check_lease(deadline=claimed_at + lease, now=now, lease=lease) is not (
+            LeaseCheck.EXTEND
+        ):
+            return
+        kept = await poller.store.extend(claims, lease=lease, now=outbox.store_now())
+        for claim in lost_of(claims, kept):
+            handling.lease_lost(outbox, claim, None)
+        self._kept = (now, kept)
+
     async def take(self) -> tuple[datetime, list[Claim]] | None:
         pending, self._pending = self._pending, None
-        return None if pending is None else await pending
+        kept, self._kept = self._kept, None
+        if pending is None:
+            return None
+        result = await pending
+        return kept or result
 
     async def release(self) -> None:
         """Hand back what the pending claim took; its own failure, or one of the release, is

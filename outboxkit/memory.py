@@ -120,6 +120,9 @@ class MemoryTransaction:
         self._pending = _Pending()
         self._managed = managed
         self.open = True
+        # What a handler tried to do to its delivery transaction (refused), if it did: the
+        # delivery then fails, whatever the handler made of the refusal (R17).
+        self.refused: str | None = None
 
     def insert(self, table: str, row: Mapping[str, Any]) -> None:
         """Insert an app row into ``table``; it commits or rolls back with the transaction."""
@@ -164,6 +167,7 @@ class MemoryTransaction:
 
     def _refuse_if_managed(self, what: str) -> None:
         if self._managed:
+            self.refused = what
             raise HandlerCrashed(
                 f"a handler may not {what} its delivery transaction: outboxkit commits it "
                 "together with the delivery record"
@@ -192,6 +196,19 @@ class _MemoryDelivery:
     @property
     def connection(self) -> MemoryTransaction:
         return self.tx
+
+    def check_kept(self) -> None:
+        """R17: the handler did not try to end its delivery transaction.
+
+        Raises:
+            HandlerCrashed: it tried to (refused, whatever it made of the refusal).
+        """
+        if self.tx.refused is not None:
+            raise HandlerCrashed(
+                f"event {self._claim.event.id}: a handler tried to {self.tx.refused} its "
+                "delivery transaction; outboxkit commits it together with the delivery record, "
+                "so nothing of this delivery was committed and it runs again"
+            )
 
     def enqueue(self, events: Sequence[NewEvent]) -> list[int]:
         return self._store.enqueue(self.tx, events, now=self._now)
@@ -229,8 +246,10 @@ class _MemoryBatch:
         self._lock(claim)
         delivery = _MemoryDelivery(store, claim, _now(now), self.tx)
         mark = self.tx._pending.mark()
+        self.tx.refused = None
         try:
             yield delivery
+            delivery.check_kept()
         except BaseException:
             self.tx._pending.roll_back_to(mark)
             raise
@@ -492,6 +511,7 @@ class MemoryStore:
         row = self._lock_row(claim, delivery)
         try:
             yield delivery
+            delivery.check_kept()
         except BaseException:
             delivery.tx._rollback()
             raise

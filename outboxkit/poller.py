@@ -19,7 +19,14 @@ from typing import TYPE_CHECKING
 from . import handling
 from .bus import HandlerSpec
 from .core.batch import ClaimedBatch, EventRun
-from .core.machine import MAX_OUTAGE_WAIT, LeaseCheck, outage_delay, prefetches
+from .core.machine import (
+    MAX_OUTAGE_WAIT,
+    LeaseCheck,
+    check_lease,
+    lost_of,
+    outage_delay,
+    prefetches,
+)
 from .core.model import Claim, Delivery, Event, Outcome, PollReport
 from .core.options import PollerOptions
 from .errors import (
@@ -83,6 +90,7 @@ class Poller(handling.Shell):
         if waiter is None:
             self._owned = outbox.store.make_waiter()
         self.waiter: Waiter = waiter or self._owned or ThreadWaiter()
+        self._prefetcher: _Prefetcher | None = None  # the loop's, while it runs
         # Per event, a store with rounds of its own serves each round's deliveries.
         self._rounds = not self._batched and isinstance(outbox.store, Rounds)
 
@@ -117,7 +125,9 @@ class Poller(handling.Shell):
 
     def _round(self, prefetcher: _Prefetcher | None) -> PollReport:
         """One round of the loops: ``run_once``, or with ``prefetch`` the claim made while the
-        last batch was delivered, the next one made while this one is (``prefetches``)."""
+        last batch was delivered, the next one made while this one is (``prefetches``), its
+        leases kept alive meanwhile (``_keep_lease``)."""
+        self._prefetcher = prefetcher
         prefetched = None if prefetcher is None else prefetcher.take()
         if prefetched is not None and prefetched[1]:
             claimed_at, claims = prefetched
@@ -246,6 +256,8 @@ class Poller(handling.Shell):
 
     def _keep_lease(self, deliveries: Deliveries, batch: ClaimedBatch, run: EventRun) -> bool:
         outbox = self.outbox
+        if self._prefetcher is not None:
+            self._prefetcher.keep()  # the next batch's leases too, while it waits
         check = batch.check_lease(run, outbox.local_clock.now())
         if check is LeaseCheck.EXTEND:
             asked = batch.to_extend()
@@ -394,14 +406,43 @@ class _Prefetcher:
         self._poller = poller
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="outboxkit-prefetch")
         self._pending: Future[tuple[datetime, list[Claim]]] | None = None
+        self._kept: tuple[datetime, list[Claim]] | None = None  # what ``keep`` extended
 
     def start(self) -> None:
         if self._pending is None:
             self._pending = self._executor.submit(self._poller._claim)
 
+    def keep(self) -> None:
+        """R13 for the claims waiting for their turn: once less than half of their lease is
+        left, extend them (a claim another poller took meanwhile is dropped, its lease lost),
+        so that they are still held when the batch in hand is done.
+
+        Raises:
+            StoreError: the extension failed (the round fails as for any store error).
+        """
+        pending = self._pending
+        if pending is None or not pending.done() or pending.exception() is not None:
+            return
+        poller = self._poller
+        outbox, lease = poller.outbox, poller.options.lease
+        claimed_at, claims = self._kept or pending.result()
+        now = outbox.local_clock.now()
+        if not claims or check_lease(deadline=claimed_at + lease, now=now, lease=lease) is not (
+            LeaseCheck.EXTEND
+        ):
+            return
+        kept = outbox.store.extend(claims, lease=lease, now=outbox.store_now())
+        for claim in lost_of(claims, kept):
+            handling.lease_lost(outbox, claim, None)
+        self._kept = (now, kept)
+
     def take(self) -> tuple[datetime, list[Claim]] | None:
         pending, self._pending = self._pending, None
-        return None if pending is None else pending.result()
+        kept, self._kept = self._kept, None
+        if pending is None:
+            return None
+        result = pending.result()
+        return kept or result
 
     def release(self) -> None:
         """Hand back what the pending claim took; its own failure, or one of the release, is

@@ -213,6 +213,8 @@ class _Pool:
             return
         # The thread is idle here (its last step was awaited), so the flag is read safely.
         usable = finished and not in_transaction(conn.store_connection)
+        if usable and conn.store_connection.dirty:  # R18: queued before its next use
+            conn.submit(conn.store_connection.reset_quietly)
         with self._lock:
             if usable and not self.closed:
                 self._idle.append(conn)

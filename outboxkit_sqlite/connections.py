@@ -101,6 +101,31 @@ class StoreConnection(sqlite3.Connection):
 
     delivery: Any = None
     _controlling = False
+    # R18: a handler had the connection (a delivery opened on it) since its session settings
+    # were last reset; ``Connections`` resets them before anyone else gets it.
+    dirty = False
+    session: tuple[str, ...] = ()  # the settings it is opened with (``connect``)
+
+    def reset_session(self) -> None:
+        """R18: the settings a handler may have changed (``PRAGMA query_only``,
+        ``foreign_keys``, ``busy_timeout`` ...) back to those the store opens its connections
+        with, outside any transaction.
+
+        Raises:
+            sqlite3.Error: SQLite refused (the caller drops the connection).
+        """
+        for statement in self.session:
+            self.execute(statement)
+        self.dirty = False
+
+    def reset_quietly(self) -> None:
+        """``reset_session``; a connection SQLite refuses to reset is closed (and dropped by
+        its pool), the failure logged."""
+        try:
+            self.reset_session()
+        except sqlite3.Error as exc:
+            log.warning("SQLite: a connection's settings could not be reset; closing it: %s", exc)
+            self.close()
 
     def guard(self) -> None:
         self.set_authorizer(self._authorize)
@@ -140,8 +165,15 @@ def connect(path: str, *, busy_timeout: float) -> StoreConnection:
     try:
         conn.guard()
         conn.text_factory = read_text
-        conn.execute("PRAGMA synchronous=NORMAL")
-        conn.execute(f"PRAGMA journal_size_limit={JOURNAL_SIZE_LIMIT}")
+        conn.session = (
+            "PRAGMA synchronous=NORMAL",
+            f"PRAGMA journal_size_limit={JOURNAL_SIZE_LIMIT}",
+            f"PRAGMA busy_timeout={round(busy_timeout * 1000)}",
+            "PRAGMA query_only=0",
+            "PRAGMA foreign_keys=0",
+            "PRAGMA recursive_triggers=0",
+        )
+        conn.reset_session()
     except BaseException:
         conn.close()
         raise
@@ -185,7 +217,9 @@ class Connections:
         return self._connect() if conn is None else conn
 
     def give(self, conn: StoreConnection) -> None:
-        """Hand back a connection ``take`` gave."""
+        """Hand back a connection ``take`` gave (its session reset if a handler had it)."""
+        if conn.dirty and not in_transaction(conn):
+            conn.reset_quietly()
         if self._shared is not None:
             self._shared_lock.release()
         else:

@@ -32,6 +32,8 @@ from .errors import database_failure, map_error
 if TYPE_CHECKING:
     from .store import SQLiteStore
 
+WRITABLE = "PRAGMA query_only=0"
+
 __all__ = [
     "Batch",
     "Delivery",
@@ -127,6 +129,9 @@ class Delivery:
     def _write_record(self, handler: str, params: Mapping[str, Any]) -> None:
         self.check_open()
         with self._store._mapped(f"record {handler!r} for event {self._claim.event.id}"):
+            # The record is outboxkit's write, not the handler's: a handler that made its
+            # connection read-only does not make the store fail (R18).
+            self.conn.execute(WRITABLE)
             self.conn.execute(self._store._queries["insert_record"], params)
 
     def write_fenced(self) -> bool:
@@ -156,6 +161,20 @@ class Delivery:
     def single_record(self) -> bool:
         """Whether the block ended with exactly one record kept (``write_fenced`` can end it)."""
         return self._deferred is not None and len(self._deferred) == 1
+
+    def check_kept(self) -> None:
+        """R17: the handler did not try to end its delivery transaction (the authorizer
+        refused it, whatever the handler made of the refusal).
+
+        Raises:
+            HandlerCrashed: it tried to.
+        """
+        if self.ended_by_handler:
+            raise HandlerCrashed(
+                f"event {self._claim.event.id}: a handler tried to commit or roll back its "
+                "delivery transaction (refused: outboxkit commits it with the delivery record); "
+                "nothing of this delivery was committed and it runs again"
+            )
 
     def check_open(self) -> None:
         """Raises HandlerCrashed if the transaction is no longer open (a handler closed it)."""
@@ -354,8 +373,10 @@ def delivering(
     if tx is None:
         tx = Delivery(store, conn, claim, at)
     conn.delivery = tx
+    conn.dirty = True  # the handler gets it: its settings are reset before its next user
     try:
         yield tx
+        tx.check_kept()
         tx.write_deferred()
         tx.check_open()
     except Exception as exc:

@@ -65,6 +65,7 @@ __all__ = [
     "is_due",
     "held_until",
     "lease_is_low",
+    "lost_of",
     "outage_delay",
     "outcome_of",
     "plan",
@@ -376,6 +377,12 @@ def check_lease(*, deadline: datetime, now: datetime, lease: timedelta) -> Lease
     if lease_is_low(remaining=deadline - now, lease=lease):
         return LeaseCheck.EXTEND
     return LeaseCheck.HELD
+
+
+def lost_of(asked: Sequence[Claim], kept: Sequence[Claim]) -> list[Claim]:
+    """R13: the claims of ``asked`` that an extension did not keep (their leases are gone)."""
+    tokens = {claim.token for claim in kept}
+    return [claim for claim in asked if claim.token not in tokens]
 
 
 def prefetches(*, enabled: bool, claimed: int, batch_size: int) -> bool:

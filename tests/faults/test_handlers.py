@@ -7,6 +7,8 @@ frozen clock: not marked ``faults``, the default run includes them.
 
 from __future__ import annotations
 
+import contextlib
+
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -154,3 +156,42 @@ def test_a_handler_committing_inside_a_batch_leaks_nothing(backend: str, tmp_pat
             event = site.store.get(event_id)
             assert event is not None and event.published_at is not None
         assert site.committed_orders() == 3
+
+
+@pytest.mark.parametrize("mode", ["per_event", "per_batch"])
+@pytest.mark.parametrize("backend", ["memory", *SQL_BACKENDS])
+def test_a_handler_that_rolls_back_and_goes_on_fails_whatever_the_store_made_of_it(
+    backend: str, mode: str, tmp_path: Path
+) -> None:
+    """R17 on every store: a handler writes, rolls its delivery transaction back
+    (``ctx.connection.rollback()``; the memory store and SQLite's authorizer refuse it,
+    PostgreSQL does it), catches whatever that raised, writes again and returns. The delivery
+    fails: none of its writes commit, no record; the retry writes once."""
+    with open_site(backend, tmp_path) as site:
+        clock = FrozenClock()
+        bus = EventBus()
+
+        @bus.handler("t", name="ledger")
+        def ledger(event: Event, ctx: Any) -> None:
+            site.write_order(ctx.connection)
+            if ctx.attempt == 1:
+                with contextlib.suppress(Exception):  # refused: the handler goes on
+                    ctx.connection.rollback()
+                site.write_order(ctx.connection)
+
+        outbox = Outbox(site.store, bus, clock=clock, lease=LEASE)
+        with site.store.transaction() as conn:
+            (event_id,) = outbox.enqueue_many(conn, [("t", 1)])
+        poller = outbox.poller(transaction=mode)
+        report = poller.run_once()
+        (delivery,) = report.deliveries
+        assert delivery.outcome is Outcome.FAILED
+        assert isinstance(delivery.exception, HandlerCrashed)
+        assert report.retried == [event_id]
+        assert site.committed_orders() == 0
+        assert site.store.records(event_id) == []
+        clock.advance(LEASE)
+        assert poller.run_once().published == [event_id]
+        assert site.committed_orders() == 1
+        (record,) = site.store.records(event_id)
+        assert record.attempt == 2

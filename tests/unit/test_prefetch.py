@@ -194,3 +194,57 @@ def test_the_test_kit_drains_without_prefetch_whatever_the_app_says(side: str) -
     Drain(outbox, clock)()
     assert len(seen) == 35
     assert claims.prefetched == 0 and len(claims.threads) == 5  # 10, 10, 10, 5, then none
+
+
+@pytest.mark.parametrize(
+    ("side", "transaction"),
+    [("blocking", "per_event"), ("blocking", "per_batch"), ("asyncio", "per_event")],
+)
+def test_the_prefetched_batch_keeps_its_leases_while_it_waits(side: str, transaction: str) -> None:
+    """Item 6: ``lease=1``, ``batch_size=5``, a 0.3 s handler, ``max_retries=0``. The batch in
+    hand takes 1.5 s, longer than the prefetched batch's lease: its leases are extended while
+    it waits, as the batch in hand's are, so every event runs once and none is dead-lettered
+    with "attempts used up" (before: 10 of 20 dead, their handler never run)."""
+    store = MemoryStore()
+    clock = FrozenClock()
+    prefetched = threading.Event()
+    claim = store.claim
+
+    def claiming(**kwargs: Any) -> Any:
+        claims = claim(**kwargs)
+        if threading.current_thread() is not threading.main_thread() or side == "asyncio":
+            prefetched.set()
+        return claims
+
+    store.claim = claiming  # type: ignore[method-assign]
+    seen: Counter[int] = Counter()
+    bus = EventBus()
+
+    if side == "asyncio":
+
+        @bus.handler("t", name="slow")
+        async def slow_async(event: Event, ctx: Any) -> None:
+            for _ in range(20):  # the prefetch task claims before the clock moves
+                await asyncio.sleep(0)
+            seen[event.id] += 1
+            clock.advance(0.3)
+
+    else:
+
+        @bus.handler("t", name="slow")
+        def slow(event: Event, ctx: Any) -> None:
+            assert prefetched.wait(timeout=10)  # the prefetch claimed before the clock moves
+            seen[event.id] += 1
+            clock.advance(0.3)
+
+    outbox = Outbox(store, bus, clock=clock, max_retries=0, load_entry_points=False)
+    with store.transaction() as tx:
+        ids = outbox.enqueue_many(tx, [("t", {"n": i}) for i in range(20)])
+    options: dict[str, Any] = {"batch_size": 5, "lease": 1.0, "prefetch": True}
+    if side == "asyncio":
+        asyncio.run(outbox.async_poller(**options).run_until_idle())
+    else:
+        outbox.poller(transaction=transaction, **options).run_until_idle()
+    stats = store.stats(now=None)
+    assert stats.dead == 0 and stats.published == 20
+    assert seen == Counter(ids)  # every handler ran, once

@@ -38,7 +38,7 @@ from outboxkit.core.model import (
     NewEvent,
     Stats,
 )
-from outboxkit.errors import ConfigurationError
+from outboxkit.errors import ConfigurationError, HandlerCrashed
 from outboxkit.store import Capabilities, SettleItem
 from outboxkit.waiter import ClosingWaiter
 from outboxkit_sqlite.connections import retry_busy
@@ -402,14 +402,43 @@ def _delivering(
     at = store._instant(now)
     check_owned(store, conn, claim)
     tx = SQLiteDelivery(store, conn, claim, at)
+    marked = _marked(store.alias)
     try:
         yield tx
+        _refuse_marked(store.alias, claim, marked)
         tx.check_open()
     except Exception as exc:
         instead = handler_failure(store, tx, claim, exc)
         if instead is None:
             raise
         raise instead from exc
+
+
+def _marked(alias: str) -> bool:
+    """Whether Django's atomic block on ``alias`` is marked for rollback (``needs_rollback``):
+    a database error inside it that the code caught (an ORM ``IntegrityError``) leaves it so,
+    and Django then rolls the block back when it ends, without raising."""
+    from django.db import connections
+
+    return bool(connections[alias].needs_rollback)
+
+
+def _refuse_marked(alias: str, claim: Claim, before: bool) -> None:
+    """R17: a delivery whose handler left Django's atomic block marked for rollback fails: its
+    writes, and the record, would otherwise be rolled back silently when the block ends, and
+    the event published as delivered.
+
+    Raises:
+        HandlerCrashed: the block is marked now and was not when the handler started.
+    """
+    if not before and _marked(alias):
+        raise HandlerCrashed(
+            f"event {claim.event.id}: the handler left Django's transaction marked for "
+            "rollback (a database error it caught, such as an IntegrityError, inside the "
+            "delivery's atomic block, or transaction.set_rollback(True)); nothing of this "
+            "delivery was committed and it runs again. Wrap a write that may fail in its own "
+            "transaction.atomic() block to recover from it inside the handler"
+        )
 
 
 def _close_if_stale(alias: str) -> None:
@@ -528,7 +557,9 @@ class _DjangoPostgres(_PostgresStore):
             _pg_delivering(self, raw, claim, now, _DjangoPGBatch(self, raw)) as tx,
         ):
             _ = tx.connection  # opened (row locked, token checked) before the handler runs
+            marked = _marked(self.alias)
             yield tx
+            _refuse_marked(self.alias, claim, marked)
 
     @contextmanager
     def batch(self, *, now: datetime | None) -> Iterator[_DjangoPGBatch]:
@@ -557,8 +588,22 @@ class _DjangoPGBatch(_PGBatch):
     whatever it touches: the ORM writes on Django's connection, never through
     ``ctx.connection``, and they must be inside the delivery's savepoint."""
 
+    _store: _DjangoPostgres
+
     @contextmanager
     def delivery(self, claim: Claim, *, now: datetime | None) -> Iterator[_PGDelivery]:
-        with super().delivery(claim, now=now) as tx:
-            _ = tx.connection
-            yield tx
+        alias = self._store.alias
+        marked = _marked(alias)
+        try:
+            with super().delivery(claim, now=now) as tx:
+                _ = tx.connection
+                yield tx
+                _refuse_marked(alias, claim, marked)
+        except Exception:
+            if not marked and _marked(alias) and self.begun:
+                # The delivery's savepoint was rolled back, and with it what the mark was
+                # for: the batch's block is sound again (Django would roll all of it back).
+                from django.db import transaction
+
+                transaction.set_rollback(False, using=alias)
+            raise

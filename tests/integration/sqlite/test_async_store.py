@@ -28,6 +28,7 @@ from outboxkit import (
     Event,
     EventBus,
     FrozenClock,
+    HandlerCrashed,
     InvalidEvent,
     LeaseLostError,
     Message,
@@ -435,7 +436,11 @@ async def test_only_the_store_ends_its_own_transactions(
 
     outbox = make_outbox(store, bus, clock)
     (event_id,) = enqueue(store, outbox)
-    assert (await outbox.async_poller().run_once()).published == [event_id]
+    report = await outbox.async_poller().run_once()
+    # R17: refused, and the delivery fails all the same (see the blocking store's test).
+    (delivery,) = report.deliveries
+    assert isinstance(delivery.exception, HandlerCrashed)
+    assert report.retried == [event_id]
     assert tried == ["COMMIT", "ROLLBACK", "END", "BEGIN"]
 
 

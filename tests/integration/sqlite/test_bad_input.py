@@ -20,6 +20,7 @@ from outboxkit import (
     Event,
     EventBus,
     FrozenClock,
+    HandlerCrashed,
     InvalidEvent,
     Outbox,
     SchemaError,
@@ -420,5 +421,9 @@ def test_only_the_store_ends_its_own_transactions(tmp_path: Path) -> None:
                 conn.commit()
             event_id = Outbox(store, bus, clock=clock).enqueue(conn, "t", {})
         report = Outbox(store, bus, clock=clock).poller().run_once()
-    assert report.published == [event_id]
+    # R17: the attempts were refused, and the delivery fails all the same (the handler went
+    # on as if its transaction had ended): nothing of it commits, it runs again.
+    (delivery,) = report.deliveries
+    assert isinstance(delivery.exception, HandlerCrashed)
+    assert report.retried == [event_id]
     assert tried == ["COMMIT", "ROLLBACK", "END", "BEGIN"]

@@ -89,3 +89,30 @@ def test_a_closed_store_refuses_a_delivery_and_keeps_nothing(store: SQLiteStore)
     store.close()
     with pytest.raises(StoreError, match="closed"), store.delivery(claim, now=NOW):
         pass
+
+
+@pytest.mark.parametrize("memory", [False, True], ids=["file", "memory"])
+def test_a_handlers_pragmas_do_not_reach_the_next_delivery(tmp_path: Path, memory: bool) -> None:
+    """R18 on SQLite: a handler that changes its connection's settings (``PRAGMA query_only``,
+    ``foreign_keys``, ``busy_timeout``) leaves the next delivery, on the same connection, with
+    the store's own."""
+    path = ":memory:" if memory else tmp_path / "app.db"
+    pragmas = ("query_only", "foreign_keys", "busy_timeout")
+    with SQLiteStore(path) as store:
+        with store.transaction() as conn:
+            store.enqueue(conn, [build_event("t", 1), build_event("t", 2)], now=NOW)
+        first, second = store.claim(batch_size=10, lease=LEASE, now=NOW)
+        seen = []
+        with store.delivery(first, now=NOW) as tx:
+            defaults = tuple(tx.connection.execute(f"PRAGMA {p}").fetchone()[0] for p in pragmas)
+            seen.append(id(tx.connection))
+            for statement in ("query_only=1", "foreign_keys=1", "busy_timeout=1"):
+                tx.connection.execute(f"PRAGMA {statement}")
+            tx.record("h", Outcome.SUCCEEDED)
+        with store.delivery(second, now=NOW) as tx:
+            after = tuple(tx.connection.execute(f"PRAGMA {p}").fetchone()[0] for p in pragmas)
+            seen.append(id(tx.connection))
+            tx.record("h", Outcome.SUCCEEDED)
+    assert seen[0] == seen[1]  # the same connection
+    assert defaults[:2] == (0, 0) and defaults[2] > 1
+    assert after == defaults

@@ -1,6 +1,6 @@
 """Handlers the tests use besides the README's ``ledger``, on the shop's bus."""
 
-from django.db import connection, transaction
+from django.db import IntegrityError, connection, transaction
 
 from outboxkit import Reject
 
@@ -20,6 +20,19 @@ def audit(event, ctx):
         raise Reject("refused after writing")
     if event.payload.get("fail_first") and ctx.attempt == 1:
         raise RuntimeError("failed after writing")
+
+
+@bus.handler("order.swallow", name="swallow")
+def swallow(event, ctx):
+    """Writes a ledger line, then an order whose id is taken, and catches the IntegrityError:
+    Django's atomic block is then marked for rollback (on its first attempt, or always)."""
+    order_id = event.payload["order_id"]
+    LedgerLine.objects.create(order_id=order_id, line="swallow")
+    if ctx.attempt == 1 or event.payload.get("always"):
+        try:
+            Order.objects.create(id=order_id, item="duplicate")
+        except IntegrityError:
+            pass
 
 
 @bus.handler("tick", name="tick-line")
