@@ -8,7 +8,6 @@ frozen clock: not marked ``faults``, the default run includes them.
 from __future__ import annotations
 
 import contextlib
-
 from datetime import timedelta
 from pathlib import Path
 from typing import Any

@@ -17,6 +17,7 @@ and ``SET search_path`` are gone before the next delivery on the same connection
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -263,10 +264,8 @@ def test_a_handler_that_ends_the_batch_transaction_costs_its_own_delivery_only(
                 elif end == "raw ROLLBACK":
                     conn.execute("ROLLBACK")
                 else:
-                    try:
+                    with contextlib.suppress(psycopg.Error):
                         conn.execute("COMMIT")  # refused by the commit guard: all rolled back
-                    except psycopg.Error:
-                        pass
                 conn.execute(insert, (event.id, "after"))
 
         clock = FrozenClock()
