@@ -5,6 +5,7 @@ handlers, PostgreSQL and SQLite. And the session never ends the delivery transac
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -203,3 +204,38 @@ def test_ctx_session_without_use_sessions_or_a_transaction_is_refused(
     assert len(errors) == 2
     assert "no session provider; call outboxkit.contrib.sqlalchemy.use_sessions" in errors[0]
     assert "non-transactional handler" in errors[1]
+
+
+@pytest.mark.parametrize("transaction", ["per_event", "per_batch"])
+@pytest.mark.parametrize("database", DATABASES, indirect=True)
+def test_a_handler_that_catches_a_failed_flush_fails_its_delivery(
+    database: Database, outbox: Outbox, clock: Any, transaction: str
+) -> None:
+    """R17 for ``ctx.session``: a flush that fails (a duplicate primary key) leaves the session's
+    transaction inactive, and SQLAlchemy rolls it back; a handler that catches the error and
+    returns has failed its delivery (none of its rows, no record), and the retry writes once."""
+    from sqlalchemy.exc import IntegrityError
+
+    use_sessions(outbox, execution_options=database.options)
+
+    @outbox.bus.handler("shipment", name="lines")
+    def lines(event: Event, ctx: Any) -> None:
+        ctx.session.add(Line(id=event.id * 10, event_id=event.id, label="kept?"))
+        ctx.session.flush()
+        if ctx.attempt == 1:
+            ctx.session.add(Line(id=event.id * 10, event_id=event.id, label="duplicate"))
+            with contextlib.suppress(IntegrityError):  # goes on as if nothing happened
+                ctx.session.flush()
+
+    with database.store.transaction() as conn:
+        (event_id,) = outbox.enqueue_many(conn, [("shipment", {"mode": "swallow"})])
+    report = outbox.poller(transaction=transaction).run_once()
+    (delivery,) = report.deliveries
+    assert delivery.outcome is Outcome.FAILED
+    assert report.retried == [event_id]
+    assert database.lines(event_id) == 0
+    assert _record_outcomes(database, event_id) == []
+    clock.advance(60)
+    assert outbox.poller(transaction=transaction).run_once().published == [event_id]
+    assert database.lines(event_id) == 1
+    assert _record_outcomes(database, event_id) == [Outcome.SUCCEEDED]
