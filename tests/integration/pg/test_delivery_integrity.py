@@ -395,3 +395,36 @@ def test_a_handlers_session_settings_do_not_reach_the_next_delivery(
                 assert _observe(conn)[:3] == defaults[:3]  # nor for the store's own work
     finally:
         admin.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+@pytest.mark.parametrize("source", ["own-pool", "app-pool"])
+def test_the_asyncio_batch_goes_on_after_a_handler_ends_its_transaction(
+    source: str, pg_url: str, pg_schema: str, ledger: sql.Composed, admin: psycopg.Connection[Any]
+) -> None:
+    """Item 8 on the asyncio poller: its batch, too, begins afresh and goes on."""
+    with opened(source, pg_url, pg_schema) as store:
+        bus = EventBus()
+        insert = ledger
+
+        @bus.handler("t", name="ledger")
+        async def ledger_async(event: Event, ctx: Any) -> None:
+            conn = ctx.connection
+            await conn.execute(insert, (event.id, "row"))
+            if event.payload["breaks"] and ctx.attempt == 1:
+                await conn.execute("ROLLBACK")
+                await conn.execute(insert, (event.id, "after"))
+
+        clock = FrozenClock()
+        outbox = Outbox(store, bus, clock=clock)
+        with store.transaction() as conn:
+            first, second, third = outbox.enqueue_many(
+                conn, [("t", {"breaks": False}), ("t", {"breaks": True}), ("t", {"breaks": False})]
+            )
+        poller = outbox.async_poller(transaction="per_batch")
+        report = asyncio.run(poller.run_once())
+        (broken,) = [d for d in report.deliveries if d.event_id == second]
+        assert isinstance(broken.exception, BatchRolledBack)
+        assert (report.released, report.retried, report.published) == ([first], [second], [third])
+        clock.advance(60)
+        asyncio.run(outbox.async_poller(transaction="per_batch").run_once())
+        assert rows_of(admin, pg_schema) == [(first, "row"), (second, "row"), (third, "row")]
