@@ -188,6 +188,38 @@ def test_a_dry_run_counts_what_purge_and_requeue_dead_would_touch(store: Store) 
     assert outbox.purge(**both) == 8  # and the real purge agrees
 
 
+def test_max_retries_lowered_keeps_the_real_error(store: Store) -> None:
+    """Bug 9: an event failed once ("smtp busy"); polled again with max_retries=0 it is dead
+    without its handler running (its attempts are used up), and its last error is still the
+    handler's, first, not "attempt 1 crashed or lost its lease"."""
+    clock = FrozenClock(START)
+    bus = EventBus()
+    runs: list[int] = []
+
+    @bus.handler("mail.send", name="send")
+    def send(event: Any, ctx: Any) -> None:
+        runs.append(ctx.attempt)
+        raise RuntimeError("smtp busy")
+
+    outbox = Outbox(store, bus, clock=clock, max_retries=3)
+    with store.transaction() as conn:
+        event_id = outbox.enqueue(conn, "mail.send", {"to": "a@example.com"})
+    assert outbox.poller().run_once().retried == [event_id]
+    failed = store.get(event_id)
+    assert failed is not None and failed.last_error == "send: RuntimeError: smtp busy"
+
+    clock.advance(timedelta(hours=1))  # past the backoff
+    report = outbox.poller(max_retries=0).run_once()
+    assert report.dead_lettered == [event_id]
+    assert runs == [1]  # attempt 2 had no attempt left: the handler did not run
+    letter = outbox.dead_letter(event_id)
+    assert letter is not None
+    assert letter.last_error == (
+        "send: RuntimeError: smtp busy; no attempt left to run it (attempt 2, max_retries=0)"
+    )
+    assert "crashed" not in (letter.last_error or "")
+
+
 # -- the pruner in the poller loop (memory store: the timing is the clock's) --------------------
 
 
