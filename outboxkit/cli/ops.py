@@ -23,7 +23,7 @@ from ..core.model import DeadLetter, DeliveryRecord, Event, Stats, UndecodablePa
 from ..outbox import Outbox
 from .errors import InputError
 from .output import age, clip, echo, print_json, table
-from .params import DURATION, Since, format_duration
+from .params import DURATION, EVENT_ID, Since, Whole, format_duration
 from .stores import open_outbox, with_store_options
 
 __all__ = ["dead", "migrate", "purge", "status"]
@@ -196,7 +196,7 @@ def dead() -> None:
     "--since", type=Since(), default=None, help="Failed within this long (1h) or since an instant."
 )
 @click.option(
-    "--limit", type=click.IntRange(min=1), default=100, show_default=True, help="At most this many."
+    "--limit", type=Whole(min=1), default=100, show_default=True, help="At most this many."
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output, with payloads.")
 def dead_list(
@@ -234,7 +234,7 @@ def dead_list(
 
 
 @dead.command("show")
-@click.argument("event_id", metavar="ID", type=int)
+@click.argument("event_id", metavar="ID", type=EVENT_ID)
 @with_store_options
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def dead_show(
@@ -306,7 +306,7 @@ def _check_dead(outbox: Outbox, ids: Sequence[int]) -> None:
 
 
 @dead.command("requeue")
-@click.argument("ids", metavar="[ID]...", nargs=-1, type=int)
+@click.argument("ids", metavar="[ID]...", nargs=-1, type=EVENT_ID)
 @click.option("--all", "every", is_flag=True, help="Every dead letter (of --topic).")
 @click.option("--topic", default=None, help="With --all: only this topic.")
 @destructive
@@ -348,7 +348,7 @@ def dead_requeue(
 
 
 @dead.command("purge")
-@click.argument("ids", metavar="[ID]...", nargs=-1, type=int)
+@click.argument("ids", metavar="[ID]...", nargs=-1, type=EVENT_ID)
 @click.option(
     "--older-than", type=DURATION, default=None, help="Dead letters failed this long ago."
 )
