@@ -29,7 +29,7 @@ from .core.model import (
 from .core.options import PollerOptions, TransactionMode
 from .core.payload import DEFAULT_MAX_PAYLOAD_BYTES, build_event
 from .errors import ConfigurationError, InvalidEvent, StoreError
-from .plugins import make_plugin_manager, notify
+from .plugins import make_plugin_manager, notify, register
 from .store import AsyncStore, Store
 
 if TYPE_CHECKING:
@@ -81,7 +81,8 @@ class Outbox:
         load_entry_points: also load the plugins installed under the ``outboxkit`` entry point.
 
     Raises:
-        ConfigurationError: an option is invalid (the message names it).
+        ConfigurationError: an option is invalid (the message names it); a plugin's hook is
+            an ``async def`` (observers are called synchronously: see :meth:`add_observer`).
     """
 
     def __init__(
@@ -485,9 +486,17 @@ class Outbox:
     # -- observers ------------------------------------------------------------------------------
 
     def add_observer(self, plugin: object) -> None:
-        """Register an object with an ``outboxkit_on_event(event)`` hook implementation."""
+        """Register an object with an ``outboxkit_on_event(event)`` hook implementation.
+
+        Args:
+            plugin: the observer; its hook is called synchronously, on the poller's thread.
+
+        Raises:
+            ConfigurationError: its ``outboxkit_on_event`` (or another hook) is an
+                ``async def``, which nothing would await; it is not registered.
+        """
         if not self.plugins.is_registered(plugin):
-            self.plugins.register(plugin)
+            register(self.plugins, plugin)
             self._plugin_list.append(plugin)
 
     def emit(self, event: ObserverEvent) -> None:
