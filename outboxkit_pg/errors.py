@@ -13,7 +13,14 @@ from typing import Any
 
 import psycopg
 
-from outboxkit.errors import SchemaError, StoreError, StoreUnavailable, chain, migrate_hint
+from outboxkit.errors import (
+    SchemaError,
+    SerializationFailure,
+    StoreError,
+    StoreUnavailable,
+    chain,
+    migrate_hint,
+)
 
 __all__ = ["ENDED_BY_HANDLER", "SQLSTATES", "error_class", "map_error", "session_ended_by_handler"]
 
@@ -25,6 +32,12 @@ SQLSTATES: dict[str, type[StoreError]] = {
     "57P03": StoreUnavailable,  # cannot_connect_now (starting up, shutting down)
     "57P05": StoreUnavailable,  # idle_session_timeout
     "53300": StoreUnavailable,  # too_many_connections
+    # A concurrent transaction won: the caller retries its whole transaction. Deadlocks too:
+    # PostgreSQL resolves one by aborting one of its transactions, which, run again, succeeds
+    # like after a serialization failure; both are class 40 (transaction_rollback), and
+    # psycopg makes both OperationalErrors, which read as an outage before.
+    "40001": SerializationFailure,  # serialization_failure
+    "40P01": SerializationFailure,  # deadlock_detected
     "42P01": SchemaError,  # undefined_table: no schema yet (or another one)
     "42703": SchemaError,  # undefined_column: an older schema
     "3F000": SchemaError,  # invalid_schema_name
@@ -87,6 +100,12 @@ def map_error(
                 f"{message}"
             )
         return StoreUnavailable(f"PostgreSQL at {where} is unavailable ({doing}): {message}")
+    if kind is SerializationFailure:
+        return SerializationFailure(
+            f"PostgreSQL at {where}: {doing} failed: a concurrent transaction won "
+            f"(SQLSTATE {exc.sqlstate}): {message}; the transaction was rolled back: run the "
+            "whole transaction again"
+        )
     if kind is SchemaError:
         return SchemaError(
             f"PostgreSQL at {where}, schema {schema!r}: the outboxkit tables are missing or out "
