@@ -323,7 +323,9 @@ def dead_requeue(
 ) -> None:
     """Make dead letters due again with their attempts reset; handlers that already succeeded
     or rejected them are not run again. Give IDs, or --all (with --topic): --all asks first
-    on a terminal, and needs --yes elsewhere."""
+    on a terminal, and needs --yes elsewhere. --all takes the dead letters of the instant it
+    starts (by the store's clock), each once: one that pollers dead-letter again meanwhile
+    stays dead."""
     if bool(ids) == every:
         raise click.UsageError("give dead-letter IDs or --all, not both")
     if topic is not None and not every:
@@ -337,13 +339,19 @@ def dead_requeue(
             _check_dead(outbox, ids)
             count = len(dict.fromkeys(ids)) if dry_run else outbox.requeue(ids)
         else:
-            count = outbox.requeue_dead(topic=topic, dry_run=True)
+            # One snapshot, by the store's clock, for the count asked about and the requeue:
+            # the dead letters of that instant, each requeued once, whatever dies meanwhile.
+            as_of = outbox.now()
+            count = outbox.requeue_dead(topic=topic, dry_run=True, as_of=as_of)
             of = "" if topic is None else f" of topic {topic!r}"
             if not dry_run:
                 if not _confirmed(f"requeue {count} dead letter(s){of}", count, yes=yes):
                     echo("nothing requeued")
                     return
-                count = outbox.requeue_dead(topic=topic)
+                count = outbox.requeue_dead(topic=topic, as_of=as_of)
+            snapshot = f" (dead at {as_of.isoformat()}; any that fail again stay dead)"
+            echo(f"{'would requeue' if dry_run else 'requeued'} {count} dead letter(s){snapshot}")
+            return
     echo(f"{'would requeue' if dry_run else 'requeued'} {count} dead letter(s)")
 
 
