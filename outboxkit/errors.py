@@ -13,6 +13,7 @@ so callers never need to import a driver to catch them::
     ├── StoreError                             the store failed (the database, not a handler)
     │   ├── StoreUnavailable                   cannot reach the database; pollers retry with backoff
     │   │   └── CannotConnect                  the server refused the connection or its credentials
+    │   ├── SerializationFailure               a concurrent transaction won (40001, 40P01): retry yours
     │   └── SchemaError                        schema missing, older than this code, or newer than it
     ├── LeaseLostError                         the claim token is stale: another poller owns the event
     ├── Reject                                 raised BY a handler: a business rejection, never retried
@@ -41,6 +42,7 @@ __all__ = [
     "Reject",
     "RelayError",
     "SchemaError",
+    "SerializationFailure",
     "StoreError",
     "StoreUnavailable",
     "UnknownStore",
@@ -92,6 +94,19 @@ class CannotConnect(StoreUnavailable):
     """A connection attempt failed outright: nothing listens at the address, the credentials or
     the database name were refused. Pollers still wait it out (a server may be starting); a
     one-shot ``outboxkit`` command treats it as wrong input (exit code 2)."""
+
+
+class SerializationFailure(StoreError):
+    """The database rolled the transaction back because of a concurrent one: a serialization
+    failure (PostgreSQL's SQLSTATE 40001, under ``REPEATABLE READ`` or ``SERIALIZABLE``, e.g.
+    two transactions enqueueing the same ``dedupe_key``) or a deadlock (40P01). Nothing of the
+    transaction is kept; the connection is usable again once it is rolled back.
+
+    Retryable, but not by outboxkit: ``enqueue`` runs inside the caller's transaction, which is
+    aborted now, so the caller rolls it back and runs the whole transaction again (its reads
+    included: they decided what it wrote). A poller meeting one in its own transactions waits
+    and polls again, as for any store failure.
+    """
 
 
 class SchemaError(StoreError):

@@ -29,7 +29,7 @@ from .core.model import (
 from .core.options import PollerOptions, TransactionMode
 from .core.payload import DEFAULT_MAX_PAYLOAD_BYTES, build_event
 from .errors import ConfigurationError, InvalidEvent, StoreError
-from .plugins import make_plugin_manager, notify
+from .plugins import make_plugin_manager, notify, register
 from .store import AsyncStore, Store
 
 if TYPE_CHECKING:
@@ -81,7 +81,8 @@ class Outbox:
         load_entry_points: also load the plugins installed under the ``outboxkit`` entry point.
 
     Raises:
-        ConfigurationError: an option is invalid (the message names it).
+        ConfigurationError: an option is invalid (the message names it); a plugin's hook is
+            an ``async def`` (observers are called synchronously: see :meth:`add_observer`).
     """
 
     def __init__(
@@ -485,9 +486,17 @@ class Outbox:
     # -- observers ------------------------------------------------------------------------------
 
     def add_observer(self, plugin: object) -> None:
-        """Register an object with an ``outboxkit_on_event(event)`` hook implementation."""
+        """Register an object with an ``outboxkit_on_event(event)`` hook implementation.
+
+        Args:
+            plugin: the observer; its hook is called synchronously, on the poller's thread.
+
+        Raises:
+            ConfigurationError: its ``outboxkit_on_event`` (or another hook) is an
+                ``async def``, which nothing would await; it is not registered.
+        """
         if not self.plugins.is_registered(plugin):
-            self.plugins.register(plugin)
+            register(self.plugins, plugin)
             self._plugin_list.append(plugin)
 
     def emit(self, event: ObserverEvent) -> None:
@@ -585,31 +594,65 @@ class Outbox:
         )
 
     def requeue_dead(
-        self, *, topic: str | None = None, page_size: int = PURGE_PAGE_SIZE, dry_run: bool = False
+        self,
+        *,
+        topic: str | None = None,
+        page_size: int = PURGE_PAGE_SIZE,
+        dry_run: bool = False,
+        as_of: datetime | None = None,
     ) -> int:
-        """Requeue every dead letter (of ``topic``), in pages of ``page_size`` (see :meth:`requeue`).
+        """Requeue the dead letters (of ``topic``) that exist when it starts, in pages of
+        ``page_size`` (see :meth:`requeue`), each at most once.
+
+        A snapshot: the dead letters that had failed at or before ``as_of`` — by default the
+        store's time when the call starts (:meth:`now`: the database's clock on PostgreSQL,
+        never this host's) — walked in their order (failure time, then id) with a cursor that
+        only moves on. An event requeued here that pollers dead-letter again while it runs
+        fails later than the snapshot, or behind the cursor: it stays dead, and the call ends
+        however fast the pollers kill what it requeues.
 
         Args:
             topic: only this topic's dead letters.
             page_size: dead letters per page (1 to 1,000,000).
             dry_run: change nothing; count the dead letters it would requeue.
+            as_of: an aware instant: only the dead letters that failed at or before it
+                (default: now, by the store's clock).
 
         Returns:
             How many dead events were requeued (or would be, with ``dry_run``).
 
         Raises:
-            ConfigurationError: an invalid page size.
+            ConfigurationError: an invalid page size, a naive ``as_of``.
+            StoreError: the store failed (what was requeued before stays requeued).
         """
         _check_page_size(page_size)
+        snapshot = self.now() if as_of is None else require_aware(as_of, "as_of")
         if dry_run:
-            return self._count(lambda e: e.failed_at is not None, topic=topic)
+            return self._count(
+                lambda e: e.failed_at is not None and e.failed_at <= snapshot, topic=topic
+            )
         requeued = 0
-        while page := self.store.dead_letters(topic=topic, limit=page_size):
-            n = self.store.requeue([d.event.id for d in page], now=self.store_now())
-            requeued += n
-            if n == 0:  # another process changed them under us: do not spin
-                break
-        return requeued
+        after: tuple[datetime, int] | None = None  # the last (failed_at, id) requeued
+        behind = 0  # dead letters at the cursor's instant, at or before it: read past them
+        while True:
+            limit = min(page_size + behind, MAX_LIMIT)
+            since = None if after is None else after[0]
+            page = self.store.dead_letters(topic=topic, since=since, limit=limit)
+            passed = 0 if after is None else sum(1 for d in page if _key(d) <= after)
+            ahead = [
+                d for d in page if d.failed_at <= snapshot and (after is None or _key(d) > after)
+            ][:page_size]
+            if not ahead:
+                if len(page) < limit or page[-1].failed_at > snapshot or limit == MAX_LIMIT:
+                    return requeued  # past the last dead letter of the snapshot
+                behind = len(page)  # a full page behind the cursor: read past it
+                continue
+            requeued += self.store.requeue([d.event.id for d in ahead], now=self.store_now())
+            after = _key(ahead[-1])
+            # Dead letters behind the cursor are read again only when they died again at the
+            # cursor's instant (an injected clock that stands still). Once some were, the
+            # next read skips them and the ones just requeued, which may join them.
+            behind = passed + len(ahead) if passed else 0
 
     def requeue(self, ids: Iterable[int]) -> int:
         """Make dead events due now with attempts reset (R12); recorded handlers stay done.
@@ -746,6 +789,11 @@ class Outbox:
         if deleted:
             log.info("pruned %d published event(s) older than %s", deleted, self.retain_published)
         return deleted
+
+
+def _key(letter: DeadLetter) -> tuple[datetime, int]:
+    """Where a dead letter stands in the stores' order of dead letters: failure time, id."""
+    return (letter.failed_at, letter.event.id)
 
 
 def _duration(

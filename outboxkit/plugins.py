@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import inspect
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -16,7 +17,14 @@ from .core.model import ObserverEvent
 from .core.text import redact_url, scrub, secrets_of
 from .errors import ConfigurationError, UnknownStore, chain
 
-__all__ = ["StoreEntry", "make_plugin_manager", "notify", "open_store", "registered_stores"]
+__all__ = [
+    "StoreEntry",
+    "make_plugin_manager",
+    "notify",
+    "open_store",
+    "register",
+    "registered_stores",
+]
 
 log = logging.getLogger("outboxkit")
 
@@ -30,11 +38,67 @@ def make_plugin_manager(
     if load_entry_points:
         for name, plugin in _entry_point_plugins():
             if pm.get_plugin(name) is None and not pm.is_registered(plugin):
-                pm.register(plugin, name=name)
+                register(pm, plugin, name=name)
     for plugin in plugins:
         if not pm.is_registered(plugin):
-            pm.register(plugin)
+            register(pm, plugin)
     return pm
+
+
+def register(pm: pluggy.PluginManager, plugin: object, *, name: str | None = None) -> None:
+    """Register ``plugin`` on ``pm``, refusing one with an ``async def`` hook implementation.
+
+    Every outboxkit hook is called synchronously (observers on the poller's thread, between
+    deliveries, by both pollers): a coroutine function's call would only make a coroutine
+    that nobody awaits, so it would never run. Such a plugin is refused, left unregistered.
+
+    Args:
+        pm: the plugin manager (``make_plugin_manager``'s).
+        plugin: the plugin object (an instance, a class or a module with hook implementations).
+        name: the name to register it under (an entry point's); default pluggy's own.
+
+    Raises:
+        ConfigurationError: a hook implementation of ``plugin`` is an ``async def`` (or an
+            async generator); the message names the plugin and the hook, and what to do.
+    """
+    registered = pm.register(plugin, name=name)
+    for caller in pm.get_hookcallers(plugin) or ():
+        for impl in caller.get_hookimpls():
+            if impl.plugin is plugin and _is_async(impl.function):
+                pm.unregister(plugin)
+                raise ConfigurationError(_async_refusal(plugin, name or registered, caller.name))
+
+
+def _is_async(function: object) -> bool:
+    """Whether calling ``function`` (a hook implementation: pluggy takes routines only) makes
+    a coroutine or an async generator instead of running it."""
+    return inspect.iscoroutinefunction(function) or inspect.isasyncgenfunction(function)
+
+
+def _label(plugin: object, name: str | None) -> str:
+    """``plugin Class`` (a module's or a class's own name), with its entry-point name if it
+    has one (pluggy's default name is a number: not shown)."""
+    what = getattr(plugin, "__qualname__", None) or getattr(plugin, "__name__", None)
+    what = what or type(plugin).__qualname__
+    named = name and not name.isdigit() and name != what
+    return f"plugin {what!s:.80}" + (f" ({name!s:.80})" if named else "")
+
+
+def _async_refusal(plugin: object, name: str | None, hook: str) -> str:
+    called = _label(plugin, name)
+    if hook == "outboxkit_on_event":
+        return (
+            f"observer {called}: its outboxkit_on_event is an async def, which would never run: "
+            "observers are called synchronously, on the poller's thread between deliveries, "
+            "and nothing awaits them. Make it a plain def; an observer with async work to do "
+            "hands the event to an event loop of its own without waiting (e.g. "
+            "loop.call_soon_threadsafe(queue.put_nowait, event), or "
+            "asyncio.run_coroutine_threadsafe(coroutine, loop))"
+        )
+    return (
+        f"{called}: its {hook} is an async def, which outboxkit would never await (its hooks "
+        "are called synchronously): make it a plain def"
+    )
 
 
 @functools.cache
@@ -147,8 +211,24 @@ def notify(pm: pluggy.PluginManager, event: ObserverEvent) -> None:
     """
     for impl in pm.hook.outboxkit_on_event.get_hookimpls():
         try:
-            impl.function(event=event)
+            result = impl.function(event=event)
+            if result is not None and inspect.isawaitable(result):
+                _drop_awaitable(_label(impl.plugin, impl.plugin_name), result)
         except Exception:
             log.exception(
                 "observer %s failed on %s; delivery goes on", impl.plugin_name, type(event).__name__
             )
+
+
+def _drop_awaitable(label: str, result: Any) -> None:
+    """An observer that ``register`` could not tell was async (a plain function returning a
+    coroutine) returned an awaitable: closed unrun, so that no "never awaited" warning comes
+    later from the garbage collector, and said once per call in the log."""
+    close = getattr(result, "close", None)
+    if callable(close):
+        close()
+    log.error(
+        "observer %s returned an awaitable, which outboxkit does not await: it did not run "
+        "(observers must be plain functions)",
+        label,
+    )

@@ -23,7 +23,7 @@ from ..core.model import DeadLetter, DeliveryRecord, Event, Stats, UndecodablePa
 from ..outbox import Outbox
 from .errors import InputError
 from .output import age, clip, echo, print_json, table
-from .params import DURATION, Since, format_duration
+from .params import DURATION, EVENT_ID, Since, Whole, format_duration
 from .stores import open_outbox, with_store_options
 
 __all__ = ["dead", "migrate", "purge", "status"]
@@ -196,7 +196,7 @@ def dead() -> None:
     "--since", type=Since(), default=None, help="Failed within this long (1h) or since an instant."
 )
 @click.option(
-    "--limit", type=click.IntRange(min=1), default=100, show_default=True, help="At most this many."
+    "--limit", type=Whole(min=1), default=100, show_default=True, help="At most this many."
 )
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output, with payloads.")
 def dead_list(
@@ -234,7 +234,7 @@ def dead_list(
 
 
 @dead.command("show")
-@click.argument("event_id", metavar="ID", type=int)
+@click.argument("event_id", metavar="ID", type=EVENT_ID)
 @with_store_options
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def dead_show(
@@ -306,7 +306,7 @@ def _check_dead(outbox: Outbox, ids: Sequence[int]) -> None:
 
 
 @dead.command("requeue")
-@click.argument("ids", metavar="[ID]...", nargs=-1, type=int)
+@click.argument("ids", metavar="[ID]...", nargs=-1, type=EVENT_ID)
 @click.option("--all", "every", is_flag=True, help="Every dead letter (of --topic).")
 @click.option("--topic", default=None, help="With --all: only this topic.")
 @destructive
@@ -323,7 +323,9 @@ def dead_requeue(
 ) -> None:
     """Make dead letters due again with their attempts reset; handlers that already succeeded
     or rejected them are not run again. Give IDs, or --all (with --topic): --all asks first
-    on a terminal, and needs --yes elsewhere."""
+    on a terminal, and needs --yes elsewhere. --all takes the dead letters of the instant it
+    starts (by the store's clock), each once: one that pollers dead-letter again meanwhile
+    stays dead."""
     if bool(ids) == every:
         raise click.UsageError("give dead-letter IDs or --all, not both")
     if topic is not None and not every:
@@ -337,18 +339,24 @@ def dead_requeue(
             _check_dead(outbox, ids)
             count = len(dict.fromkeys(ids)) if dry_run else outbox.requeue(ids)
         else:
-            count = outbox.requeue_dead(topic=topic, dry_run=True)
+            # One snapshot, by the store's clock, for the count asked about and the requeue:
+            # the dead letters of that instant, each requeued once, whatever dies meanwhile.
+            as_of = outbox.now()
+            count = outbox.requeue_dead(topic=topic, dry_run=True, as_of=as_of)
             of = "" if topic is None else f" of topic {topic!r}"
             if not dry_run:
                 if not _confirmed(f"requeue {count} dead letter(s){of}", count, yes=yes):
                     echo("nothing requeued")
                     return
-                count = outbox.requeue_dead(topic=topic)
+                count = outbox.requeue_dead(topic=topic, as_of=as_of)
+            snapshot = f" (dead at {as_of.isoformat()}; any that fail again stay dead)"
+            echo(f"{'would requeue' if dry_run else 'requeued'} {count} dead letter(s){snapshot}")
+            return
     echo(f"{'would requeue' if dry_run else 'requeued'} {count} dead letter(s)")
 
 
 @dead.command("purge")
-@click.argument("ids", metavar="[ID]...", nargs=-1, type=int)
+@click.argument("ids", metavar="[ID]...", nargs=-1, type=EVENT_ID)
 @click.option(
     "--older-than", type=DURATION, default=None, help="Dead letters failed this long ago."
 )

@@ -1,5 +1,6 @@
-"""What the command line reads besides plain numbers and names: durations (``30d``, ``500ms``),
-instants (a duration back from now, or ISO-8601), and store options (``KEY=VALUE``).
+"""What the command line reads besides plain names: whole numbers and event ids (ASCII digits
+only), durations (``30d``, ``500ms``), instants (a duration back from now, or ISO-8601), and
+store options (``KEY=VALUE``).
 
 The click parameter types turn a bad value into a usage error (one line, exit code 2).
 """
@@ -14,14 +15,18 @@ from typing import Any
 import click
 
 from ..clock import parse_instant
+from ..core.text import parse_decimal
 from ..errors import ConfigurationError
 
 __all__ = [
     "DURATION",
     "DURATION_HELP",
+    "EVENT_ID",
     "Duration",
+    "EventId",
     "Since",
     "StoreOption",
+    "Whole",
     "format_duration",
     "parse_duration",
 ]
@@ -80,6 +85,50 @@ def format_duration(delta: timedelta) -> str:
     return f"{micros / 1000:.3f}ms"
 
 
+class Whole(click.IntRange):
+    """A whole number in a range (click's ``IntRange``), written in ASCII digits only: ``int``
+    (which click calls) also takes blanks, underscores, signs and other scripts' digits
+    (``"١٢"`` is 12 to it).
+
+    Args:
+        min: the smallest number taken (>= 0), or None for 0.
+        max: the largest number taken, or None for no bound.
+    """
+
+    name = "integer"
+
+    def __init__(self, min: int | None = None, max: int | None = None) -> None:
+        super().__init__(min=0 if min is None else min, max=max)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return super().convert(value, param, ctx)
+        text = str(value)
+        # 4,300 digits: the most int() reads (its own error past that).
+        if not (text.isascii() and text.isdigit() and len(text) <= 4300):
+            self.fail(f"{text[:40]!r} is not a whole number (ASCII digits 0-9)", param, ctx)
+        return super().convert(int(text), param, ctx)
+
+
+class EventId(click.ParamType):  # type: ignore[type-arg,unused-ignore]
+    """An event id: ASCII digits, 1 to 2**63 - 1 (``parse_decimal``)."""
+
+    name = "id"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool) and 1 <= value < 2**63:
+            return value
+        event_id = parse_decimal(str(value), minimum=1, maximum=2**63 - 1)
+        if event_id is None:
+            self.fail(
+                f"{str(value)[:40]!r} is not an event id: a number from 1 to 2**63 - 1, "
+                "in ASCII digits",
+                param,
+                ctx,
+            )
+        return event_id
+
+
 class Duration(click.ParamType):  # type: ignore[type-arg,unused-ignore]
     """A duration, read by :func:`parse_duration`."""
 
@@ -136,3 +185,4 @@ class StoreOption(click.ParamType):  # type: ignore[type-arg,unused-ignore]
 
 
 DURATION = Duration()
+EVENT_ID = EventId()

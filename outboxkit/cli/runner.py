@@ -52,14 +52,14 @@ from .. import handling
 from ..aio import MAX_CONCURRENCY, AsyncPoller
 from ..core.model import DeadLettered, ObserverEvent, PollReport, Published
 from ..core.options import PollerOptions
-from ..core.text import printable
+from ..core.text import parse_decimal, printable
 from ..errors import ConfigurationError
 from ..hookspecs import hookimpl
 from ..outbox import Outbox
 from ..poller import Poller, ThreadWaiter
 from ..waiter import LoopWaiter
 from .errors import WRONG_INPUT
-from .params import DURATION, StoreOption, format_duration
+from .params import DURATION, StoreOption, Whole, format_duration
 from .progress import DrainProgress, StatusLine, StatusLineHandler
 from .signals import stop_signals
 from .stores import STORE_ENV, STORE_OPTIONS_ENV, open_outbox
@@ -72,6 +72,7 @@ SUPERVISOR_ENV = "OUTBOXKIT_SUPERVISOR_PID"
 POLLER_ENV = "OUTBOXKIT_POLLER"
 METRICS_ENV = "OUTBOXKIT_METRICS_CHILD"  # "1": count into the supervisor's multiprocess files
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+_MAX_PID = 2**31 - 1  # the supervisor's pid, as its children read it from SUPERVISOR_ENV
 _TICK = 0.1  # seconds between the main thread's checks (and its signal handlers' runs)
 _LOG_FORMAT = "%(asctime)s %(levelname)s {who}%(name)s: %(message)s"
 
@@ -148,11 +149,11 @@ class RunSettings:
     help="An option for --store, e.g. -o schema=outbox (repeatable).",
 )
 @click.option("--interval", type=DURATION, default=None, help="Wait between idle polls.")
-@click.option("--batch-size", type=click.IntRange(min=1), default=None, help="Events per claim.")
+@click.option("--batch-size", type=Whole(min=1), default=None, help="Events per claim.")
 @click.option("--lease", type=DURATION, default=None, help="How long a claim is held.")
 @click.option(
     "--max-retries",
-    type=click.IntRange(min=0),
+    type=Whole(min=0),
     default=None,
     help="Retries before an event is dead-lettered.",
 )
@@ -177,7 +178,7 @@ class RunSettings:
 )
 @click.option(
     "--concurrency",
-    type=click.IntRange(1, MAX_CONCURRENCY),
+    type=Whole(1, MAX_CONCURRENCY),
     default=None,
     help="How many deliveries may be in flight at once (default 1): the asyncio poller "
     "delivers N events of a batch at once; the blocking one runs its handlers one at a time and "
@@ -186,7 +187,7 @@ class RunSettings:
 @click.option("--until-idle", is_flag=True, help="Drain what is due now, then exit 0.")
 @click.option(
     "--metrics-port",
-    type=click.IntRange(1, 65535),
+    type=Whole(1, 65535),
     default=None,
     help="Serve Prometheus metrics on this port, at /metrics, for every poller process "
     '(needs "outboxkit[prometheus]").',
@@ -199,7 +200,7 @@ class RunSettings:
 )
 @click.option(
     "--processes",
-    type=click.IntRange(min=1),
+    type=Whole(min=1),
     default=1,
     show_default=True,
     help="Poller processes; one that dies is restarted.",
@@ -313,7 +314,7 @@ def run(settings: RunSettings) -> int:
             outbox,
             settings,
             use_asyncio=use_asyncio,
-            supervisor_pid=int(supervisor) if supervisor and supervisor.isdigit() else None,
+            supervisor_pid=parse_decimal(supervisor, minimum=1, maximum=_MAX_PID),
             status=status,
         )
 

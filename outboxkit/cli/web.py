@@ -12,7 +12,7 @@ import click
 from ..core.text import redact_url
 from .errors import InputError
 from .output import echo
-from .params import DURATION
+from .params import DURATION, Whole
 from .signals import stop_signals
 from .stores import open_outbox, with_store_options
 
@@ -24,9 +24,7 @@ __all__ = ["web_command"]
 @click.option(
     "--host", default="127.0.0.1", show_default=True, help="The address to bind (this machine)."
 )
-@click.option(
-    "--port", type=click.IntRange(0, 65535), default=8025, show_default=True, help="0: any free."
-)
+@click.option("--port", type=Whole(0, 65535), default=8025, show_default=True, help="0: any free.")
 @click.option(
     "--token",
     envvar="OUTBOXKIT_WEB_TOKEN",

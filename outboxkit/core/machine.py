@@ -42,7 +42,7 @@ from .model import (
     payload_is_undecodable,
     state_of,
 )
-from .text import storable
+from .text import MAX_ERROR_CHARS, storable
 
 __all__ = [
     "MAX_OUTAGE_WAIT",
@@ -71,6 +71,7 @@ __all__ = [
     "plan",
     "state_of",
     "transition",
+    "used_up_error",
 ]
 
 
@@ -311,9 +312,13 @@ def plan(
     - A stored payload that is not JSON (written behind outboxkit's back) can never be
       delivered: dead-lettered at once, naming the error.
     - R9: no handler subscribed: published at once.
-    - R4 + R11: earlier attempts crashed or lost their lease without settling and used every
-      attempt up: run nothing (a poison event must not crash pollers forever) and settle it as
-      it stands: published if every handler is recorded, else dead.
+    - R4 + R11: the earlier attempts used every attempt up without settling it dead (they
+      crashed or lost their lease, or ``max_retries`` was lowered since they failed): run
+      nothing (a poison event must not crash pollers forever) and settle it as it stands:
+      published if every handler is recorded, else dead. A dead one keeps its real error: the
+      event's ``last_error`` (the last failure of a handler), first, then a note that no
+      attempt was left; only an event that never failed is said to have crashed or lost its
+      lease.
     - R5: otherwise run the subscribed handlers that have no record yet, in subscription
       order; if every one has, it is published.
     """
@@ -330,14 +335,35 @@ def plan(
             max_retries=max_retries,
             backoff=backoff,
         )
-        error = f"attempts used up: attempt {claim.attempt - 1} crashed or lost its lease"
-        return SettleNow(settlement, None if isinstance(settlement, Publish) else error)
+        if isinstance(settlement, Publish):
+            return SettleNow(settlement)
+        return SettleNow(settlement, used_up_error(claim, max_retries=max_retries))
     if not claim.done:  # nothing recorded yet (nearly every claim): every handler runs
         return _run_all(tuple(subscribed))
     to_run = handlers_to_run(subscribed, claim.done)
     if not to_run:
         return SettleNow(PUBLISH)
     return Run(tuple(to_run))
+
+
+def used_up_error(claim: Claim, *, max_retries: int) -> str:
+    """The error kept with an event dead-lettered because its attempts were used up before
+    this one (``plan``): its own last error first, when it has one, then a note that no attempt
+    was left; without one, the attempt before this one crashed or lost its lease (R4: nothing
+    else uses an attempt up without leaving an error).
+
+    Args:
+        claim: the claim that found the attempts used up (its event's ``last_error`` as stored).
+        max_retries: the retries allowed after the first attempt (R11).
+    """
+    earlier = claim.event.last_error
+    if not earlier:
+        return f"attempts used up: attempt {claim.attempt - 1} crashed or lost its lease"
+    note = f"no attempt left to run it (attempt {claim.attempt}, max_retries={max_retries})"
+    # The note goes last and the error is cut to fit the store's limit (``storable``): the
+    # real error is kept whole when anything has to go.
+    tail = f"; {note}"
+    return storable(earlier, limit=MAX_ERROR_CHARS - len(tail)) + tail
 
 
 @functools.lru_cache(maxsize=1024)

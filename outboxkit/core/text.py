@@ -15,6 +15,8 @@ Two directions, one module:
   for JSON output.
 - ``redact``: a store URL or connection string may carry a password; every message naming one
   goes through ``redact_url`` / ``scrub``.
+- ``parse_decimal``: a number that came from outside (a URL's path, a header, an argument, the
+  environment) read strictly: ASCII digits only, and bounded before it is converted.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from urllib.parse import quote, unquote, urlsplit
 __all__ = [
     "MAX_ERROR_CHARS",
     "describe_exception",
+    "parse_decimal",
     "printable",
     "printable_json",
     "redact_url",
@@ -104,6 +107,35 @@ def _escape(match: re.Match[str]) -> str:
     if code <= 0xFF:
         return f"\\x{code:02x}"
     return f"\\u{code:04x}"
+
+
+# -- numbers from outside ---------------------------------------------------------------------
+
+_ASCII_DECIMAL = re.compile(r"[0-9]+")
+
+
+def parse_decimal(text: object, *, minimum: int = 0, maximum: int) -> int | None:
+    """``text`` read as a whole number from ``minimum`` to ``maximum``, or None.
+
+    Only ASCII digits are taken: ``str.isdigit`` (and ``int``) also take other scripts' digits
+    and superscripts (``"²"`` is a digit to ``isdigit`` and refused by ``int``), signs, blanks
+    and underscores; none of those is a number here. The length is checked before ``int``
+    reads it (``int`` refuses more than 4,300 digits with an error of its own).
+
+    Args:
+        text: the text as received.
+        minimum: the smallest number taken (>= 0).
+        maximum: the largest number taken.
+
+    Returns:
+        The number, or None when ``text`` is not such a number.
+    """
+    if not isinstance(text, str) or len(text) > len(str(maximum)):
+        return None
+    if _ASCII_DECIMAL.fullmatch(text) is None:
+        return None
+    number = int(text)
+    return number if minimum <= number <= maximum else None
 
 
 # -- secrets ----------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ and leaves dead letters and pending events alone.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -186,6 +187,127 @@ def test_a_dry_run_counts_what_purge_and_requeue_dead_would_touch(store: Store) 
     assert outbox.requeue_dead(topic="invoice.due", dry_run=True) == 0
     assert [(e, store.records(e.id)) for e in store.events()] == everything  # nothing changed
     assert outbox.purge(**both) == 8  # and the real purge agrees
+
+
+DEAD = 500
+PAGE = 7
+
+
+@pytest.mark.parametrize("clock_moves", [True, False], ids=["clock-moves", "clock-stands"])
+def test_requeue_dead_all_returns_while_pollers_fail_them_again(
+    store: Store,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    clock_moves: bool,
+) -> None:
+    """Bug 5: ``requeue_dead`` paged until no dead letter was left, and the events a poller
+    (``max_retries=0``) dead-lettered again came back into its pages: it never returned. Now
+    it takes the dead letters of the instant it starts. Between every two pages a poller
+    delivers what was just requeued and dead-letters it again; each of the 500 is requeued
+    exactly once, and the call returns after 500 / 7 pages. With a clock that moves (the
+    deaths come later than the snapshot) and with one that stands still (they come at the
+    snapshot's instant, behind the cursor)."""
+    clock = FrozenClock(START)
+    bus = EventBus()
+    runs: Counter[int] = Counter()
+
+    @bus.handler("mail.send", name="send")
+    def send(event: Any, ctx: Any) -> None:
+        runs[event.id] += 1
+        raise RuntimeError("smtp busy")
+
+    outbox = Outbox(store, bus, clock=clock, max_retries=0, load_entry_points=False)
+    with store.transaction() as conn:
+        ids = outbox.enqueue_many(conn, [("mail.send", {"n": n}) for n in range(DEAD)])
+    poller = outbox.poller(batch_size=100)
+    assert sum(len(r.dead_lettered) for r in poller.run_until_idle()) == DEAD
+
+    requeued_ids: Counter[int] = Counter()
+    pages: list[int] = []
+    real_requeue = store.requeue
+
+    def requeue_then_fail_again(ids: Any, *, now: Any) -> int:
+        wanted = list(ids)
+        assert len(pages) < DEAD, "requeue_dead does not end"  # a guard: fails, never hangs
+        count = real_requeue(wanted, now=now)
+        requeued_ids.update(wanted)
+        pages.append(count)
+        if clock_moves:
+            clock.advance(timedelta(seconds=1))
+        again = sum(len(r.dead_lettered) for r in poller.run_until_idle())
+        assert again == count  # every event just requeued is dead again before the next page
+        return count
+
+    reads: list[int] = []
+    real_dead_letters = store.dead_letters
+
+    def counted_dead_letters(**kwargs: Any) -> Any:
+        page = real_dead_letters(**kwargs)
+        reads.append(len(page))
+        return page
+
+    monkeypatch.setattr(store, "requeue", requeue_then_fail_again)
+    monkeypatch.setattr(store, "dead_letters", counted_dead_letters)
+    assert outbox.requeue_dead(page_size=PAGE) == DEAD
+    assert set(requeued_ids) == set(ids) and set(requeued_ids.values()) == {1}  # once each
+    assert len(pages) == -(-DEAD // PAGE) and sum(pages) == DEAD
+    assert set(runs.values()) == {2}  # its first attempt, and one after its one requeue
+    assert store.stats(now=clock.now()).dead == DEAD  # all dead again: nothing lost
+    with capsys.disabled():
+        print(
+            f"\n[requeue-dead:{type(store).__name__}:{'moves' if clock_moves else 'stands'}] "
+            f"{DEAD} dead, requeued {sum(pages)} once each, returned after {len(pages)} pages "
+            f"of {PAGE} ({len(reads)} reads of {sum(reads)} dead letters); "
+            f"{sum(runs.values()) - DEAD} handler runs after the requeues"
+        )
+
+
+def test_requeue_dead_takes_the_dead_letters_of_as_of(store: Store) -> None:
+    """``as_of``: only what had failed by then (the CLI counts and requeues one snapshot)."""
+    clock = FrozenClock(START)
+    outbox = Outbox(store, make_bus(), clock=clock, max_retries=0, load_entry_points=False)
+    early = enqueue(outbox, {"fail": True}, {"fail": True})
+    assert outbox.poller().run_once().dead_lettered == early
+    clock.advance(timedelta(minutes=1))
+    late = enqueue(outbox, {"fail": True})
+    assert outbox.poller().run_once().dead_lettered == late
+    assert outbox.requeue_dead(as_of=START, dry_run=True) == 2
+    assert outbox.requeue_dead(as_of=START, page_size=1) == 2
+    assert [d.event.id for d in outbox.dead_letters()] == late
+    with pytest.raises(ConfigurationError, match="as_of"):
+        outbox.requeue_dead(as_of=datetime(2030, 1, 1))  # naive
+
+
+def test_max_retries_lowered_keeps_the_real_error(store: Store) -> None:
+    """Bug 9: an event failed once ("smtp busy"); polled again with max_retries=0 it is dead
+    without its handler running (its attempts are used up), and its last error is still the
+    handler's, first, not "attempt 1 crashed or lost its lease"."""
+    clock = FrozenClock(START)
+    bus = EventBus()
+    runs: list[int] = []
+
+    @bus.handler("mail.send", name="send")
+    def send(event: Any, ctx: Any) -> None:
+        runs.append(ctx.attempt)
+        raise RuntimeError("smtp busy")
+
+    outbox = Outbox(store, bus, clock=clock, max_retries=3)
+    with store.transaction() as conn:
+        event_id = outbox.enqueue(conn, "mail.send", {"to": "a@example.com"})
+    assert outbox.poller().run_once().retried == [event_id]
+    failed = store.get(event_id)
+    assert failed is not None and failed.last_error == "send: RuntimeError: smtp busy"
+
+    clock.advance(timedelta(hours=1))  # past the backoff
+    report = outbox.poller(max_retries=0).run_once()
+    assert report.dead_lettered == [event_id]
+    assert runs == [1]  # attempt 2 had no attempt left: the handler did not run
+    letter = outbox.dead_letter(event_id)
+    assert letter is not None
+    assert letter.last_error == (
+        "send: RuntimeError: smtp busy; no attempt left to run it (attempt 2, max_retries=0)"
+    )
+    assert "crashed" not in (letter.last_error or "")
 
 
 # -- the pruner in the poller loop (memory store: the timing is the clock's) --------------------

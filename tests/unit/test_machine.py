@@ -17,6 +17,7 @@ from outboxkit.core.machine import (
     LeaseCheck,
     Publish,
     Retry,
+    SettleNow,
     Transition,
     check_lease,
     decide_settlement,
@@ -24,10 +25,12 @@ from outboxkit.core.machine import (
     held_until,
     is_due,
     lease_is_low,
+    plan,
     state_of,
     transition,
 )
 from outboxkit.core.model import Claim
+from outboxkit.core.text import MAX_ERROR_CHARS
 
 # The lifecycle written out independently of the implementation's table (docs/lifecycle.md).
 LEGAL: dict[tuple[State, Transition], State] = {
@@ -389,3 +392,51 @@ def test_a_batch_checks_each_lease_as_the_machine_does_before_and_after_an_exten
         now = extended_at + offset
         expected = check_lease(deadline=extended_at + LEASE, now=now, lease=LEASE)
         assert batch.check_lease(run, now) is expected, offset
+
+
+# -- attempts used up before the claim (plan) ---------------------------------------------------
+
+
+def _used_up(attempts: int, last_error: str | None, done: dict[str, Outcome] | None = None):
+    """A claim whose earlier attempts left ``last_error`` (None: they left no error)."""
+    event = Event(7, "t", {}, {}, None, NOW, NOW, attempts, None, None, NOW + LEASE, last_error)
+    return Claim(event, "token-7", NOW + LEASE, done or {})
+
+
+def test_max_retries_lowered_keeps_the_real_error_first() -> None:
+    """Bug 9: an event that failed once ("smtp busy"), claimed again under max_retries=0, is
+    dead without a run, and its error is still the handler's, not a crash that never was."""
+    decided = plan(
+        _used_up(2, "send: RuntimeError: smtp busy"),
+        ("send",),
+        max_retries=0,
+        backoff=ExponentialBackoff(),
+    )
+    assert isinstance(decided, SettleNow)
+    assert decided.settlement == DeadLetter()
+    assert decided.error == (
+        "send: RuntimeError: smtp busy; no attempt left to run it (attempt 2, max_retries=0)"
+    )
+    assert "crashed" not in decided.error
+
+
+def test_attempts_used_up_without_an_earlier_error_blames_a_crash_or_a_lost_lease() -> None:
+    decided = plan(_used_up(2, None), ("send",), max_retries=0, backoff=ExponentialBackoff())
+    assert decided == SettleNow(
+        DeadLetter(), "attempts used up: attempt 1 crashed or lost its lease"
+    )
+
+
+def test_attempts_used_up_with_every_handler_recorded_publishes_without_an_error() -> None:
+    claim = _used_up(3, "send: RuntimeError: smtp busy", {"send": Outcome.SUCCEEDED})
+    decided = plan(claim, ("send",), max_retries=1, backoff=ExponentialBackoff())
+    assert decided == SettleNow(Publish())
+
+
+def test_attempts_used_up_cuts_a_long_real_error_but_keeps_the_note() -> None:
+    long_error = "send: RuntimeError: " + "x" * (2 * MAX_ERROR_CHARS)
+    decided = plan(_used_up(5, long_error), ("send",), max_retries=3, backoff=ExponentialBackoff())
+    assert isinstance(decided, SettleNow) and decided.error is not None
+    assert len(decided.error) <= MAX_ERROR_CHARS
+    assert decided.error.startswith("send: RuntimeError: xxx")
+    assert decided.error.endswith("; no attempt left to run it (attempt 5, max_retries=3)")

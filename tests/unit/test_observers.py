@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import logging
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -10,6 +13,7 @@ import pytest
 
 from outboxkit import (
     Claimed,
+    ConfigurationError,
     DeadLettered,
     EventBus,
     FrozenClock,
@@ -24,8 +28,10 @@ from outboxkit import (
     Reject,
     RetryScheduled,
     Unrouted,
+    hookimpl,
 )
 from outboxkit.observers import DEFAULT_LEVELS, LoggingObserver, describe
+from outboxkit.testing import Recorder
 
 
 def records_of(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str, str]]:
@@ -130,3 +136,101 @@ def test_every_observer_event_type_has_a_level_and_a_line() -> None:
     for event in events:
         line = describe(event)
         assert line.startswith("event 1 (t): ") and "\n" not in line
+
+
+# -- async def observers: refused at registration (bug 13) ---------------------------------------
+
+
+class AsyncObserver:
+    """The attack's observer: an ``async def`` hook, which nothing awaits."""
+
+    def __init__(self) -> None:
+        self.calls: list[Any] = []
+
+    @hookimpl
+    async def outboxkit_on_event(self, event: Any) -> None:
+        self.calls.append(event)
+
+
+class AsyncGeneratorObserver:
+    @hookimpl
+    async def outboxkit_on_event(self, event: Any) -> Any:
+        yield event
+
+
+def _delivered(outbox: Outbox) -> list[int]:
+    """Enqueue one event and deliver it with the blocking poller, then the asyncio one."""
+    with outbox.store.transaction() as tx:
+        first = outbox.enqueue(tx, "t", {})
+    published = outbox.poller().run_once().published
+    with outbox.store.transaction() as tx:
+        second = outbox.enqueue(tx, "t", {})
+    published += asyncio.run(outbox.async_poller().run_once()).published
+    assert published == [first, second]
+    return published
+
+
+def _unawaited(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if "never awaited" in str(w.message)]
+
+
+@pytest.mark.parametrize("observer_class", [AsyncObserver, AsyncGeneratorObserver])
+def test_async_observer_is_refused_at_registration(observer_class: type) -> None:
+    """Bug 13: an ``async def`` observer was taken and never ran (0 calls, a "coroutine was
+    never awaited" warning per event). It is refused, naming it and what to do, on every way
+    in; the outbox (and its other observers) go on, and no warning is left behind."""
+    bus = EventBus()
+    bus.subscribe("t", lambda event, ctx: None, name="h", transactional=False)
+    recorder = Recorder()
+    observer = observer_class()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(ConfigurationError) as refused:
+            Outbox(MemoryStore(), bus, plugins=[observer], load_entry_points=False)
+        message = str(refused.value)
+        assert f"observer plugin {observer_class.__qualname__}" in message
+        assert "outboxkit_on_event is an async def, which would never run" in message
+        assert "Make it a plain def" in message and "call_soon_threadsafe" in message
+
+        outbox = Outbox(
+            MemoryStore(), bus, clock=FrozenClock(), plugins=[recorder], load_entry_points=False
+        )
+        with pytest.raises(ConfigurationError, match="async def, which would never run"):
+            outbox.add_observer(observer)
+        assert not outbox.plugins.is_registered(observer)  # left out, not half registered
+        copy = outbox.rebind(clock=FrozenClock())
+        assert not copy.plugins.is_registered(observer)
+        _delivered(outbox)
+        gc.collect()
+    assert getattr(observer, "calls", []) == []
+    assert len(recorder.of(Published)) == 2  # the other observer saw both deliveries
+    assert _unawaited(caught) == []
+
+
+def test_an_observer_returning_a_coroutine_is_not_awaited_and_leaves_no_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A plain def that returns a coroutine cannot be told from its signature: the coroutine is
+    closed unrun and logged, instead of a "never awaited" warning from the garbage collector."""
+    ran: list[Any] = []
+
+    async def later(event: Any) -> None:
+        ran.append(event)
+
+    class Sneaky:
+        @hookimpl
+        def outboxkit_on_event(self, event: Any) -> Any:
+            return later(event)
+
+    bus = EventBus()
+    bus.subscribe("t", lambda event, ctx: None, name="h", transactional=False)
+    outbox = Outbox(
+        MemoryStore(), bus, clock=FrozenClock(), plugins=[Sneaky()], load_entry_points=False
+    )
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.ERROR):
+        warnings.simplefilter("always")
+        _delivered(outbox)
+        gc.collect()
+    assert ran == []
+    assert _unawaited(caught) == []
+    assert any("returned an awaitable" in r.getMessage() for r in caplog.records)

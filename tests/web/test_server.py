@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import signal
+import socket
 import threading
 from collections.abc import Iterator
 
@@ -120,3 +121,115 @@ def test_a_signal_another_thread_took_stops_serve_forever(
         signal.signal(signal.SIGINT, previous)
     assert not other.is_alive()
     assert not stopped_by_guard, "serve_forever went on serving after the signal"
+
+
+def _raw(server: DashboardServer, request: bytes) -> tuple[int, str]:
+    """Send ``request`` as it is (a browser or http.client would encode its path first), and
+    read the answer to the end: its status and page. No answer at all fails the test."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    assert answer, "the server closed the connection without an answer"
+    head, _, body = answer.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    return status, body.decode("utf-8")
+
+
+def _get_raw(server: DashboardServer, path: bytes) -> tuple[int, str]:
+    host = f"127.0.0.1:{server.port}".encode()
+    return _raw(
+        server, b"GET " + path + b" HTTP/1.1\r\nHost: " + host + b"\r\nConnection: close\r\n\r\n"
+    )
+
+
+def _post_raw(
+    server: DashboardServer, path: bytes, body: bytes, *, length: bytes | None = None
+) -> tuple[int, str]:
+    host = f"127.0.0.1:{server.port}".encode()
+    length = str(len(body)).encode() if length is None else length
+    return _raw(
+        server,
+        b"POST "
+        + path
+        + b" HTTP/1.1\r\nHost: "
+        + host
+        + b"\r\nOrigin: http://"
+        + host
+        + b"\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: "
+        + length
+        + b"\r\nConnection: close\r\n\r\n"
+        + body,
+    )
+
+
+def test_dashboard_superscript_event_id(
+    server: DashboardServer, dead_letter: tuple[Outbox, int]
+) -> None:
+    """Bug 11: ``/events/²`` (the request line is read as Latin-1: the byte 0xB2 is "²", which
+    ``str.isdigit`` takes and ``int`` refuses) was a traceback and no answer. Now a 404 page,
+    for GET and POST alike, and the server goes on serving."""
+    outbox, event_id = dead_letter
+    token = f"token={TOKEN}".encode()
+    for path in (b"/events/\xb2", b"/events/\xb9\xb3", b"/events/1\xb2"):
+        status, page = _get_raw(server, path)
+        assert (status, "is not an event id" in page) == (404, True), (path, page)
+        status, page = _post_raw(server, path + b"/requeue", token)
+        assert (status, "is not an event id" in page) == (404, True), (path, page)
+    assert outbox.dead_letter(event_id) is not None  # nothing was done
+    status, page = _get_raw(server, f"/events/{event_id}".encode())
+    assert status == 200 and "down" in page  # still serving: the dead letter's page
+
+
+_NOT_IDS = [
+    b"9" * 5000,  # past int()'s 4,300 digits: its own ValueError
+    b"9223372036854775808",  # 2**63
+    b"0",
+    b"-1",
+    b"+1",
+    b"1_0",
+    b"%31",  # "1", percent-encoded: paths are taken as sent
+]
+
+
+def test_dashboard_event_id_is_ascii_decimal_and_bounded(
+    server: DashboardServer, dead_letter: tuple[Outbox, int]
+) -> None:
+    outbox, event_id = dead_letter
+    token = f"token={TOKEN}".encode()
+    for segment in _NOT_IDS:
+        status, page = _get_raw(server, b"/events/" + segment)
+        assert (status, "is not an event id" in page) == (404, True), segment[:40]
+        status, page = _post_raw(server, b"/events/" + segment + b"/purge", token)
+        assert (status, "is not an event id" in page) == (404, True), segment[:40]
+    assert outbox.dead_letter(event_id) is not None
+
+
+def test_dashboard_content_length_is_ascii_decimal(
+    server: DashboardServer, dead_letter: tuple[Outbox, int]
+) -> None:
+    outbox, event_id = dead_letter
+    body = f"token={TOKEN}".encode()
+    path = f"/events/{event_id}/requeue".encode()
+    for length in (b"\xb2", b"1_0", b"-1", b"+9", b"99999999999999999999999"):
+        status, page = _post_raw(server, path, body, length=length)
+        expected = "the form is too large" if length.isdigit() else "a bad Content-Length header"
+        assert (status, expected in page) == (400, True), (length, page)
+        assert outbox.dead_letter(event_id) is not None
+    status, page = _post_raw(server, path, body)
+    assert status == 200 and f"requeued dead letter {event_id}" in page
+
+
+def test_a_failure_of_the_dashboard_is_a_500_page_not_a_dropped_connection(
+    server: DashboardServer, dead_letter: tuple[Outbox, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _, event_id = dead_letter
+
+    def broken(event_id: int) -> object:
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(server.dashboard, "event", broken)
+    status, page = _get_raw(server, f"/events/{event_id}".encode())
+    assert status == 500 and "the dashboard failed to answer this request" in page
+    assert "a bug" not in page  # the log has it, not the page

@@ -12,6 +12,7 @@ import click
 
 from ..errors import InputError
 from ..output import echo, table
+from ..params import Whole
 
 __all__ = ["APP", "demo_command"]
 
@@ -27,7 +28,7 @@ APP = "outboxkit.cli.demo.app:outbox"
     help="The SQLite file (default: outboxkit-demo.db in the current directory).",
 )
 @click.option(
-    "--orders", type=click.IntRange(min=1), default=300, show_default=True, help="Orders to place."
+    "--orders", type=Whole(min=1), default=300, show_default=True, help="Orders to place."
 )
 def demo_command(db: Path | None, orders: int) -> None:
     """Place orders in the example shop (outboxkit.cli.demo), deliver them to its three handlers

@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from ...core.text import parse_decimal, printable
 from ...errors import OutboxError
+from ...outbox import MAX_EVENT_ID
 from . import pages
 from .dashboard import SCAN_LIMIT, Dashboard
 
@@ -165,6 +168,7 @@ def _handler_class(server: DashboardServer) -> type[BaseHTTPRequestHandler]:
 
 class _Handler(BaseHTTPRequestHandler):
     owner: DashboardServer
+    _answered = False
     server_version = "outboxkit-web"
     sys_version = ""
 
@@ -175,6 +179,27 @@ class _Handler(BaseHTTPRequestHandler):
     # -- GET ----------------------------------------------------------------------------------
 
     def do_GET(self) -> None:
+        self._answering(self._get)
+
+    def do_POST(self) -> None:
+        self._answering(self._post)
+
+    def _answering(self, serve: Callable[[], None]) -> None:
+        """``serve`` the request, answering it whatever happens: a bug of the dashboard is a
+        500 page (its traceback goes to the log), never a connection closed without a word."""
+        self._answered = False
+        try:
+            serve()
+        except Exception:
+            log.exception("dashboard: %s %s failed", self.command, urlsplit(self.path).path)
+            if not self._answered:
+                self._message(
+                    HTTPStatus.INTERNAL_SERVER_ERROR,
+                    "Internal error",
+                    "the dashboard failed to answer this request (its log says why)",
+                )
+
+    def _get(self) -> None:
         if not self._host_allowed():
             return
         path = urlsplit(self.path).path
@@ -187,6 +212,8 @@ class _Handler(BaseHTTPRequestHandler):
                     self._message(HTTPStatus.NOT_FOUND, "No such event", f"no event {event_id}")
                 else:
                     self._send(HTTPStatus.OK, pages.event_page(event, letter))
+            elif (given := _event_segment(path)) is not None:
+                self._message(HTTPStatus.NOT_FOUND, "No such event", _not_an_id(given))
             else:
                 self._message(HTTPStatus.NOT_FOUND, "Not found", "no such page")
         except OutboxError as exc:
@@ -211,7 +238,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     # -- POST ---------------------------------------------------------------------------------
 
-    def do_POST(self) -> None:
+    def _post(self) -> None:
         if not self._host_allowed():
             return
         if not self._same_origin():
@@ -229,10 +256,14 @@ class _Handler(BaseHTTPRequestHandler):
             self._message(HTTPStatus.FORBIDDEN, "Refused", "a valid token is needed for this")
             return
         parts = urlsplit(self.path).path.strip("/").split("/")
-        action = self.owner.dashboard.actions().get(parts[-1]) if len(parts) == 3 else None
-        event_id = _event_id("/" + "/".join(parts[:2])) if len(parts) == 3 else None
-        if action is None or event_id is None:
+        on_event = len(parts) == 3 and parts[0] == "events"
+        action = self.owner.dashboard.actions().get(parts[2]) if on_event else None
+        if action is None:
             self._message(HTTPStatus.NOT_FOUND, "Not found", "no such action")
+            return
+        event_id = parse_decimal(parts[1], minimum=1, maximum=MAX_EVENT_ID)
+        if event_id is None:
+            self._message(HTTPStatus.NOT_FOUND, "No such event", _not_an_id(parts[1]))
             return
         try:
             done = action(event_id)
@@ -262,12 +293,12 @@ class _Handler(BaseHTTPRequestHandler):
         return parts.scheme == "http" and parts.netloc == host
 
     def _form(self) -> dict[str, list[str]] | None:
-        try:
-            length = int(self.headers.get("Content-Length", "0"))
-        except ValueError:
-            length = -1
-        if not 0 <= length <= _MAX_BODY:
-            self._message(HTTPStatus.BAD_REQUEST, "Bad request", "the form is too large")
+        given = self.headers.get("Content-Length")
+        length = _content_length(given)
+        if length is None:
+            too_large = given is not None and given.isascii() and given.isdigit()
+            reason = "the form is too large" if too_large else "a bad Content-Length header"
+            self._message(HTTPStatus.BAD_REQUEST, "Bad request", reason)
             return None
         kind = self.headers.get("Content-Type", "").split(";", 1)[0].strip()
         if kind != "application/x-www-form-urlencoded":
@@ -290,6 +321,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send(self, status: HTTPStatus, page: str) -> None:
         body = page.encode("utf-8")
+        self._answered = True
         self.send_response(status)
         self.send_header("Content-Type", "text/html; charset=utf-8")
         self.send_header("Content-Length", str(len(body)))
@@ -299,10 +331,29 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
-def _event_id(path: str) -> int | None:
-    """The id in ``/events/ID``, or None."""
+def _event_segment(path: str) -> str | None:
+    """The ``ID`` of ``/events/ID`` as given, or None for another path."""
     parts = path.strip("/").split("/")
-    if len(parts) != 2 or parts[0] != "events" or not parts[1].isdigit():
-        return None
-    event_id = int(parts[1])
-    return event_id if 0 < event_id < 2**63 else None
+    return parts[1] if len(parts) == 2 and parts[0] == "events" else None
+
+
+def _event_id(path: str) -> int | None:
+    """The id in ``/events/ID``, or None: ASCII digits only, 1 to 2**63 - 1 (``parse_decimal``:
+    ``"²"`` is a digit to ``str.isdigit`` and no number to ``int``)."""
+    given = _event_segment(path)
+    return None if given is None else parse_decimal(given, minimum=1, maximum=MAX_EVENT_ID)
+
+
+def _not_an_id(given: str) -> str:
+    """Why ``given`` names no event (the page escapes it; control characters are shown as
+    escapes, and a long one is cut)."""
+    shown = printable(given if len(given) <= 40 else given[:40] + "...")
+    return f"{shown!r} is not an event id (ids are numbers from 1 to {MAX_EVENT_ID})"
+
+
+def _content_length(value: str | None) -> int | None:
+    """The ``Content-Length`` header's value (0 when absent), or None when it is no number of
+    ASCII digits (``int`` would take `` 12``, ``1_2`` or ``١٢``) or is over ``_MAX_BODY``."""
+    if value is None:
+        return 0
+    return parse_decimal(value, maximum=_MAX_BODY)
