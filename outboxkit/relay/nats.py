@@ -2,16 +2,19 @@
 by the stream.
 
 Each event is published to subject ``destination(event)`` (the topic by default) with the
-headers of ``outboxkit.relay.RelayMessage`` and ``Nats-Msg-Id`` set to the event's id: a stream drops
-a message whose id it has seen inside its duplicate window (``duplicate_window``, two minutes
-by default), so a re-publish after a lost confirm or a lost lease is stored once. The batch is
-published asynchronously and its acknowledgements awaited together. A subject no stream
-covers fails its event with ``Unroutable`` (retried, then dead-lettered), never recorded as
-delivered; a stream's error (full, wrong expected stream) fails it with ``RelayError``.
+headers of ``outboxkit.relay.RelayMessage`` and ``Nats-Msg-Id`` set to the event's message
+identity (``Event.message_id``, unique across outboxes): a stream drops a message whose id it
+has seen inside its duplicate window (``duplicate_window``, two minutes by default), so a
+re-publish after a lost confirm or a lost lease is stored once, and the events of two outboxes
+relaying into one stream never take each other for duplicates. The batch is published
+asynchronously and its acknowledgements awaited together. A subject no stream covers fails its
+event with ``Unroutable`` (retried, then dead-lettered), never recorded as delivered; a
+stream's error (full, wrong expected stream) fails it with ``RelayError``.
 
 Order: a stream stores a batch's messages in publish order, which is claim order.
 
-Consumer side: ``event_id(msg)`` reads the id back (``Nats-Msg-Id``); with
+Consumer side: ``event_id(msg)`` reads the message identity back (``outbox-message-id``, or
+for a message sent before the stores kept message ids, ``outbox-event-id``); with
 ``outboxkit.relay.inbox.Inbox`` the consumer applies each message once, also past the window.
 """
 
@@ -24,11 +27,13 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import RelayError, Unroutable
 from . import (
+    EVENT_ID_HEADER,
+    MESSAGE_ID_HEADER,
     BrokerRelay,
     Destination,
     RelayMessage,
     client_module,
-    parse_event_id,
+    parse_message_id,
     topic_destination,
 )
 
@@ -114,7 +119,7 @@ class NatsRelay(BrokerRelay[_Link]):
         try:
             for message in messages:
                 headers = dict(message.headers)
-                headers[MSG_ID_HEADER] = str(message.event_id)
+                headers[MSG_ID_HEADER] = message.message_id
                 link.inflight.append(
                     await link.jetstream.publish_async(
                         message.destination, message.body, headers=headers
@@ -145,10 +150,16 @@ class NatsRelay(BrokerRelay[_Link]):
         await link.client.close()
 
 
-def event_id(msg: nats.aio.msg.Msg) -> int:
-    """The outbox event id of a consumed message (its ``Nats-Msg-Id``), the dedupe key.
+def event_id(msg: nats.aio.msg.Msg) -> str:
+    """The message identity of a consumed message (its ``outbox-message-id``, the same as its
+    ``Nats-Msg-Id``; for a message sent before the stores kept message ids, its
+    ``outbox-event-id``), the dedupe key (``Inbox.accept``).
+
+    Returns:
+        A UUID's text, or the decimal event id of a message sent before the upgrade.
 
     Raises:
         ValueError: the message was not sent by a relay.
     """
-    return parse_event_id((msg.headers or {}).get(MSG_ID_HEADER))
+    headers = msg.headers or {}
+    return parse_message_id(headers.get(MESSAGE_ID_HEADER), headers.get(EVENT_ID_HEADER))
