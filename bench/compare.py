@@ -61,6 +61,11 @@ from typing import Any
 
 from _common import median, pg_schema, pg_url_default
 
+from outboxkit._sql.rows import EVENT_COLUMNS
+
+TOKEN = len(EVENT_COLUMNS)
+"""Where a claimed row's token is: right after the event's columns (outboxkit._sql.base)."""
+
 TOPIC = "bench.compare"
 HANDLER = "noop"
 BATCH = 100
@@ -493,7 +498,7 @@ def _bare_worker(job: Job, barrier: Barrier) -> Drained:
             batched = c.mode == "batch"
             kept: list[tuple[Any, ...]] = []
             for row in rows:
-                event_id, attempt, token = row[0], row[7], row[12]
+                event_id, attempt, token = row[0], row[7], row[TOKEN]
                 noop(event_id, json.loads(row[2]))
                 # The handler never takes the connection: its record is one statement that
                 # checks the token (insert_record_fenced), or kept for the batch's end.
@@ -508,7 +513,7 @@ def _bare_worker(job: Job, barrier: Barrier) -> Drained:
             settle: dict[str, Any] = {
                 "now": None,
                 "ids": [row[0] for row in rows],
-                "tokens": [row[12] for row in rows],
+                "tokens": [row[TOKEN] for row in rows],
             }
             if kept:
                 settle["record_ids"] = [k[0] for k in kept]
@@ -548,7 +553,7 @@ def _bare_sqlite_worker(job: Job, barrier: Barrier) -> Drained:
         if c.mode != "batch":
             conn.execute("COMMIT")
         for row in rows:
-            event_id, attempt, token = row[0], row[7], row[12]
+            event_id, attempt, token = row[0], row[7], row[TOKEN]
             noop(event_id, row[1], json.loads(row[2]))
             if c.mode == "batch":
                 kept.append((event_id, token, HANDLER, "succeeded", attempt, now, None))
@@ -562,7 +567,7 @@ def _bare_sqlite_worker(job: Job, barrier: Barrier) -> Drained:
         settle = {
             "now": int(time.time() * 1_000_000),
             "ids": json.dumps([row[0] for row in rows]),
-            "tokens": json.dumps([row[12] for row in rows]),
+            "tokens": json.dumps([row[TOKEN] for row in rows]),
         }
         conn.execute(q["publish_many"], settle).fetchall()
         conn.execute("COMMIT")

@@ -98,12 +98,15 @@ def store_statements(path: Path, events: int) -> Timings:
             if not rows:
                 return timed.timings
             conn.execute("BEGIN IMMEDIATE")
-            kept = [(r[0], r[12], compare.HANDLER, "succeeded", r[7], now, None) for r in rows]
+            kept = [
+                (r[0], r[compare.TOKEN], compare.HANDLER, "succeeded", r[7], now, None)
+                for r in rows
+            ]
             timed("records", q["insert_records_fenced"], {"items": json.dumps(kept)})
             settle = {
                 "now": now,
                 "ids": json.dumps([r[0] for r in rows]),
-                "tokens": json.dumps([r[12] for r in rows]),
+                "tokens": json.dumps([r[compare.TOKEN] for r in rows]),
             }
             timed("settle", q["publish_many"], settle)
             timed("commit", "COMMIT")

@@ -65,6 +65,7 @@ class _Row:
     last_error: str | None = None
     row_lock: object | None = None  # the delivery transaction holding this row
     dedupe_key: str | None = None
+    message_id: str = ""  # a random UUID's text, drawn at enqueue (Event.message_id)
 
     def to_event(self) -> Event:
         return Event(
@@ -80,6 +81,7 @@ class _Row:
             failed_at=self.failed_at,
             locked_until=self.locked_until,
             last_error=self.last_error,
+            message_id=self.message_id,
         )
 
 
@@ -417,6 +419,7 @@ class MemoryStore:
                     created_at=at,
                     available_at=ev.available_at if ev.available_at is not None else at + ev.delay,
                     dedupe_key=ev.dedupe_key,
+                    message_id=str(uuid.uuid4()),
                 )
                 self._next_id += 1
                 conn._pending.events.append(row)

@@ -179,6 +179,17 @@ UPDATE {events} SET has_history = true
    AND EXISTS (SELECT 1 FROM {deliveries} AS r WHERE r.event_id = {events}.id);
 
 
+-- name: migration_5
+-- The message identity: a random uuid per event, drawn by the column's default when the event
+-- is inserted (every enqueue statement leaves the column to it), read back with the event and
+-- sent by the relays as the message's id (the inbox's key). Event ids are unique in one
+-- database only; this is unique across databases, a cloned one included. The column is added
+-- first and given its default after, so the rows already there keep NULL (no rewrite of the
+-- table): their identity stays their decimal id, which their messages carried before.
+ALTER TABLE {events} ADD COLUMN message_id uuid;
+ALTER TABLE {events} ALTER COLUMN message_id SET DEFAULT gen_random_uuid();
+
+
 -- name: enqueue
 -- R1: one statement for the whole batch, through the caller's connection. The batch comes as
 -- one JSON document, an array of [topic, payload, headers, key, delay in microseconds] per
@@ -333,7 +344,7 @@ UPDATE {events} AS e
  WHERE e.id = ANY(ARRAY(SELECT id FROM due))
 RETURNING e.id, e.topic, e.payload::text, e.headers::text, e.key, e.created_at,
           e.available_at, e.attempts, e.published_at, e.failed_at, e.locked_until, e.last_error,
-          e.claim_token::text,
+          e.message_id::text, e.claim_token::text,
           CASE WHEN e.attempts > 1 OR e.has_history
                THEN ARRAY(SELECT ARRAY[r.handler, r.outcome]
                             FROM {deliveries} AS r
@@ -556,13 +567,13 @@ RETURNING id
 
 -- name: get
 SELECT id, topic, payload::text, headers::text, key, created_at, available_at, attempts,
-       published_at, failed_at, locked_until, last_error
+       published_at, failed_at, locked_until, last_error, message_id::text
   FROM {events}
  WHERE id = %(id)s
 
 -- name: events
 SELECT id, topic, payload::text, headers::text, key, created_at, available_at, attempts,
-       published_at, failed_at, locked_until, last_error
+       published_at, failed_at, locked_until, last_error, message_id::text
   FROM {events}
  WHERE id > %(after_id)s
    AND (%(topic)s::text IS NULL OR topic = %(topic)s::text)
@@ -571,7 +582,7 @@ SELECT id, topic, payload::text, headers::text, key, created_at, available_at, a
 
 -- name: dead_letters
 SELECT id, topic, payload::text, headers::text, key, created_at, available_at, attempts,
-       published_at, failed_at, locked_until, last_error
+       published_at, failed_at, locked_until, last_error, message_id::text
   FROM {events}
  WHERE failed_at IS NOT NULL
    AND (%(topic)s::text IS NULL OR topic = %(topic)s::text)

@@ -68,7 +68,7 @@ __all__ = ["MIGRATIONS", "SCHEMA_VERSION", "PostgresStore"]
 
 log = logging.getLogger("outboxkit")
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """The schema version this code reads and writes."""
 
 MIGRATIONS: tuple[tuple[int, str], ...] = (
@@ -76,6 +76,7 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
     (2, "commit guard: a handler's COMMIT of its delivery transaction fails"),
     (3, "per-key order (key rows, key_seq), dedupe keys"),
     (4, "records without a foreign key (purges delete them), has_history for the claim"),
+    (5, "message_id: a random uuid per new event, its identity on a broker"),
 )
 """Each version and what it adds; version *n* runs the ``migration_n`` statement."""
 

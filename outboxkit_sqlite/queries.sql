@@ -30,7 +30,21 @@ CREATE INDEX {events_key} ON {events} (key, id) WHERE key IS NOT NULL AND publis
 CREATE UNIQUE INDEX {events_dedupe} ON {events} (dedupe_key) WHERE dedupe_key IS NOT NULL
 
 -- name: insert_events_head
+-- Each row's values end with the message identity, randomblob(16), drawn by SQLite itself
+-- (outboxkit_sqlite.tables.insert_events): 16 random bytes, read back as a version 4 UUID's
+-- text (outboxkit._sql.rows.message_id_text).
+INSERT INTO {events} (topic, payload, headers, key, created_at, available_at, dedupe_key,
+                      message_id) VALUES
+
+-- name: insert_events_head_v5
+-- insert_events_head for a schema at version 5 (a file opened with migrate=False, not yet
+-- migrated): no message_id column yet; the rows keep NULL, their identity their decimal id.
 INSERT INTO {events} (topic, payload, headers, key, created_at, available_at, dedupe_key) VALUES
+
+-- name: create_message_id
+-- Schema version 6: the message identity (see insert_events_head). Rows written before keep
+-- NULL: their identity stays their decimal id, which their messages carried before.
+ALTER TABLE {events} ADD COLUMN message_id BLOB
 
 -- name: insert_event_older
 -- One event into a schema older than version 5 (a file opened with migrate=False, not yet

@@ -13,6 +13,8 @@ Version 4: a trigger deletes an event's delivery records with it (``{events}_pur
 is one statement, as on PostgreSQL (``ON DELETE CASCADE``); it costs nothing but on delete.
 Version 5: per-key ordering and idempotent enqueue (R15, R16): the ``dedupe_key`` column, its
 unique index, and the index the claim asks whether an earlier event of a key holds it up.
+Version 6: the message identity, ``message_id`` (16 random bytes the inserts draw); rows written
+before keep NULL, and their identity stays their decimal id.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from .tables import TableNames, render_queries
 
 __all__ = ["SCHEMA_VERSION", "current_version", "migrate"]
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 
 def current_version(conn: sqlite3.Connection, tables: TableNames) -> int:
@@ -157,10 +159,15 @@ def _v5_order_indexes(db: Database, tables: TableNames) -> None:
         db.execute(statement)
 
 
+def _v6_message_id(db: Database, tables: TableNames) -> None:
+    db.execute(render_queries(tables)["create_message_id"])
+
+
 _STEPS: tuple[tuple[int, Callable[[Database, TableNames], None]], ...] = (
     (1, _v1_tables),
     (2, _v2_indexes),
     (3, _v3_no_token_index),
     (4, _v4_purge_trigger),
     (5, _v5_order_indexes),
+    (6, _v6_message_id),
 )

@@ -66,7 +66,14 @@ from .connections import (
 )
 from .delivery import Batch, Delivery, Lazily, Pooled, delivering
 from .errors import map_error, open_error
-from .tables import INSERT_COLUMNS, INSERT_TAIL, TableNames, insert_events, render_queries
+from .tables import (
+    INSERT_COLUMNS,
+    INSERT_TAIL,
+    NEW_MESSAGE_ID,
+    TableNames,
+    insert_events,
+    render_queries,
+)
 
 if TYPE_CHECKING:
     from .aio import AsyncSQLiteStore
@@ -175,7 +182,6 @@ class SQLiteStore(SQLStore):
         self.busy_timeout = check_seconds("busy_timeout", busy_timeout, allow_zero=True)
         self.wal_warn_bytes = check_count("wal_warn_bytes", wal_warn_bytes, minimum=1)
         self._queries = render_queries(self.tables)
-        self._insert_one = insert_events(self._queries["insert_events_head"], 1)
         self.memory = os.fspath(path) == MEMORY
         if self.memory:
             self.path: Path | None = None
@@ -221,6 +227,17 @@ class SQLiteStore(SQLStore):
         except BaseException:
             self._connections.close()
             raise
+        self._shape_inserts()
+
+    def _shape_inserts(self) -> None:
+        """The statements that insert events into the schema found: with the message identity
+        (``message_id``, version 6), or without it into a version 5 schema opened with
+        ``migrate=False`` (its rows keep NULL, their identity their decimal id)."""
+        self._with_message_id = self._older is None
+        self._insert_head = self._queries[
+            "insert_events_head" if self._with_message_id else "insert_events_head_v5"
+        ]
+        self._insert_one = insert_events(self._insert_head, 1, message_id=self._with_message_id)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:
@@ -383,6 +400,7 @@ class SQLiteStore(SQLStore):
                 conn, self.tables, applied_at=self._instant(None), where=self._where
             )
         self._older = None
+        self._shape_inserts()
         return Migration(before=found, after=schema.SCHEMA_VERSION)
 
     def close(self) -> None:
@@ -453,7 +471,7 @@ class SQLiteStore(SQLStore):
     ) -> list[int]:
         if not events:
             return []
-        if self._older is not None:
+        if self._older is not None and self._older < _DEDUPE_VERSION:
             return self._insert_older(conn, events, created)
         if len(events) == 1 and events[0].dedupe_key is None:
             # Outbox.enqueue, the hot path: one cached statement, no chunking
@@ -468,12 +486,13 @@ class SQLiteStore(SQLStore):
             per_statement = max(
                 1, conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // INSERT_COLUMNS
             )
-            head = self._queries["insert_events_head"]
+            head, drawn = self._insert_head, self._with_message_id
             for start in range(0, len(rows), per_statement):
                 chunk = rows[start : start + per_statement]
                 values = [value for row in chunk for value in row]
                 # RETURNING has no order; one INSERT hands out increasing ids in VALUES order.
-                returned.extend(conn.execute(insert_events(head, len(chunk)), values).fetchall())
+                statement = insert_events(head, len(chunk), message_id=drawn)
+                returned.extend(conn.execute(statement, values).fetchall())
             ids, missing = inserted_ids(events, returned)
             found = self._dedupe_holders(conn, missing) if missing else {}
             return resolve_ids(events, ids, found)
@@ -495,7 +514,8 @@ class SQLiteStore(SQLStore):
             ConfigurationError: ``now`` is naive.
         """
         created = self._instant(now)
-        head = self._queries["insert_events_head"]
+        head = self._insert_head
+        drawn = [NEW_MESSAGE_ID] if self._with_message_id else []
         statements: list[tuple[str, dict[str, Any]]] = []
         for start in range(0, len(events), _PORTABLE_ROWS):
             chunk = events[start : start + _PORTABLE_ROWS]
@@ -504,7 +524,7 @@ class SQLiteStore(SQLStore):
             for i, event in enumerate(chunk):
                 names = [f"{column}{i}" for column in _PORTABLE_COLUMNS]
                 params.update(zip(names, _row(event, created), strict=True))
-                values.append("(" + ", ".join(f":{name}" for name in names) + ")")
+                values.append("(" + ", ".join([*(f":{name}" for name in names), *drawn]) + ")")
             statements.append((f"{head} {', '.join(values)}{INSERT_TAIL}", params))
         return statements
 
@@ -522,9 +542,9 @@ class SQLiteStore(SQLStore):
     def _insert_older(
         self, conn: sqlite3.Connection, events: Sequence[NewEvent], created: int
     ) -> list[int]:
-        """Enqueue into an older schema (opened with ``migrate=False``, not migrated yet), so
-        that an app can write events before its pollers' ``migrate()``: one statement per
-        event, with the columns every version has; a dedupe key needs version 5.
+        """Enqueue into a schema older than version 5 (opened with ``migrate=False``, not
+        migrated yet), so that an app can write events before its pollers' ``migrate()``: one
+        statement per event, with the columns every version has; a dedupe key needs version 5.
 
         Raises:
             SchemaError: an event has a dedupe key.
@@ -532,7 +552,7 @@ class SQLiteStore(SQLStore):
         if any(event.dedupe_key is not None for event in events):
             raise SchemaError(
                 f"SQLite database {self._where} has outboxkit schema version {self._older}: "
-                f"dedupe_key needs version {schema.SCHEMA_VERSION}: run migrate()"
+                f"dedupe_key needs version {_DEDUPE_VERSION}: run migrate()"
             )
         statement = self._queries["insert_event_older"]
         with self._mapped(f"enqueue {len(events)} event(s)"):
@@ -643,6 +663,9 @@ class SQLiteStore(SQLStore):
             conn.rollback_quietly()
             raise
 
+
+_DEDUPE_VERSION = 5
+"""The schema version that added dedupe keys (and the multi-row insert with them)."""
 
 _PORTABLE_COLUMNS = ("topic", "payload", "headers", "key", "created", "available", "dedupe")
 _PORTABLE_ROWS = 999 // len(_PORTABLE_COLUMNS)  # within SQLite's oldest parameter limit

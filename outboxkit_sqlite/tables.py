@@ -17,6 +17,7 @@ from outboxkit.errors import ConfigurationError
 __all__ = [
     "INDEX_SUFFIXES",
     "INSERT_COLUMNS",
+    "NEW_MESSAGE_ID",
     "TableNames",
     "index_names",
     "insert_events",
@@ -125,10 +126,18 @@ def render_queries(tables: TableNames) -> dict[str, str]:
     }
 
 
-def insert_events(head: str, rows: int) -> str:
+NEW_MESSAGE_ID = "randomblob(16)"
+"""What fills an inserted event's ``message_id`` (schema version 6): 16 random bytes, drawn by
+SQLite for each row."""
+
+
+def insert_events(head: str, rows: int, *, message_id: bool = True) -> str:
     """One multi-row ``INSERT ... RETURNING id, dedupe_key`` for ``rows`` events: placeholders
-    only. An event whose dedupe key is taken is not inserted (R16)."""
-    return head + " " + ", ".join(["(?, ?, ?, ?, ?, ?, ?)"] * rows) + INSERT_TAIL
+    only, each row's message identity drawn by SQLite (``NEW_MESSAGE_ID``; ``message_id=False``
+    for ``insert_events_head_v5``, a schema without the column). An event whose dedupe key is
+    taken is not inserted (R16)."""
+    row = f"(?, ?, ?, ?, ?, ?, ?, {NEW_MESSAGE_ID})" if message_id else "(?, ?, ?, ?, ?, ?, ?)"
+    return head + " " + ", ".join([row] * rows) + INSERT_TAIL
 
 
 INSERT_TAIL = (

@@ -51,6 +51,12 @@ Since 1.7.0 ``BatchTests`` checks a batch's settlement as its last write, which 
 make it in ``per_batch`` mode (``outboxkit.store.settle_last``: the batch's ``settle_last``,
 ``outboxkit.store.SettlesLast``, where it has one, else ``settle_many``): fenced by token and
 committed with everything else the batch wrote.
+
+Since 1.8.0 ``EnqueueTests`` checks an event's message identity (``Event.message_id``, what a
+relay sends as the message's id): drawn by the store when the event is written, unique across
+two stores (``make_store`` is called a second time, on another directory, for a second fresh
+store), the same on every read. A store that leaves it unset gives every event its decimal id,
+which two stores share, and fails the check.
 """
 
 from __future__ import annotations
@@ -94,7 +100,7 @@ __all__ = [
     "load_factory",
 ]
 
-SUITE_VERSION = "1.7.0"
+SUITE_VERSION = "1.8.0"
 
 
 class StoreConformance(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import fields
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -85,6 +85,22 @@ class ConformanceBase:
 
     def _known_failures(self) -> Mapping[str, str]:
         return self.known_failures
+
+    @contextmanager
+    def another_store(self, tmp_path: Path) -> Iterator[Store]:
+        """A second fresh store beside the test's own: ``make_store`` called again, on a
+        directory of its own under ``tmp_path``; closed (or its context left) at the end."""
+        where = tmp_path / "another-store"
+        where.mkdir()
+        made = self.make_store(where)
+        if isinstance(made, AbstractContextManager):
+            with made as store:
+                yield store
+        else:
+            try:
+                yield made
+            finally:
+                made.close()
 
     @pytest.fixture(params=MODES, ids=[m.name for m in MODES])
     def mode(self, request: pytest.FixtureRequest, store: Store) -> Mode:

@@ -1,13 +1,15 @@
 """Enqueue (R1): an event exists iff the caller's transaction commits, and comes back as it
-was written (topic, payload, headers, key, delay)."""
+was written (topic, payload, headers, key, delay), with a message identity of its own."""
 
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 
 from outboxkit import FrozenClock, InvalidEvent, Outbox, Store
+from outboxkit.core.machine import DeadLetter
 from outboxkit.core.payload import build_event
 
 from ._base import ConformanceBase
@@ -101,3 +103,34 @@ class EnqueueTests(ConformanceBase):
             good = outbox.enqueue(conn, "t", {"ok": True})
         assert store.stats(now=clock.now()).total == 1
         assert store.get(good) is not None
+
+    def test_events_carry_a_message_id_unique_across_stores(
+        self, store: Store, clock: FrozenClock, tmp_path: Path
+    ) -> None:
+        """``Event.message_id`` is an event's identity outside its store: the relays send it
+        as the message's id and a consumer's inbox keys on it. Event ids are unique in one
+        store only (two stores both have an event 1), so the store draws it, unique across
+        stores, when the event is written; every read gives the same one (``get``,
+        ``events``, the claim, ``dead_letters``)."""
+        now = clock.now()
+        ids = self.put(store, now, *[("t", n) for n in range(3)])
+        with self.another_store(tmp_path) as other:
+            other_ids = self.put(other, now, *[("t", n) for n in range(3)])
+            theirs = [other.get(i) for i in other_ids]
+        ours = [store.get(i) for i in ids]
+        assert all(e is not None for e in ours + theirs)
+        mine = [e.message_id for e in ours if e is not None]
+        other_ones = {e.message_id for e in theirs if e is not None}
+        assert all(isinstance(m, str) and m for m in mine), mine
+        assert len(set(mine)) == 3, f"message ids repeat in one store: {mine}"
+        assert not set(mine) & other_ones, (
+            f"two stores' events share message ids: {sorted(set(mine) & other_ones)}"
+        )
+        assert [e.message_id for e in store.events() if e.id in ids] == mine
+        claims = self.claim(store, now)
+        assert [c.event.message_id for c in claims] == mine
+        assert store.settle_many([(claims[0], DeadLetter(), "h: boom")], now=now) == [True]
+        (dead,) = store.dead_letters()
+        assert dead.event.message_id == mine[0]
+        again = store.get(ids[0])
+        assert again is not None and again.message_id == mine[0]

@@ -233,7 +233,7 @@ class SQLStore(ABC):
         for row in sorted(rows, key=_CLAIM_ORDER):
             made = event(row)
             claims.append(
-                make_claim(made, str(row[12]), made.locked_until, done_from_pairs(done(row[13])))
+                make_claim(made, str(row[13]), made.locked_until, done_from_pairs(done(row[14])))
             )
         return claims
 

@@ -38,6 +38,7 @@ __all__ = [
     "record_from_row",
     "record_params",
     "inserted_ids",
+    "message_id_text",
     "resolve_ids",
     "settle_row",
     "still_owned",
@@ -56,8 +57,11 @@ EVENT_COLUMNS = (
     "failed_at",
     "locked_until",
     "last_error",
+    "message_id",
 )
-"""What every query returning events selects first, in this order."""
+"""What every query returning events selects first, in this order. ``message_id`` is the
+stored message identity: PostgreSQL's ``uuid`` as text, SQLite's 16 random bytes, NULL for a
+row written before the store kept one (``message_id_text``)."""
 
 Instant = Callable[[Any], datetime]
 
@@ -77,6 +81,22 @@ def decode_headers(raw: str | bytes | Mapping[str, str] | None) -> dict[str, str
     except ValueError:
         return {}
     return {str(k): str(v) for k, v in value.items()} if isinstance(value, dict) else {}
+
+
+_VARIANT = {d: "89ab"[int(d, 16) & 3] for d in "0123456789abcdef"}
+
+
+def message_id_text(raw: str | bytes | None) -> str | None:
+    """A stored message identity as ``Event.message_id`` holds it: PostgreSQL's ``uuid`` text
+    as it is; SQLite's 16 random bytes as the text of a version 4 UUID (their version and
+    variant bits set so); None (a row older than the column) as None, which ``Event`` reads
+    as the decimal id."""
+    if type(raw) is bytes and len(raw) == 16:
+        h = raw.hex()
+        return f"{h[:8]}-{h[8:12]}-4{h[13:16]}-{_VARIANT[h[16]]}{h[17:20]}-{h[20:]}"
+    if isinstance(raw, bytes | bytearray | memoryview):
+        return bytes(raw).hex() or None  # not one outboxkit wrote: its bytes, as they are
+    return raw
 
 
 def event_from_row(
@@ -115,6 +135,7 @@ def event_from_row(
         failed_at,
         locked_until,
         row[11],  # last_error
+        message_id_text(row[12]),
     )
 
 

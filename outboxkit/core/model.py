@@ -206,6 +206,14 @@ class Event:
     first read of ``payload``: a relay sends that text as it is (``stored_payload_text``), so
     an event that only goes to a broker is never decoded and encoded again. Equality, ``repr``
     and ``dataclasses.replace`` read ``payload``, so they see the decoded value.
+
+    ``id`` is the store's local id: unique in one store only (two databases both have an event
+    1). ``message_id`` is the event's identity outside its store, what a relay sends as the
+    message's id and a consumer's ``Inbox`` keys on: a random UUID (its text) drawn when the
+    event was written, the same on every read and every re-publish of the event. An event
+    written before its store had one (a row older than the schema upgrade that added it), or
+    built by hand without one, has its decimal ``id`` instead, the identity its messages
+    carried before.
     """
 
     id: int
@@ -220,6 +228,10 @@ class Event:
     failed_at: datetime | None = None
     locked_until: datetime | None = None
     last_error: str | None = None
+    message_id: str = field(default="", compare=False)
+    """The event's message identity (see the class docstring); ``""`` or None given: the
+    decimal ``id``. Not part of equality: it is random, so an event a test builds by hand
+    still equals the one its store reads back."""
 
     @property
     def state(self) -> State:
@@ -249,6 +261,27 @@ setattr(  # noqa: B010 - mypy keeps seeing the field's type
     Event,
     "payload",
     property(_read_payload, _payload_slot.__set__, doc="The event's payload (a JSON value)."),
+)
+
+
+# ``Event.message_id`` reads through its slot too: a store hands over None (or ``""``) for a
+# row written before it kept message ids, and the identity of such an event is its decimal id.
+_message_id_slot: Any = Event.__dict__["message_id"]
+
+
+def _read_message_id(event: Event) -> str:
+    value = _message_id_slot.__get__(event, Event)
+    return value if value else str(event.id)
+
+
+setattr(  # noqa: B010 - as ``payload`` above
+    Event,
+    "message_id",
+    property(
+        _read_message_id,
+        _message_id_slot.__set__,
+        doc="The event's message identity: its UUID text, or its decimal id (a legacy row).",
+    ),
 )
 
 

@@ -15,10 +15,19 @@ connection fails just the unconfirmed events, which are retried with the poller'
 finally dead-lettered, like a failed handler's.
 
 Each message carries the event's payload (JSON) as its body, the event's own headers (so the
-trace context, ``traceparent``/``tracestate``) and ``outbox-event-id``, ``outbox-topic``,
-``outbox-key`` (when the event has one) and ``outbox-created-at`` (ISO 8601). Its destination on
-the broker (RabbitMQ routing key, NATS subject, Redis stream) is ``destination(event)``: the
-topic by default, any ``Callable[[Event], str]`` instead.
+trace context, ``traceparent``/``tracestate``) and ``outbox-message-id``, ``outbox-event-id``,
+``outbox-topic``, ``outbox-key`` (when the event has one) and ``outbox-created-at`` (ISO 8601).
+Its destination on the broker (RabbitMQ routing key, NATS subject, Redis stream) is
+``destination(event)``: the topic by default, any ``Callable[[Event], str]`` instead.
+
+A message's identity is the event's ``message_id`` (``outbox-message-id``, and the broker's own
+id: RabbitMQ's ``message_id``, NATS's ``Nats-Msg-Id``, the Redis entry's field): a random UUID
+the store drew when the event was written, so that two outboxes (two services, or an app's two
+databases) relaying into one broker never share one, while a re-publish of an event carries
+the same one (the NATS stream and the consumer's ``Inbox`` drop it). ``outbox-event-id`` is the
+store's local id, unique in its own database only: for operators, not for dedupe. An event
+written before its store kept message ids has its decimal id as its identity, which its
+messages carried before. ``event_id(message)`` in each relay module reads the identity back.
 
 The relays are asyncio code (aio-pika, nats-py, redis.asyncio); the blocking poller runs the
 same relay on a private event loop in a thread (``BrokerRelay.publish_blocking``).
@@ -42,18 +51,25 @@ from ..errors import ConfigurationError, MissingDependency, RelayError
 
 __all__ = [
     "EVENT_ID_HEADER",
+    "MESSAGE_ID_HEADER",
     "BrokerRelay",
     "Destination",
     "RelayMessage",
     "Relay",
     "message_of",
     "parse_event_id",
+    "parse_message_id",
     "redact",
     "topic_destination",
 ]
 
 EVENT_ID_HEADER = "outbox-event-id"
-"""The header (NATS, RabbitMQ) or entry field (Redis) holding the event's id."""
+"""The header (NATS, RabbitMQ) or entry field (Redis) holding the event's local id (unique in
+its store only)."""
+
+MESSAGE_ID_HEADER = "outbox-message-id"
+"""The header (NATS, RabbitMQ) or entry field (Redis) holding the event's message identity
+(``Event.message_id``), the consumer's dedupe key."""
 
 Destination = Callable[[Event], str]
 """Where an event goes on the broker: a routing key, a subject, a stream name."""
@@ -69,17 +85,20 @@ class RelayMessage:
     """One event as a relay sends it.
 
     Attributes:
-        event_id: the event's id (``outbox-event-id``), the consumer's dedupe key.
+        event_id: the event's local id (``outbox-event-id``), for messages naming the event.
         destination: ``destination(event)``.
         body: the payload, JSON-encoded (UTF-8).
-        headers: the event's headers, then ``outbox-event-id``, ``outbox-topic``,
-            ``outbox-key`` (when set) and ``outbox-created-at`` (when known).
+        headers: the event's headers, then ``outbox-message-id``, ``outbox-event-id``,
+            ``outbox-topic``, ``outbox-key`` (when set) and ``outbox-created-at`` (when known).
+        message_id: the event's message identity (``Event.message_id``,
+            ``outbox-message-id``): the broker's message id, the consumer's dedupe key.
     """
 
     event_id: int
     destination: str
     body: bytes
     headers: dict[str, str]
+    message_id: str
 
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
@@ -101,6 +120,8 @@ def message_of(event: Event, destination: Destination) -> RelayMessage:
             f"destination for event {event.id} must be a non-empty string, got {where!r:.80}"
         )
     headers = dict(event.headers)
+    message_id = event.message_id
+    headers[MESSAGE_ID_HEADER] = message_id
     headers[EVENT_ID_HEADER] = str(event.id)
     headers["outbox-topic"] = event.topic
     if event.key is not None:
@@ -109,7 +130,7 @@ def message_of(event: Event, destination: Destination) -> RelayMessage:
         headers["outbox-created-at"] = event.created_at.isoformat()
     stored = stored_payload_text(event)  # the store's own JSON text, when nothing decoded it
     body = (_dumps(event.payload) if stored is None else stored).encode()
-    return RelayMessage(event.id, where, body, headers)
+    return RelayMessage(event.id, where, body, headers, message_id)
 
 
 @runtime_checkable
@@ -346,7 +367,7 @@ def client_module(name: str, extra: str) -> Any:
 
 
 def parse_event_id(value: object) -> int:
-    """An event id read back from a message (a header, a property, a field).
+    """An event's local id read back from a message (``outbox-event-id``).
 
     Raises:
         ValueError: ``value`` is not a decimal event id (the message is not a relay's).
@@ -356,6 +377,39 @@ def parse_event_id(value: object) -> int:
     if isinstance(value, str) and value.isascii() and value.isdecimal() and len(value) < 20:
         return int(value)
     raise ValueError(f"not an outbox message: event id {value!r:.80}")
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def parse_message_id(*values: object) -> str:
+    """A message identity read back from a message: the first of ``values`` (a header, a
+    property, a field; None where the message has none) that is present, as ``str``. A
+    relay's messages carry a UUID's text (lower-case); a message sent before the stores kept
+    message ids carries the event's decimal id, which is its identity then.
+
+    Raises:
+        ValueError: the first value present is neither a UUID nor a decimal id, or none is
+            present (the message is not a relay's), naming it.
+    """
+    value: object = None
+    for value in values:
+        if value is not None:
+            break
+    if isinstance(value, bytes):
+        value = value.decode("ascii", "replace")
+    if isinstance(value, str) and value.isascii():
+        if value.isdecimal() and len(value) < 20 and int(value) > 0:
+            return value
+        text = value.lower()
+        if (
+            len(text) == 36
+            and text[8] == text[13] == text[18] == text[23] == "-"
+            and _HEX.issuperset(text.replace("-", ""))
+            and text.count("-") == 4
+        ):
+            return text
+    raise ValueError(f"not an outbox message: message id {value!r:.80}")
 
 
 def _describe(exc: BaseException) -> str:

@@ -2,10 +2,11 @@
 messages, mandatory routing.
 
 Each event becomes one persistent message on ``exchange`` with routing key
-``destination(event)`` (the topic by default), ``message_id`` the event's id, ``type`` the
-topic, ``timestamp`` its ``created_at``, ``content_type`` ``application/json``, and the headers
-of ``outboxkit.relay.RelayMessage``. The batch is published on one channel in publisher-confirm
-mode and its confirms awaited together. A message is *mandatory*: one the exchange routes to
+``destination(event)`` (the topic by default), ``message_id`` the event's message identity
+(``Event.message_id``, also in the ``outbox-message-id`` header), ``type`` the topic,
+``content_type`` ``application/json``, and the headers of ``outboxkit.relay.RelayMessage``.
+The batch is published on one channel in publisher-confirm mode and its confirms awaited
+together. A message is *mandatory*: one the exchange routes to
 no queue comes back, and its event fails with ``Unroutable`` (retried, then dead-lettered),
 never recorded as delivered. A nack fails its event with ``RelayError``.
 
@@ -13,8 +14,8 @@ Order: one channel publishes a batch in claim order, so a queue receives a batch
 that order. To keep each key's events together on one queue of several, bind the queues to an
 ``x-consistent-hash`` exchange and pass ``destination=lambda event: event.key or event.topic``.
 
-Consumer side: ``event_id(message)`` reads the id back; with ``outboxkit.relay.inbox.Inbox``
-the consumer applies each message once.
+Consumer side: ``event_id(message)`` reads the message identity back; with
+``outboxkit.relay.inbox.Inbox`` the consumer applies each message once.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ConfigurationError, RelayError, Unroutable
 from . import (
     EVENT_ID_HEADER,
+    MESSAGE_ID_HEADER,
     BrokerRelay,
     Destination,
     RelayMessage,
     client_module,
-    parse_event_id,
+    parse_message_id,
     topic_destination,
 )
 
@@ -105,7 +107,7 @@ class RabbitMQRelay(BrokerRelay[_Link]):
                     aio_pika.Message(
                         message.body,
                         headers=dict(message.headers),
-                        message_id=message.headers[EVENT_ID_HEADER],
+                        message_id=message.message_id,
                         type=message.headers["outbox-topic"],
                         content_type="application/json",
                         delivery_mode=persistent,
@@ -137,10 +139,18 @@ class RabbitMQRelay(BrokerRelay[_Link]):
         await link.connection.close()
 
 
-def event_id(message: aio_pika.abc.AbstractIncomingMessage) -> int:
-    """The outbox event id of a consumed message (its ``message_id``), the dedupe key.
+def event_id(message: aio_pika.abc.AbstractIncomingMessage) -> str:
+    """The message identity of a consumed message (its ``message_id``, else its
+    ``outbox-message-id`` or, sent before the stores kept message ids, ``outbox-event-id``
+    header), the dedupe key (``Inbox.accept``).
+
+    Returns:
+        A UUID's text, or the decimal event id of a message sent before the upgrade.
 
     Raises:
-        ValueError: the message was not sent by a relay (no id, or not an integer).
+        ValueError: the message was not sent by a relay (no id, or not one of those forms).
     """
-    return parse_event_id(message.message_id)
+    headers = message.headers or {}
+    return parse_message_id(
+        message.message_id, headers.get(MESSAGE_ID_HEADER), headers.get(EVENT_ID_HEADER)
+    )

@@ -2,7 +2,9 @@
 batch.
 
 Each event becomes one entry of stream ``destination(event)`` (the topic by default) with
-fields ``outbox-event-id``, ``outbox-topic``, ``outbox-key`` (when set),
+fields ``outbox-message-id`` (the event's message identity, ``Event.message_id``: the
+consumer's dedupe key), ``outbox-event-id`` (its local id), ``outbox-topic``, ``outbox-key``
+(when set),
 ``outbox-created-at`` (when known), ``headers`` (the event's headers as a JSON object: the trace
 context travels there) and ``payload`` (the payload, JSON). The batch's ``XADD`` commands go in
 one pipeline (no ``MULTI``); an entry's reply, its stream id, is its confirm.
@@ -12,7 +14,7 @@ once the entry is in the memory of the server that answered. Whether it survives
 crash is Redis's persistence (``appendonly yes`` with ``appendfsync always`` for every write,
 or replication): the relay cannot add that. A reply lost on the way (the connection broke
 after the write) makes the event fail and be added again: the stream then holds it twice, with
-the same ``outbox-event-id``, which the consumer drops (``outboxkit.relay.inbox.Inbox``).
+the same ``outbox-message-id``, which the consumer drops (``outboxkit.relay.inbox.Inbox``).
 Redis Streams have no duplicate window.
 
 Order: a pipeline's commands run in order, so a stream gets a batch's events in claim order.
@@ -27,12 +29,13 @@ from typing import TYPE_CHECKING, Any
 from ..errors import ConfigurationError, RelayError
 from . import (
     EVENT_ID_HEADER,
+    MESSAGE_ID_HEADER,
     BrokerRelay,
     Destination,
     RelayMessage,
     _dumps,
     client_module,
-    parse_event_id,
+    parse_message_id,
     topic_destination,
 )
 
@@ -41,7 +44,7 @@ if TYPE_CHECKING:
 
 __all__ = ["RedisRelay", "event_id"]
 
-_OWN = ("outbox-event-id", "outbox-topic", "outbox-key", "outbox-created-at")
+_OWN = (MESSAGE_ID_HEADER, EVENT_ID_HEADER, "outbox-topic", "outbox-key", "outbox-created-at")
 
 
 def _redis() -> Any:
@@ -141,12 +144,20 @@ def fields(message: RelayMessage) -> dict[str, str | bytes]:
     return entry
 
 
-def event_id(entry: Mapping[Any, Any]) -> int:
-    """The outbox event id of a stream entry's fields (as ``XREAD``/``XREADGROUP`` return
-    them, bytes or str keys), the dedupe key.
+def event_id(entry: Mapping[Any, Any]) -> str:
+    """The message identity of a stream entry's fields (as ``XREAD``/``XREADGROUP`` return
+    them, bytes or str keys): its ``outbox-message-id``, or for an entry added before the
+    stores kept message ids its ``outbox-event-id``; the dedupe key (``Inbox.accept``).
+
+    Returns:
+        A UUID's text, or the decimal event id of an entry added before the upgrade.
 
     Raises:
         ValueError: the entry was not added by a relay.
     """
-    value = entry.get(EVENT_ID_HEADER, entry.get(EVENT_ID_HEADER.encode()))
-    return parse_event_id(value)
+    return parse_message_id(*(_field(entry, name) for name in (MESSAGE_ID_HEADER, EVENT_ID_HEADER)))
+
+
+def _field(entry: Mapping[Any, Any], name: str) -> Any:
+    value = entry.get(name)
+    return entry.get(name.encode()) if value is None else value

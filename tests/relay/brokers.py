@@ -18,7 +18,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 from urllib.parse import urlsplit
 
 import pytest
@@ -45,6 +45,17 @@ def require(name: str, url: str) -> None:
     pytest.skip(f"{problem}; start it or set OUTBOXKIT_TEST_{name.upper()}")
 
 
+class Got(NamedTuple):
+    """One consumed message: what a consumer reads back."""
+
+    event_id: int  # the outbox's local id (outbox-event-id)
+    topic: str  # outbox-topic
+    body: bytes
+    headers: dict[str, Any]  # outbox-* headers (fields) and the event's own
+    message_id: str  # the relay module's event_id(message): the dedupe key
+    broker_id: str  # the broker's own message id: AMQP message_id, Nats-Msg-Id, the entry's field
+
+
 @dataclass
 class Broker:
     """One broker's names for one test, and what a consumer reads back."""
@@ -53,7 +64,7 @@ class Broker:
     url: str
     prefix: str
     make: Callable[..., BrokerRelay[Any]]
-    # every consumed message as (event id, topic header, body, headers)
+    # every consumed message (``Got``), in the broker's order
     read: Callable[[], Any]
     # how many messages the broker holds for the test, without consuming them
     count: Callable[[], Any]
@@ -66,7 +77,12 @@ class Broker:
         return self.make(self.url, **options)
 
     async def ids(self) -> list[int]:
-        return [m[0] for m in await self.read()]
+        """The local event ids of every message the broker holds."""
+        return [m.event_id for m in await self.read()]
+
+    async def message_ids(self) -> list[str]:
+        """The message identities (``event_id(message)``) of every message the broker holds."""
+        return [m.message_id for m in await self.read()]
 
 
 def new_prefix() -> str:
@@ -88,15 +104,23 @@ async def rabbitmq(url: str = RABBITMQ_URL) -> AsyncIterator[Broker]:
         queue = await channel.declare_queue(prefix)
         await queue.bind(exchange, f"{prefix}.#")
 
-    async def read() -> list[tuple[int, str, bytes, dict[str, Any]]]:
+    async def read() -> list[Got]:
         got = []
         async with await aio_pika.connect(url) as connection:
             channel = await connection.channel()
             await channel.set_qos(prefetch_count=1000)
             queue = await channel.get_queue(prefix)
             while (message := await queue.get(no_ack=True, fail=False)) is not None:
+                headers = dict(message.headers)
                 got.append(
-                    (rmq.event_id(message), message.type, message.body, dict(message.headers))
+                    Got(
+                        int(str(headers["outbox-event-id"])),
+                        str(message.type),
+                        message.body,
+                        headers,
+                        rmq.event_id(message),
+                        str(message.message_id),
+                    )
                 )
         return got
 
@@ -137,13 +161,22 @@ async def nats_jetstream(
         StreamConfig(name=stream, subjects=[f"{prefix}.>"], duplicate_window=duplicate_window)
     )
 
-    async def read() -> list[tuple[int, str, bytes, dict[str, Any]]]:
+    async def read() -> list[Got]:
         info = await js.stream_info(stream)
         got = []
         for seq in range(info.state.first_seq, info.state.last_seq + 1):
             msg = await js.get_msg(stream, seq)
             headers = dict(msg.headers or {})
-            got.append((relay_nats.event_id(msg), headers["outbox-topic"], msg.data, headers))
+            got.append(
+                Got(
+                    int(headers["outbox-event-id"]),
+                    headers["outbox-topic"],
+                    msg.data,
+                    headers,
+                    relay_nats.event_id(msg),
+                    headers["Nats-Msg-Id"],
+                )
+            )
         return got
 
     async def count() -> int:
@@ -177,7 +210,7 @@ async def redis_streams(url: str = REDIS_URL) -> AsyncIterator[Broker]:
     async def streams(c: Any) -> list[bytes]:
         return sorted([k async for k in c.scan_iter(match=f"{prefix}.*", _type="stream")])
 
-    async def read() -> list[tuple[int, str, bytes, dict[str, Any]]]:
+    async def read() -> list[Got]:
         async with fresh() as c:
             entries = [e for stream in await streams(c) for e in await c.xrange(stream)]
         got = []
@@ -187,7 +220,14 @@ async def redis_streams(url: str = REDIS_URL) -> AsyncIterator[Broker]:
                 {k.decode(): v.decode() for k, v in fields.items() if k.startswith(b"outbox-")}
             )
             got.append(
-                (relay_redis.event_id(fields), headers["outbox-topic"], fields[b"payload"], headers)
+                Got(
+                    int(headers["outbox-event-id"]),
+                    headers["outbox-topic"],
+                    fields[b"payload"],
+                    headers,
+                    relay_redis.event_id(fields),
+                    headers["outbox-message-id"],
+                )
             )
         return got
 

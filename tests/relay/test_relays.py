@@ -4,6 +4,7 @@ that are never recorded as delivered, both pollers."""
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -85,7 +86,9 @@ async def test_ten_thousand_events_reach_the_broker_once_each(outboxes, broker):
         assert info.state.messages == 10_000
 
 
-async def test_a_message_carries_the_event_id_topic_key_headers_and_created_at(outboxes, broker):
+async def test_a_message_carries_the_message_id_event_id_topic_key_headers_and_created_at(
+    outboxes, broker
+):
     outbox = outboxes(broker.relay(), [broker.topic("order.*")])
     topic = broker.topic("order.placed")
     with outbox.store.transaction() as tx:
@@ -98,8 +101,13 @@ async def test_a_message_carries_the_event_id_topic_key_headers_and_created_at(o
         )
     await outbox.async_poller().run_until_idle()
 
-    [(got_id, got_topic, body, headers)] = await broker.read()
+    [(got_id, got_topic, body, headers, message_id, broker_id)] = await broker.read()
     assert (got_id, got_topic) == (event_id, topic)
+    # The message's identity: the event's message_id (a UUID drawn by the store), in the
+    # broker's own id (AMQP message_id, Nats-Msg-Id, the entry's field) and in a header.
+    stored = outbox.store.get(event_id)
+    assert stored is not None and str(uuid.UUID(stored.message_id)) == stored.message_id
+    assert message_id == broker_id == headers["outbox-message-id"] == stored.message_id
     assert json.loads(body) == {"order_id": 42, "name": "Zoë"}
     assert headers["traceparent"] == TRACEPARENT
     assert headers["tracestate"] == "vendor=1"

@@ -110,3 +110,21 @@ def test_the_readme_handler_rejects_an_empty_order_before_writing(outbox, outbox
     place_order("nothing", quantity=0)
     outbox_drain().assert_rejected("order.placed", handler="ledger")
     assert LedgerLine.objects.count() == 0
+
+
+def test_an_event_written_through_the_orm_carries_a_message_id(outbox, outbox_store):
+    """The Django store runs the SQLite and PostgreSQL stores' statements: an event written in
+    the ORM's transaction gets its message identity (a UUID) there too, which every read and
+    the claim carry."""
+    import uuid
+    from datetime import timedelta
+
+    place_order("book")
+    place_order("pen")
+    events = outbox_store.events()
+    assert len(events) == 2
+    ids = [e.message_id for e in events]
+    assert [str(uuid.UUID(m)) for m in ids] == ids and len(set(ids)) == 2
+    assert outbox_store.get(events[0].id).message_id == ids[0]
+    claims = outbox_store.claim(batch_size=10, lease=timedelta(seconds=30), now=None)
+    assert [c.event.message_id for c in claims] == ids
