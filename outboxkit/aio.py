@@ -18,7 +18,7 @@ import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AbstractContextManager, asynccontextmanager
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from . import handling
 from .bus import HandlerSpec
@@ -34,7 +34,7 @@ from .errors import (
     SchemaError,
     StoreError,
 )
-from .store import AsyncDeliveries, AsyncStore, record_each_async, settle_last_async
+from .store import AsyncBatchTransaction, AsyncDeliveries, AsyncStore
 from .waiter import AsyncClosingWaiter, AsyncWaiter, LoopWaiter
 
 if TYPE_CHECKING:
@@ -172,7 +172,8 @@ class AsyncPoller(handling.Shell):
             async with self.store.batch(now=self.outbox.store_now()) as batch:
                 yield batch
         else:
-            yield self.store
+            async with self.store.rounds(concurrency=self.concurrency) as deliveries:
+                yield deliveries
 
     async def _deliver_all(self, deliveries: AsyncDeliveries, batch: ClaimedBatch) -> None:
         """Deliver the batch's events, ``concurrency`` at once, each taken in claim order; stop
@@ -241,9 +242,7 @@ class AsyncPoller(handling.Shell):
                     answers = [exc] * len(claims)
                 checked = handling.relay_answers(spec, len(claims), answers)
                 confirmed = batch.relayed(spec.name, claims, checked)
-                written = await record_each_async(
-                    deliveries, spec.name, confirmed, now=outbox.store_now()
-                )
+                written = await deliveries.record_many(spec.name, confirmed, now=outbox.store_now())
                 batch.recorded(spec.name, confirmed, written)
             finally:
                 batch.unhanded(spec.name, claims)  # answered, or given up: no one waits on
@@ -290,7 +289,7 @@ class AsyncPoller(handling.Shell):
             return
         now = self.outbox.store_now()
         if self._batched:  # the batch's last write: the block ends right after it
-            results = await settle_last_async(deliveries, items, now=now)
+            results = await cast(AsyncBatchTransaction, deliveries).settle_last(items, now=now)
         else:
             results = await deliveries.settle_many(items, now=now)
         for claim in batch.wrote(items, results):

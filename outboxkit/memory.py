@@ -42,7 +42,15 @@ from .core.model import (
 from .core.payload import decode_payload
 from .errors import ConfigurationError, HandlerCrashed, LeaseLostError, StoreError
 from .hookspecs import RegisterStore, hookimpl
-from .store import Capabilities, SettleItem
+from .storekit import (
+    AsyncBatchBase,
+    AsyncDeliveriesBase,
+    AsyncStoreBase,
+    BatchBase,
+    Capabilities,
+    SettleItem,
+    StoreBase,
+)
 from .waiter import AsyncClosingWaiter, ClosingWaiter
 
 __all__ = ["MemoryStore", "MemoryTransaction"]
@@ -233,7 +241,7 @@ class _MemoryDelivery:
         )
 
 
-class _MemoryBatch:
+class _MemoryBatch(BatchBase):
     """One transaction for a claimed batch (``transaction="per_batch"``): deliveries are
     savepoints of it, settlements wait in it, and it commits once."""
 
@@ -286,7 +294,7 @@ class _MemoryBatch:
         return self._store.extend(live, lease=lease, now=now)
 
 
-class MemoryStore:
+class MemoryStore(StoreBase):
     """A transactional in-memory store (``memory://``). Thread-safe; one process only."""
 
     capabilities = Capabilities(
@@ -295,6 +303,8 @@ class MemoryStore:
         concurrent_claimers=True,
         concurrent_batches=True,
         asyncio=True,
+        ordering=True,
+        dedupe=True,
     )
     url: str | None = None  # another process's memory:// is another store
     options: Mapping[str, Any] = MappingProxyType({})
@@ -823,7 +833,7 @@ class _AsyncDelivery:
         self._tx.record(handler, outcome, reason=reason)
 
 
-class _AsyncDeliveries:
+class _AsyncDeliveries(AsyncDeliveriesBase):
     """The async twin of the store or of one of its batches (``Deliveries``)."""
 
     def __init__(self, deliveries: MemoryStore | _MemoryBatch) -> None:
@@ -845,7 +855,11 @@ class _AsyncDeliveries:
         return self._deliveries.settle_many(items, now=now)
 
 
-class _AsyncMemory(_AsyncDeliveries):
+class _AsyncMemoryBatch(_AsyncDeliveries, AsyncBatchBase):
+    """The async twin of one of the store's batches."""
+
+
+class _AsyncMemory(_AsyncDeliveries, AsyncStoreBase):
     """``MemoryStore.async_store()``."""
 
     def __init__(self, store: MemoryStore) -> None:
@@ -868,9 +882,9 @@ class _AsyncMemory(_AsyncDeliveries):
         return self._store.claim(batch_size=batch_size, lease=lease, now=now, dead_key=dead_key)
 
     @asynccontextmanager
-    async def batch(self, *, now: datetime | None) -> AsyncIterator[_AsyncDeliveries]:
+    async def batch(self, *, now: datetime | None) -> AsyncIterator[_AsyncMemoryBatch]:
         with self._store.batch(now=now) as batch:
-            yield _AsyncDeliveries(batch)
+            yield _AsyncMemoryBatch(batch)
 
     async def release(self, claims: Sequence[Claim], *, now: datetime | None) -> int:
         return self._store.release(claims, now=now)

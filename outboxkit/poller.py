@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from . import handling
 from .bus import HandlerSpec
@@ -36,7 +36,7 @@ from .errors import (
     SchemaError,
     StoreError,
 )
-from .store import Deliveries, Rounds, record_each, settle_last
+from .store import BatchTransaction, Deliveries
 from .waiter import ClosingWaiter, ThreadWaiter, Waiter
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ class Poller(handling.Shell):
     Thread-safe to ``stop()`` from another thread or a signal handler.
 
     ``concurrency`` (per event): how many deliveries may be committing at once. The handlers
-    run one at a time, in claim order; on a store with rounds of its own (``Rounds``:
+    run one at a time, in claim order; on a store with rounds of its own (``Store.rounds``:
     PostgreSQL) the record of a delivery that needs no transaction of its own is sent without
     waiting for its commit, on up to ``concurrency`` connections in turn, and every answer is
     read before the round's settlement. Elsewhere it changes nothing.
@@ -91,8 +91,6 @@ class Poller(handling.Shell):
             self._owned = outbox.store.make_waiter()
         self.waiter: Waiter = waiter or self._owned or ThreadWaiter()
         self._prefetcher: _Prefetcher | None = None  # the loop's, while it runs
-        # Per event, a store with rounds of its own serves each round's deliveries.
-        self._rounds = not self._batched and isinstance(outbox.store, Rounds)
 
     # -- one round ------------------------------------------------------------------------------
 
@@ -187,18 +185,15 @@ class Poller(handling.Shell):
 
     @contextmanager
     def _deliveries(self) -> Iterator[Deliveries]:
-        """Where the round's deliveries go: a batch transaction, the store's round
-        (``Rounds``, per event), or the store itself."""
+        """Where the round's deliveries go: a batch transaction, or per event the store's
+        round (``Store.rounds``: the store itself, unless it keeps a round's own context)."""
         store = self.outbox.store
         if self._batched:
             with store.batch(now=self.outbox.store_now()) as batch:
                 yield batch
-        elif self._rounds:
-            assert isinstance(store, Rounds)
-            with store.deliveries(concurrency=self.concurrency) as deliveries:
-                yield deliveries
         else:
-            yield store
+            with store.rounds(concurrency=self.concurrency) as deliveries:
+                yield deliveries
 
     def _deliver_all(self, deliveries: Deliveries, batch: ClaimedBatch) -> None:
         """Deliver the batch's events in claim order; stop early when asked (the rest is
@@ -232,7 +227,7 @@ class Poller(handling.Shell):
         """A relay's delivery of ``run``'s event: on the round's first event for the relay, it
         publishes every one the batch holds for it together, and the confirmed ones are
         recorded together, each fenced by its token, as non-transactional runs (R7:
-        ``record_each``; a batch keeps them for its settlement). Each event's delivery is then
+        ``record_many``; a batch keeps them for its settlement). Each event's delivery is then
         reported in its turn: recorded, lost, or failed with the broker's answer."""
         assert spec.relay is not None
         outbox = self.outbox
@@ -245,7 +240,7 @@ class Poller(handling.Shell):
             confirmed = batch.relayed(
                 spec.name, claims, handling.relay_answers(spec, len(claims), answers)
             )
-            written = record_each(deliveries, spec.name, confirmed, now=outbox.store_now())
+            written = deliveries.record_many(spec.name, confirmed, now=outbox.store_now())
             batch.recorded(spec.name, confirmed, written)
         answer = batch.relay_result(spec.name, run.claim)
         if isinstance(answer, Reject):  # not a broker's answer, but recorded as one
@@ -278,7 +273,7 @@ class Poller(handling.Shell):
             return
         now = self.outbox.store_now()
         if self._batched:
-            results = settle_last(deliveries, items, now=now)
+            results = cast(BatchTransaction, deliveries).settle_last(items, now=now)
         else:
             results = deliveries.settle_many(items, now=now)
         for claim in batch.wrote(items, results):

@@ -9,33 +9,42 @@ or ``None`` for "use your own production clock" (``now()``; on PostgreSQL the da
 The seam is small:
 
 - ``Store``: enqueue through the app's connection, claim, release, the operations (requeue,
-  listings, purges, stats), ``batch()`` and ``make_waiter()``; and, as ``Deliveries``:
-- ``delivery`` / ``extend`` / ``settle_many``: how one round's events are delivered, kept and
-  settled. A poller running ``transaction="per_event"`` calls them on the store itself (each in a
-  transaction of its own); one running ``"per_batch"`` on the ``BatchTransaction`` that
-  ``store.batch()`` opens (everything in one transaction, each delivery a savepoint). Either
-  way a round's settlements are written by one ``settle_many``: there is no other path.
+  listings, purges, stats), ``batch()``, ``rounds()`` and ``make_waiter()``; and, as
+  ``Deliveries``:
+- ``delivery`` / ``extend`` / ``settle_many`` / ``record_many``: how one round's events are
+  delivered, kept and settled. A poller running ``transaction="per_event"`` calls them on what
+  ``store.rounds()`` yields (the store itself, unless the store keeps a round's own context);
+  one running ``"per_batch"`` on the ``BatchTransaction`` that ``store.batch()`` opens
+  (everything in one transaction, each delivery a savepoint), whose ``settle_last`` is the
+  round's last write. Either way a round's settlements are written by one ``settle_many`` (or
+  ``settle_last``): there is no other path.
 
-Capabilities are typed and few (``Capabilities``): a store either offers batches and a waiter,
-or it does not; the poller never probes for a method to learn what it may do. The other fields
-describe the store for the conformance suite, which runs the checks each one promises. Three
-parts are optional, protocols a shell checks with ``isinstance``; without them a store works
-the same, only slower: ``Rounds`` (a per-event round's own context), ``RecordsMany`` (many
-records at once) and ``SettlesLast`` (a batch's settlement as its last write).
+Capabilities are typed and few (``Capabilities``, ``outboxkit.capabilities``): a store either
+offers batches, a waiter, per-key order, dedupe keys, or it does not; the poller never probes
+for a method to learn what it may do. The other fields describe the store for the conformance
+suite, which runs the checks each one promises.
 
-Every store proves itself with the conformance suite (``outboxkit conformance``). Driver errors
-must be mapped at the boundary into ``outboxkit.errors`` (``StoreError``/``StoreUnavailable``,
+A store author derives from ``outboxkit.storekit.StoreBase``, which implements this protocol
+with defaults for everything but twelve methods (see ``outboxkit.storekit``). Every store
+proves itself with the conformance suite (``outboxkit conformance``). Driver errors must be
+mapped at the boundary into ``outboxkit.errors`` (``StoreError``/``StoreUnavailable``,
 ``raise ... from exc``); the poller relies on that to tell a database failure from a handler's.
+
+The optional protocols of earlier versions (``Rounds``, ``RecordsMany``, ``AsyncRecordsMany``,
+``SettlesLast``, ``AsyncSettlesLast``) and their helpers (``record_each``,
+``record_each_async``, ``settle_last``, ``settle_last_async``) are deprecated: the methods
+are part of the protocols now. The names still import, with a ``DeprecationWarning``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
-from dataclasses import dataclass, fields
 from datetime import datetime, timedelta
 from typing import Any, Protocol, runtime_checkable
 
+from .capabilities import CAPABILITIES, Capabilities
 from .core.machine import Settlement
 from .core.model import (
     Claim,
@@ -57,93 +66,18 @@ __all__ = [
     "AsyncDeliveries",
     "AsyncDeliveryTransaction",
     "AsyncStore",
-    "AsyncRecordsMany",
-    "AsyncSettlesLast",
     "BatchTransaction",
     "Capabilities",
     "Deliveries",
     "DeliveryTransaction",
-    "RecordsMany",
-    "Rounds",
     "SettleItem",
-    "SettlesLast",
     "Store",
-    "record_each",
-    "record_each_async",
-    "settle_last",
-    "settle_last_async",
     "settle_one",
 ]
 
 SettleItem = tuple[Claim, Settlement, "str | None"]
 """One settlement to write: the claim (its token fences the write), the decision, the event's
 error text (kept for a retry or a dead letter)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Capabilities:
-    """What a store offers. Two fields change what a poller does; the rest describe the store
-    (the conformance suite checks what each promises, and skips the checks of a missing one).
-
-    Attributes:
-        batches: ``batch()`` opens one transaction for a claimed batch, a savepoint per
-            delivery (``transaction="per_batch"``). Without it a poller asking for batches is a
-            ``ConfigurationError`` at construction, and ``batch()`` raises it too.
-        waiter: ``make_waiter()`` returns a waiter that also wakes on commits in other
-            processes (PostgreSQL ``LISTEN``); without it, it returns None.
-        transactional_handlers: handlers can write in the delivery transaction.
-        concurrent_claimers: several pollers in several threads may claim at once.
-        multiprocess: several processes may share the store; it then has ``url`` and
-            ``options`` such that ``open_store(store.url, **store.options)`` opens it elsewhere.
-        database_clock: ``now=None`` means a clock shared by every host (the database's).
-        concurrent_batches: others may claim while a batch is open (row locks, not a database
-            lock). With ``concurrent_claimers``, the pollers' ``prefetch`` claims the next batch
-            on another thread (or task) while one is delivered.
-        asyncio: ``async_store()`` returns the store's asyncio side (``AsyncStore``): enqueue
-            from async code, the asyncio poller, ``async def`` transactional handlers on an
-            async connection. Without it ``async_store()`` raises ``ConfigurationError``.
-    """
-
-    batches: bool = False
-    waiter: bool = False
-    asyncio: bool = False
-    transactional_handlers: bool = True
-    concurrent_claimers: bool = False
-    multiprocess: bool = False
-    database_clock: bool = False
-    concurrent_batches: bool = False
-
-    def names(self) -> frozenset[str]:
-        """The fields that are true, by name."""
-        return frozenset(f.name for f in fields(self) if getattr(self, f.name))
-
-    def __contains__(self, name: object) -> bool:
-        """``"batches" in store.capabilities``; the names of earlier versions work too."""
-        alias = _OLD_NAMES.get(name, name) if isinstance(name, str) else name
-        return alias is True or alias in self.names()
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(sorted(self.names()))
-
-
-_OLD_NAMES: dict[str, str | bool] = {
-    "listen_notify": "waiter",
-    "batched_delivery": "batches",
-    "batched_settle": True,  # every store settles a round in one settle_many now
-}
-"""Capability names of earlier versions, kept for ``"name" in store.capabilities``."""
-
-CAPABILITIES: dict[str, str] = {
-    "batches": "batch() opens one transaction for a claimed batch, a savepoint per delivery",
-    "waiter": "make_waiter() wakes pollers when an enqueue commits in any process",
-    "transactional_handlers": "handlers can write in the delivery transaction",
-    "concurrent_claimers": "several pollers in several threads may claim at once",
-    "multiprocess": "several processes may share the store (url and options reopen it)",
-    "database_clock": "now=None means a clock every host shares (the database's)",
-    "concurrent_batches": "others may claim while a batch is open (row locks, not a db lock)",
-    "asyncio": "async_store() gives the asyncio side: async enqueue, the asyncio poller",
-}
-"""Each capability's name and what it promises (the fields of ``Capabilities``)."""
 
 
 class DeliveryTransaction(Protocol):
@@ -202,6 +136,20 @@ class Deliveries(Protocol):
         (False: the token was stale, nothing changed)."""
         ...
 
+    def record_many(
+        self, handler: str, claims: Sequence[Claim], *, now: datetime | None
+    ) -> list[bool]:
+        """Record ``handler`` as succeeded for each of ``claims`` (the confirmed events of a
+        relay's publish: runs that used no connection), each fenced by its claim's token, as
+        ``delivery`` + ``record`` would one by one (``storekit.DeliveriesBase``'s default).
+
+        Returns:
+            Per claim, False where its token was found stale (nothing written for it). A batch
+            may keep the records for its settlement and answer True: a stale token then shows
+            as a refused settlement, as with a delivery's kept record.
+        """
+        ...
+
 
 class BatchTransaction(Deliveries, Protocol):
     """One transaction for a whole claimed batch (``transaction="per_batch"``).
@@ -212,6 +160,18 @@ class BatchTransaction(Deliveries, Protocol):
     raises). Until then the events' rows stay locked (or, on SQLite, the database's write lock
     is held), so another poller cannot take them over while the batch is open.
     """
+
+    def settle_last(self, items: Sequence[SettleItem], *, now: datetime | None) -> list[bool]:
+        """``settle_many`` as the batch's last write: the block writes nothing more and ends
+        (if it raises instead, what this wrote may already be committed).
+
+        Both pollers settle a ``per_batch`` round through it. Told so, a store may spare the
+        batch's own ``BEGIN`` and ``COMMIT`` when the settlement is all there is to write (the
+        PostgreSQL store: one statement, its own transaction). Either way the settlement
+        commits with everything else the batch wrote, or not at all. Default
+        (``storekit.BatchBase``): ``settle_many``.
+        """
+        ...
 
 
 @runtime_checkable
@@ -298,6 +258,18 @@ class Store(Deliveries, Protocol):
 
         Raises:
             ConfigurationError: the store has no batches.
+        """
+        ...
+
+    def rounds(self, *, concurrency: int = 1) -> AbstractContextManager[Deliveries]:
+        """The ``Deliveries`` of one per-event round (``transaction="per_event"``), with up to
+        ``concurrency`` deliveries committing at once (the poller's option). A store may keep
+        a context of the round's own: one connection held for the round, a delivery's record
+        sent without waiting for its commit and read back before anything else uses that
+        connection and before the round's settlement (the PostgreSQL store's pipeline). Each
+        delivery still commits on its own; a record its token refused shows as the event's
+        refused settlement. When the block ends, everything written in it has been answered
+        (a failure raises ``StoreError``). Default (``storekit.StoreBase``): the store itself.
         """
         ...
 
@@ -410,9 +382,19 @@ class AsyncDeliveries(Protocol):
         self, items: Sequence[SettleItem], *, now: datetime | None
     ) -> list[bool]: ...
 
+    async def record_many(
+        self, handler: str, claims: Sequence[Claim], *, now: datetime | None
+    ) -> list[bool]:
+        """``Deliveries.record_many`` for async code."""
+        ...
+
 
 class AsyncBatchTransaction(AsyncDeliveries, Protocol):
     """``BatchTransaction`` for async code."""
+
+    async def settle_last(self, items: Sequence[SettleItem], *, now: datetime | None) -> list[bool]:
+        """``BatchTransaction.settle_last`` for async code."""
+        ...
 
 
 class AsyncStore(AsyncDeliveries, Protocol):
@@ -440,6 +422,11 @@ class AsyncStore(AsyncDeliveries, Protocol):
 
     async def release(self, claims: Sequence[Claim], *, now: datetime | None) -> int: ...
 
+    def rounds(self, *, concurrency: int = 1) -> AbstractAsyncContextManager[AsyncDeliveries]:
+        """``Store.rounds`` for async code: the ``AsyncDeliveries`` of one per-event round
+        (default, ``storekit.AsyncStoreBase``: the side itself)."""
+        ...
+
     def make_waiter(self) -> AsyncClosingWaiter | None:
         """An async waiter that also wakes on commits elsewhere, or None."""
         ...
@@ -462,65 +449,59 @@ def settle_one(
     return settled
 
 
-# -- a per-event round's deliveries (optional) --------------------------------------------------
+# -- deprecated names (the optional protocols and helpers of earlier versions) ------------------
 
 
 @runtime_checkable
-class Rounds(Protocol):
-    """What a store may also offer for ``transaction="per_event"``: a round's deliveries,
-    lease extensions and settlement in a context of the round's own, where the store may keep
-    one connection for the round and write a delivery's record without waiting for its
-    commit, reading the answers before anything else uses that connection and before the
-    round's settlement (PostgreSQL's pipeline mode). Each delivery still commits on its own; a
-    record its token refused shows as the event's refused settlement, as a batch's kept record
-    does. A store without it serves the round itself."""
+class _Rounds(Protocol):
+    """Deprecated: ``Store.rounds``."""
 
-    def deliveries(self, *, concurrency: int = 1) -> AbstractContextManager[Deliveries]:
-        """The ``Deliveries`` of one per-event round, with up to ``concurrency`` deliveries
-        committing at once (the poller's option); when the block ends, everything written in
-        it has been answered (a failure raises ``StoreError``)."""
-        ...
-
-
-# -- many records at once (optional) ----------------------------------------------------------
+    def deliveries(self, *, concurrency: int = 1) -> AbstractContextManager[Deliveries]: ...
 
 
 @runtime_checkable
-class RecordsMany(Protocol):
-    """What ``Deliveries`` may also offer: the success records of many runs that used no
-    connection at once (a relay's confirmed publishes). The SQL stores' batches have it; the
-    shell does without it through ``record_each``."""
+class _RecordsMany(Protocol):
+    """Deprecated: ``Deliveries.record_many``."""
 
     def record_many(
         self, handler: str, claims: Sequence[Claim], *, now: datetime | None
-    ) -> list[bool]:
-        """Record ``handler`` as succeeded for each of ``claims``, each fenced by its claim's
-        token, as ``delivery`` + ``record`` would one by one.
-
-        Returns:
-            Per claim, False where its token was found stale (nothing written for it). A batch
-            keeps the records for its settlement and answers True: a stale token then shows
-            as a refused settlement, as with a delivery's kept record.
-        """
-        ...
+    ) -> list[bool]: ...
 
 
 @runtime_checkable
-class AsyncRecordsMany(Protocol):
-    """``RecordsMany`` for ``AsyncDeliveries``."""
+class _AsyncRecordsMany(Protocol):
+    """Deprecated: ``AsyncDeliveries.record_many``."""
 
     async def record_many(
         self, handler: str, claims: Sequence[Claim], *, now: datetime | None
     ) -> list[bool]: ...
 
 
-def record_each(
-    deliveries: Deliveries, handler: str, claims: Sequence[Claim], *, now: datetime | None
+@runtime_checkable
+class _SettlesLast(Protocol):
+    """Deprecated: ``BatchTransaction.settle_last``."""
+
+    def settle_last(self, items: Sequence[SettleItem], *, now: datetime | None) -> list[bool]: ...
+
+
+@runtime_checkable
+class _AsyncSettlesLast(Protocol):
+    """Deprecated: ``AsyncBatchTransaction.settle_last``."""
+
+    async def settle_last(
+        self, items: Sequence[SettleItem], *, now: datetime | None
+    ) -> list[bool]: ...
+
+
+def _record_each(
+    deliveries: Any, handler: str, claims: Sequence[Claim], *, now: datetime | None
 ) -> list[bool]:
-    """``RecordsMany.record_many`` through ``deliveries.delivery``, one claim at a time."""
-    if isinstance(deliveries, RecordsMany):
-        return deliveries.record_many(handler, claims, now=now)
-    written: list[bool] = []
+    """Deprecated: ``deliveries.record_many(handler, claims, now=now)``."""
+    record_many = getattr(deliveries, "record_many", None)
+    if record_many is not None:
+        written: list[bool] = record_many(handler, claims, now=now)
+        return written
+    written = []
     for claim in claims:
         try:
             with deliveries.delivery(claim, now=now) as tx:
@@ -532,13 +513,15 @@ def record_each(
     return written
 
 
-async def record_each_async(
-    deliveries: AsyncDeliveries, handler: str, claims: Sequence[Claim], *, now: datetime | None
+async def _record_each_async(
+    deliveries: Any, handler: str, claims: Sequence[Claim], *, now: datetime | None
 ) -> list[bool]:
-    """``record_each`` for ``AsyncDeliveries``."""
-    if isinstance(deliveries, AsyncRecordsMany):
-        return await deliveries.record_many(handler, claims, now=now)
-    written: list[bool] = []
+    """Deprecated: ``await deliveries.record_many(handler, claims, now=now)``."""
+    record_many = getattr(deliveries, "record_many", None)
+    if record_many is not None:
+        written: list[bool] = await record_many(handler, claims, now=now)
+        return written
+    written = []
     for claim in claims:
         try:
             async with deliveries.delivery(claim, now=now) as tx:
@@ -550,50 +533,54 @@ async def record_each_async(
     return written
 
 
-# -- a batch's last write (optional) ------------------------------------------------------------
-
-
-@runtime_checkable
-class SettlesLast(Protocol):
-    """What a ``BatchTransaction`` may also offer: its settlement as the batch's last write.
-
-    A poller in ``transaction="per_batch"`` settles its round once, at the end of the batch's
-    block, and writes nothing after it. Told so, a store may spare the batch's own ``BEGIN``
-    and ``COMMIT`` when the settlement is all there is to write (no delivery took the
-    connection): the settlement, with the kept records, is then one statement that is its own
-    transaction (the PostgreSQL store: two round trips fewer per batch). Otherwise it is
-    ``settle_many`` and the block's end commits, as ever. Either way the settlement commits
-    with everything else the batch wrote, or not at all."""
-
-    def settle_last(self, items: Sequence[SettleItem], *, now: datetime | None) -> list[bool]:
-        """``settle_many`` as the batch's last write: the block writes nothing more and ends
-        (if it raises instead, what this wrote may already be committed)."""
-        ...
-
-
-@runtime_checkable
-class AsyncSettlesLast(Protocol):
-    """``SettlesLast`` for ``AsyncBatchTransaction``."""
-
-    async def settle_last(
-        self, items: Sequence[SettleItem], *, now: datetime | None
-    ) -> list[bool]: ...
-
-
-def settle_last(
-    deliveries: Deliveries, items: Sequence[SettleItem], *, now: datetime | None
+def _settle_last(
+    deliveries: Any, items: Sequence[SettleItem], *, now: datetime | None
 ) -> list[bool]:
-    """A batch's settlement as its last write: ``SettlesLast.settle_last`` where the batch
-    has it, else ``settle_many``."""
-    if isinstance(deliveries, SettlesLast):
-        return deliveries.settle_last(items, now=now)
-    return deliveries.settle_many(items, now=now)
+    """Deprecated: ``batch.settle_last(items, now=now)``."""
+    settle = getattr(deliveries, "settle_last", None) or deliveries.settle_many
+    settled: list[bool] = settle(items, now=now)
+    return settled
 
 
-async def settle_last_async(
-    deliveries: AsyncDeliveries, items: Sequence[SettleItem], *, now: datetime | None
+async def _settle_last_async(
+    deliveries: Any, items: Sequence[SettleItem], *, now: datetime | None
 ) -> list[bool]:
-    """``settle_last`` for ``AsyncDeliveries``."""
-    if isinstance(deliveries, AsyncSettlesLast):
-        return await deliveries.settle_last(items, now=now)
-    return await deliveries.settle_many(items, now=now)
+    """Deprecated: ``await batch.settle_last(items, now=now)``."""
+    settle = getattr(deliveries, "settle_last", None) or deliveries.settle_many
+    settled: list[bool] = await settle(items, now=now)
+    return settled
+
+
+_DEPRECATED: dict[str, tuple[object, str]] = {
+    "Rounds": (_Rounds, "Store.rounds(concurrency=...) (outboxkit.storekit.StoreBase has it)"),
+    "RecordsMany": (_RecordsMany, "Deliveries.record_many (outboxkit.storekit.DeliveriesBase)"),
+    "AsyncRecordsMany": (
+        _AsyncRecordsMany,
+        "AsyncDeliveries.record_many (outboxkit.storekit.AsyncDeliveriesBase)",
+    ),
+    "SettlesLast": (_SettlesLast, "BatchTransaction.settle_last (outboxkit.storekit.BatchBase)"),
+    "AsyncSettlesLast": (
+        _AsyncSettlesLast,
+        "AsyncBatchTransaction.settle_last (outboxkit.storekit.AsyncBatchBase)",
+    ),
+    "record_each": (_record_each, "deliveries.record_many(handler, claims, now=now)"),
+    "record_each_async": (
+        _record_each_async,
+        "await deliveries.record_many(handler, claims, now=now)",
+    ),
+    "settle_last": (_settle_last, "batch.settle_last(items, now=now)"),
+    "settle_last_async": (_settle_last_async, "await batch.settle_last(items, now=now)"),
+}
+"""Each deprecated name, what it still gives, and what to use instead."""
+
+
+def __getattr__(name: str) -> Any:
+    """The deprecated names, each with a ``DeprecationWarning`` naming its replacement."""
+    try:
+        value, instead = _DEPRECATED[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    warnings.warn(
+        f"outboxkit.store.{name} is deprecated: use {instead}", DeprecationWarning, stacklevel=2
+    )
+    return value

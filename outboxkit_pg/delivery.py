@@ -21,7 +21,7 @@ from outboxkit._sql.base import SQLBatch
 from outboxkit._sql.rows import record_params
 from outboxkit.core.model import Claim, NewEvent, Outcome
 from outboxkit.errors import StoreError, StoreUnavailable
-from outboxkit.store import SettleItem
+from outboxkit.storekit import DeliveriesBase, SettleItem
 
 from .flow import BatchGuard, Flow, Result, Statement, has_rows
 from .pipeline import RecordPipeline, drain
@@ -307,8 +307,8 @@ class _Line:
         return self.pipeline is not None and self.pipeline.pending
 
 
-class Round:
-    """The deliveries of one per-event round (``PostgresStore.deliveries``): each delivery a
+class Round(DeliveriesBase):
+    """The deliveries of one per-event round (``PostgresStore.rounds``): each delivery a
     transaction of its own, as on the store, on one pooled connection held for the round (a
     fresh one after a delivery that left it unusable). A delivery that never opened its
     transaction sends its fenced record without waiting for it (``pipeline``), on up to

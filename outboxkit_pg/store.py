@@ -26,10 +26,11 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import warnings
 import weakref
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -213,6 +214,20 @@ class PostgresStore(SQLStore):
             "pool_timeout": timeout,
         }
         """The options that reproduce this store (with ``url``), for other processes."""
+        self.capabilities = Capabilities(
+            batches=True,
+            waiter=self._notify and self._pool.conninfo is not None,
+            transactional_handlers=True,
+            concurrent_claimers=True,
+            multiprocess=self.url is not None,
+            database_clock=True,
+            concurrent_batches=True,
+            asyncio=self._pool.conninfo is not None,
+            ordering=True,
+            dedupe=True,
+        )
+        """What the store offers: all of it, but the waiter and the asyncio side on a pool of
+        the app's without a conninfo string, and ``multiprocess`` without a URL."""
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> PostgresStore:
@@ -231,19 +246,6 @@ class PostgresStore(SQLStore):
 
     def __repr__(self) -> str:
         return f"PostgresStore({self.where}, schema={self.names.schema!r})"
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return Capabilities(
-            batches=True,
-            waiter=self._notify and self._pool.conninfo is not None,
-            transactional_handlers=True,
-            concurrent_claimers=True,
-            multiprocess=self.url is not None,
-            database_clock=True,
-            concurrent_batches=True,
-            asyncio=self._pool.conninfo is not None,
-        )
 
     # -- the dialect seam (outboxkit._sql.base) ---------------------------------------------------
 
@@ -650,10 +652,10 @@ class PostgresStore(SQLStore):
             yield tx
 
     @contextmanager
-    def deliveries(self, *, concurrency: int = 1) -> Iterator[Round]:
-        """The deliveries of one per-event round (``Rounds``): each delivery a transaction of
-        its own, on one pooled connection held for the round; a record that needs no
-        transaction is sent without waiting for its commit (``pipeline``), on up to
+    def rounds(self, *, concurrency: int = 1) -> Iterator[Round]:
+        """The deliveries of one per-event round (``Store.rounds``): each delivery a
+        transaction of its own, on one pooled connection held for the round; a record that
+        needs no transaction is sent without waiting for its commit (``pipeline``), on up to
         ``concurrency`` connections in turn, and read back before the connection is used
         otherwise, and before the round's settlement. The round holds at most
         ``pool_max_size - 2`` connections (two stay free for the claims, a prefetched one
@@ -676,6 +678,15 @@ class PostgresStore(SQLStore):
             round_.close(failed=True)
             raise
         round_.close()
+
+    def deliveries(self, *, concurrency: int = 1) -> AbstractContextManager[Round]:
+        """Deprecated: ``rounds`` (the name every store has now)."""
+        warnings.warn(
+            "PostgresStore.deliveries() is deprecated: use PostgresStore.rounds()",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.rounds(concurrency=concurrency)
 
     @contextmanager
     def batch(self, *, now: datetime | None) -> Iterator[Batch]:

@@ -201,6 +201,8 @@ class SQLiteStore(SQLStore):
             concurrent_claimers=True,
             multiprocess=not self.memory,
             asyncio=not self.memory,
+            ordering=True,
+            dedupe=True,
         )
         self.options: dict[str, Any] = {
             "events_table": self.tables.events,

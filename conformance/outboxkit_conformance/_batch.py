@@ -10,7 +10,7 @@ import pytest
 from outboxkit import FrozenClock, LeaseLostError, Outcome, Store
 from outboxkit.core.machine import Publish, Retry
 from outboxkit.core.payload import build_event
-from outboxkit.store import SettleItem, settle_last, settle_one
+from outboxkit.store import SettleItem, settle_one
 
 from ._base import LEASE, ConformanceBase, S
 
@@ -96,8 +96,8 @@ class BatchTests(ConformanceBase):
     def test_batch_settle_last_commits_everything_the_batch_wrote(
         self, store: Store, clock: FrozenClock
     ) -> None:
-        """The settlement as the batch's last write (``settle_last``; ``settle_many`` on a
-        store without it): fenced by token, committed with the batch's records and its
+        """The settlement as the batch's last write (``settle_last``; ``BatchBase``'s default
+        is ``settle_many``): fenced by token, committed with the batch's records and its
         deliveries' writes, whether or not a delivery took the connection."""
         self.require(store, "batches")
         ids = self.put(store, clock.now(), ("t", 1), ("t", 2), ("t", 3))
@@ -109,7 +109,7 @@ class BatchTests(ConformanceBase):
                     tx.record("h", Outcome.SUCCEEDED)
             stale = replace(claims[1], token=claims[0].token)
             first = [(claims[0], Publish(), None), (stale, Publish(), None)]
-            assert settle_last(batch, first, now=at) == [True, False]
+            assert batch.settle_last(first, now=at) == [True, False]
         one, two, three = (store.get(i) for i in ids)
         assert one is not None and one.published_at == at
         assert [(r.handler, r.outcome) for r in store.records(ids[0])] == [("h", Outcome.SUCCEEDED)]
@@ -123,7 +123,7 @@ class BatchTests(ConformanceBase):
                     tx.record("h2", Outcome.SUCCEEDED)
             retry = Retry(delay=5 * S, retry=1)
             items: list[SettleItem] = [(claims[1], Publish(), None), (other, retry, "h2: boom")]
-            assert settle_last(batch, items, now=at) == [True, True]
+            assert batch.settle_last(items, now=at) == [True, True]
         two, three = store.get(ids[1]), store.get(ids[2])
         assert two is not None and two.published_at == at
         assert three is not None and three.available_at == at + 5 * S
@@ -133,7 +133,7 @@ class BatchTests(ConformanceBase):
             ("h2", Outcome.SUCCEEDED)
         ]
         with store.batch(now=at) as batch:  # nothing to settle: nothing written
-            assert settle_last(batch, [], now=at) == []
+            assert batch.settle_last([], now=at) == []
         assert store.stats(now=at).published == 2
 
     def test_batch_that_raises_leaves_nothing(self, store: Store, clock: FrozenClock) -> None:

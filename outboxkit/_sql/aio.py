@@ -9,20 +9,20 @@ batch transactions, the async waiter).
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from datetime import datetime, timedelta
 from typing import Any
 
 from ..core.model import Claim, DeadKey
-from ..store import SettleItem
+from ..storekit import AsyncBatchBase, AsyncStoreBase, SettleItem
 from .base import KeptRecords, Row, SQLStore
 
 __all__ = ["AsyncSQLBatch", "AsyncSQLStore"]
 
 
-class AsyncSQLStore(ABC):
+class AsyncSQLStore(AsyncStoreBase):
     """The hot path of ``store`` on async connections (see the module docstring)."""
 
     def __init__(self, store: SQLStore) -> None:
@@ -89,7 +89,7 @@ class AsyncSQLStore(ABC):
         return store._settled(items, rows)
 
 
-class AsyncSQLBatch(KeptRecords):
+class AsyncSQLBatch(KeptRecords, AsyncBatchBase):
     """``SQLBatch`` for async code: the batch's lease extensions, its kept records and its
     ``settle_many`` on the batch's own async connection. Its ``delivery`` (a savepoint) is the
     store's own."""
@@ -141,7 +141,7 @@ class AsyncSQLBatch(KeptRecords):
         return await self._settle(items, now)
 
     async def settle_last(self, items: Sequence[SettleItem], *, now: datetime | None) -> list[bool]:
-        """``AsyncSettlesLast.settle_last``, as ``SQLBatch.settle_last``."""
+        """``AsyncBatchTransaction.settle_last``, as ``SQLBatch.settle_last``."""
         self._check_open()
         return await self._settle(items, now)
 

@@ -40,7 +40,7 @@ state ``settlement.state`` gives from the table (PUBLISH, RETRY or DEAD_LETTER, 
 from __future__ import annotations
 
 import operator
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from datetime import datetime, timedelta
@@ -58,7 +58,7 @@ from ..core.model import (
     Stats,
     make_claim,
 )
-from ..store import SettleItem
+from ..storekit import BatchBase, SettleItem, StoreBase
 from .rows import (
     done_from_pairs,
     event_from_row,
@@ -78,8 +78,10 @@ _CLAIM_ORDER = operator.itemgetter(6, 0)
 """A claimed row's ``(available_at, id)`` (``EVENT_COLUMNS``): the claim order."""
 
 
-class SQLStore(ABC):
-    """The operations of a SQL store; see the module docstring for the dialect seam."""
+class SQLStore(StoreBase):
+    """The operations of a SQL store (``StoreBase``'s required methods but ``enqueue``,
+    ``transaction`` and ``delivery``, and faster ``get``, ``dead_letters`` and ``stats``); see
+    the module docstring for the dialect seam."""
 
     settles_recording = False
     """Whether ``queries.sql`` has ``settle_many_recording`` (a batch's settlement and kept
@@ -393,7 +395,7 @@ class KeptRecords:
         )
 
 
-class SQLBatch(KeptRecords):
+class SQLBatch(KeptRecords, BatchBase):
     """What a SQL store's batch transaction (``Store.batch``) does the same way: lease
     extensions and the round's ``settle_many``, on the batch's connection (another one would
     wait for the batch's own locks). Its ``delivery`` (a savepoint) is the store's own."""
@@ -423,8 +425,8 @@ class SQLBatch(KeptRecords):
     def record_many(
         self, handler: str, claims: Sequence[Claim], *, now: datetime | None
     ) -> list[bool]:
-        """``RecordsMany.record_many``: the records are kept, written fenced by token with the
-        batch's settlement (as the deliveries that never took the connection keep theirs)."""
+        """``BatchTransaction.record_many``: the records are kept, written fenced by token with
+        the batch's settlement (as the deliveries that never took the connection keep theirs)."""
         self._check_open()
         self._keep_succeeded(self._store, handler, claims, now)
         return [True] * len(claims)
@@ -450,7 +452,7 @@ class SQLBatch(KeptRecords):
         return self._settle(items, now)
 
     def settle_last(self, items: Sequence[SettleItem], *, now: datetime | None) -> list[bool]:
-        """``SettlesLast.settle_last``: ``settle_many``, but a batch not begun yet (nothing
+        """``BatchTransaction.settle_last``: ``settle_many``, but a batch not begun yet (nothing
         written in it) begins only for a settlement of more than one statement; one statement
         is then a transaction of its own, and the block's end has nothing to commit."""
         self._check_open()

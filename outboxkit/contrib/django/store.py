@@ -39,7 +39,7 @@ from outboxkit.core.model import (
     Stats,
 )
 from outboxkit.errors import ConfigurationError, HandlerCrashed
-from outboxkit.store import Capabilities, SettleItem
+from outboxkit.storekit import BatchBase, Capabilities, SettleItem, StoreBase
 from outboxkit.waiter import ClosingWaiter
 from outboxkit_sqlite.connections import retry_busy
 from outboxkit_sqlite.delivery import Delivery as SQLiteDelivery
@@ -58,6 +58,8 @@ CAPABILITIES = Capabilities(
     batches=True,
     transactional_handlers=True,
     concurrent_claimers=True,  # each thread on its own Django connection
+    ordering=True,
+    dedupe=True,
 )
 
 
@@ -83,8 +85,11 @@ def _django_connection(alias: str) -> Any:
     return wrapper
 
 
-class DjangoStore:
+class DjangoStore(StoreBase):
     """A ``Store`` on Django's connection for one database alias (see the module docstring).
+
+    Its per-event rounds are the store itself (``StoreBase.rounds``): every delivery runs in
+    Django's atomic block on the calling thread's connection.
 
     Raises (on first use):
         ConfigurationError: the alias is unknown, its backend is neither SQLite nor PostgreSQL
@@ -96,6 +101,7 @@ class DjangoStore:
             raise ConfigurationError(f"using must be a database alias (str), got {using!r}")
         self._using = using
         self._options = options
+        self.options: Mapping[str, Any] = dict(options)
         self._inner: _DjangoSQLite | _DjangoPostgres | None = None
         self._lock = threading.Lock()
 
@@ -125,17 +131,8 @@ class DjangoStore:
 
     # -- what describes the store (read without touching Django) --------------------------------
 
-    @property
-    def capabilities(self) -> Capabilities:
-        return CAPABILITIES
-
-    @property
-    def url(self) -> str | None:
-        return None  # other processes open it through their own Django settings
-
-    @property
-    def options(self) -> Mapping[str, Any]:
-        return dict(self._options)
+    capabilities = CAPABILITIES
+    url: str | None = None  # other processes open it through their own Django settings
 
     # -- the Store protocol, on the inner store --------------------------------------------------
 
@@ -363,8 +360,10 @@ class _DjangoSQLite(SQLiteStore):
                 raw.execute('DELETE FROM "{}"'.format(table.replace('"', '""')))  # noqa: S608
 
 
-class _SQLiteBatch:
-    """A batch on Django's connection: each delivery in a savepoint (a nested atomic)."""
+class _SQLiteBatch(BatchBase):
+    """A batch on Django's connection: each delivery in a savepoint (a nested atomic); a
+    relay's confirms recorded one delivery each, the settlement with ``settle_many``
+    (``BatchBase``'s defaults)."""
 
     def __init__(self, store: _DjangoSQLite, conn: sqlite3.Connection) -> None:
         self._store = store
@@ -483,13 +482,10 @@ class _DjangoPostgres(_PostgresStore):
         options.setdefault("pool_min_size", 1)
         super().__init__(conninfo, **options)
         self.url = None
+        self.capabilities = CAPABILITIES
 
     def __repr__(self) -> str:
         return f"DjangoStore(using={self.alias!r}, postgresql={self.where}, schema={self.names.schema!r})"
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return CAPABILITIES
 
     def _raw(self) -> Any:
         return _django_connection(self.alias).connection

@@ -199,22 +199,22 @@ class _Trace:
 
     def wrap(self, store: Any) -> None:
         """Trace a store's claims, extensions, settlements and releases, and those of its
-        per-event rounds (``Rounds.deliveries``: the blocking poller extends and settles
-        through the round)."""
+        per-event rounds (``Store.rounds``: the blocking poller extends and settles through
+        the round, which is the store itself unless the store keeps a round of its own)."""
         notes = self._notes()
         for name, note in notes.items():
             setattr(store, name, _traced(getattr(store, name), note))
-        if hasattr(store, "deliveries"):
-            opened = store.deliveries
+        opened = store.rounds
 
-            @contextlib.contextmanager
-            def deliveries(*args: Any, **kw: Any) -> Iterator[Any]:
-                with opened(*args, **kw) as round_:
+        @contextlib.contextmanager
+        def rounds(*args: Any, **kw: Any) -> Iterator[Any]:
+            with opened(*args, **kw) as round_:
+                if round_ is not store:  # the store's own methods are traced already
                     for name in ("extend", "settle_many"):
                         setattr(round_, name, _traced(getattr(round_, name), notes[name]))
-                    yield round_
+                yield round_
 
-            store.deliveries = deliveries
+        store.rounds = rounds
 
     def wrap_async(self, side: Any) -> None:
         """``wrap`` for a store's asyncio side (what the asyncio poller calls)."""

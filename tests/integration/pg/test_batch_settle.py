@@ -23,7 +23,6 @@ from psycopg.pq import TransactionStatus
 from outboxkit import EventBus, Outbox, Outcome
 from outboxkit.core.machine import Publish, Retry
 from outboxkit.core.model import Claim
-from outboxkit.store import settle_last, settle_last_async
 from outboxkit_pg import PostgresStore
 
 pytestmark = pytest.mark.pg
@@ -206,7 +205,7 @@ def test_a_batch_whose_handlers_never_took_the_connection_settles_last_in_one_st
             with batch.delivery(claim, now=None) as tx:
                 tx.record("h", Outcome.SUCCEEDED)
         assert conn.info.transaction_status == TransactionStatus.IDLE  # nothing begun
-        settled = settle_last(batch, [(c, Publish(), None) for c in claims], now=None)
+        settled = batch.settle_last([(c, Publish(), None) for c in claims], now=None)
         # committed before the block ends: the statement was its own transaction
         assert conn.info.transaction_status == TransactionStatus.IDLE
         assert seen_published(pg_url, store, claims) == [True, True, True]
@@ -230,7 +229,7 @@ def test_a_batch_whose_handler_took_the_connection_commits_once_at_its_end(
             tx.record("h", Outcome.SUCCEEDED)
         assert conn.info.transaction_status == TransactionStatus.INTRANS
         assert batch.guarded  # the commit guard queued with the BEGIN, once for the batch
-        settled = settle_last(batch, [(c, Publish(), None) for c in claims], now=None)
+        settled = batch.settle_last([(c, Publish(), None) for c in claims], now=None)
         assert conn.info.transaction_status == TransactionStatus.INTRANS
         assert seen_published(pg_url, store, claims) == [False, False]  # not yet committed
     assert settled == [True, True]
@@ -268,7 +267,7 @@ async def test_the_asyncio_batch_begins_lazily_the_same_way(
                     await tx.record("h", Outcome.SUCCEEDED)
             assert batch._conn.info.transaction_status == TransactionStatus.IDLE
             items = [(c, Publish(), None) for c in claims[:2]]
-            assert await settle_last_async(batch, items, now=None) == [True, True]
+            assert await batch.settle_last(items, now=None) == [True, True]
             assert seen_published(pg_url, store, claims[:2]) == [True, True]
         async with side.batch(now=None) as batch:
             for claim in claims[2:]:
@@ -277,7 +276,7 @@ async def test_the_asyncio_batch_begins_lazily_the_same_way(
                     await tx.connection.execute("SELECT 1")
                     await tx.record("h", Outcome.SUCCEEDED)
             items = [(c, Publish(), None) for c in claims[2:]]
-            assert await settle_last_async(batch, items, now=None) == [True, True]
+            assert await batch.settle_last(items, now=None) == [True, True]
             assert batch._conn.info.transaction_status == TransactionStatus.INTRANS
             assert seen_published(pg_url, store, claims[2:]) == [False, False]
     finally:

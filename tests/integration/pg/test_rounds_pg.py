@@ -273,5 +273,15 @@ def test_without_prepared_statements_a_round_waits_for_each_record(
 
 
 def test_the_round_is_what_the_poller_delivers_through(pg_store: PostgresStore) -> None:
-    with pg_store.deliveries() as deliveries:
+    with pg_store.rounds() as deliveries:
+        assert isinstance(deliveries, Round)
+
+
+def test_the_rounds_old_name_still_opens_one_with_a_deprecation_warning(
+    pg_store: PostgresStore,
+) -> None:
+    with (
+        pytest.warns(DeprecationWarning, match=r"deliveries\(\) is deprecated: use .*rounds\(\)"),
+        pg_store.deliveries(concurrency=2) as deliveries,
+    ):
         assert isinstance(deliveries, Round)
