@@ -81,7 +81,8 @@ class Outbox:
         load_entry_points: also load the plugins installed under the ``outboxkit`` entry point.
 
     Raises:
-        ConfigurationError: an option is invalid (the message names it); a plugin's hook is
+        ConfigurationError: an option is invalid (the message names it); ``dead_key="hold"``
+            on a store without per-key order (``capabilities.ordering``); a plugin's hook is
             an ``async def`` (observers are called synchronously: see :meth:`add_observer`).
     """
 
@@ -122,6 +123,7 @@ class Outbox:
             )
         if dead_key not in DEAD_KEY_CHOICES:
             raise ConfigurationError(f"dead_key must be 'release' or 'hold', got {dead_key!r:.40}")
+        _check_dead_key(store, dead_key)
         self.dead_key: DeadKey = dead_key
         self.store = store
         self.bus = bus if bus is not None else EventBus()
@@ -199,7 +201,13 @@ class Outbox:
         """A copy using another store and/or clock; the same bus, options and plugins.
 
         The original is untouched (the test kit uses this to point an app's outbox at a test store).
+
+        Raises:
+            ConfigurationError: the outbox holds keys dead (``dead_key="hold"``) and ``store``
+                keeps no per-key order (``capabilities.ordering``).
         """
+        if store is not None:
+            _check_dead_key(store, self.dead_key)
         copy = type(self).__new__(type(self))  # a subclass stays one
         copy.__dict__.update(self.__dict__)
         if store is not None:
@@ -257,6 +265,9 @@ class Outbox:
         Raises:
             InvalidEvent: the event is invalid (a naive ``available_at``, both ``delay`` and
                 ``available_at``...); nothing was written, the transaction is usable.
+            ConfigurationError: a ``key`` on a store without per-key order
+                (``capabilities.ordering``), or a ``dedupe_key`` on one without dedupe keys
+                (``capabilities.dedupe``); nothing was written, the transaction is usable.
             StoreError: the store failed to write.
         """
         event = build_event(
@@ -287,6 +298,8 @@ class Outbox:
 
         Raises:
             InvalidEvent: an event is invalid (the message gives its index); nothing was written.
+            ConfigurationError: an event has a ``key`` or a ``dedupe_key`` the store cannot
+                keep (as for :meth:`enqueue`); nothing was written.
             StoreError: the store failed to write.
         """
         built = self._build_many(events)
@@ -315,7 +328,8 @@ class Outbox:
         Raises:
             InvalidEvent: the event is invalid; nothing was written, the transaction is usable.
             ConfigurationError: the store has no asyncio side, or ``conn`` is not a connection
-                it takes in an open transaction.
+                it takes in an open transaction; a ``key`` or a ``dedupe_key`` the store cannot
+                keep (as for :meth:`enqueue`).
             StoreError: the store failed to write.
         """
         event = build_event(
@@ -347,6 +361,7 @@ class Outbox:
     def _write(self, conn: Any, events: Sequence[NewEvent]) -> list[int]:
         """Checked ``events`` through ``conn``: the store takes a driver's connection itself,
         a framework's connection or session goes through its integration (``contrib``)."""
+        self._check_keys(events)
         adapter = adapter_for(conn)
         if adapter is None:
             ids = self.store.enqueue(conn, events, now=self.store_now())
@@ -357,6 +372,7 @@ class Outbox:
 
     async def _write_async(self, conn: Any, events: Sequence[NewEvent]) -> list[int]:
         """``_write`` through an async connection or session."""
+        self._check_keys(events)
         adapter = adapter_for(conn)
         if adapter is None:
             ids = await self._async_store().enqueue(conn, events, now=self.store_now())
@@ -364,6 +380,27 @@ class Outbox:
             ids = await adapter.enqueue_async(self.store, conn, events, now=self.store_now())
         self.wake()
         return ids
+
+    def _check_keys(self, events: Sequence[NewEvent]) -> None:
+        """Refuse, before anything is written, a key the store keeps no order for and a dedupe
+        key it cannot keep (what it cannot keep would otherwise be silently lost).
+
+        Raises:
+            ConfigurationError: naming the store, the key and the capability it lacks.
+        """
+        capabilities = self.store.capabilities
+        for event in events:
+            if event.key is not None and not capabilities.ordering:
+                raise ConfigurationError(
+                    f"{self.store!r} keeps no per-key order (capabilities.ordering is false): "
+                    f"cannot enqueue with key={event.key!r:.80}; enqueue without a key"
+                )
+            if event.dedupe_key is not None and not capabilities.dedupe:
+                raise ConfigurationError(
+                    f"{self.store!r} has no dedupe keys (capabilities.dedupe is false): "
+                    f"cannot enqueue with dedupe_key={event.dedupe_key!r:.80}; enqueue "
+                    "without one"
+                )
 
     def _async_store(self) -> AsyncStore:
         if not self.store.capabilities.asyncio:
@@ -789,6 +826,19 @@ class Outbox:
         if deleted:
             log.info("pruned %d published event(s) older than %s", deleted, self.retain_published)
         return deleted
+
+
+def _check_dead_key(store: Store, dead_key: DeadKey) -> None:
+    """``dead_key="hold"`` needs a store that keeps per-key order.
+
+    Raises:
+        ConfigurationError: it does not (naming the store).
+    """
+    if dead_key == "hold" and not store.capabilities.ordering:
+        raise ConfigurationError(
+            f"{store!r} keeps no per-key order (capabilities.ordering is false): "
+            'dead_key="hold" needs it; use dead_key="release"'
+        )
 
 
 def _key(letter: DeadLetter) -> tuple[datetime, int]:

@@ -14,7 +14,7 @@ import pytest
 
 from outboxkit import Claim, EventBus, FrozenClock, Outbox, Store
 from outboxkit.core.payload import build_event
-from outboxkit.store import Capabilities
+from outboxkit.storekit import CAPABILITIES, Capabilities
 from outboxkit.testing import Drain, DrainReport, Recorder
 
 from ._modes import MODES, AsyncioBus, AsyncioOutbox, LoopRunner, Mode
@@ -109,9 +109,9 @@ class ConformanceBase:
         ``asyncio`` capability) per event, per batch, or four events at once."""
         mode: Mode = request.param
         if mode.transaction == "per_batch":
-            self.require(store, "batches")
+            self.require(store, "batches", "the per_batch modes deliver in batches")
         if mode.asyncio:
-            self.require(store, "asyncio")
+            self.require(store, "asyncio", "the asyncio modes run the asyncio poller")
         return mode
 
     @pytest.fixture
@@ -160,20 +160,31 @@ class ConformanceBase:
     # -- helpers ----------------------------------------------------------------------------------
 
     @staticmethod
-    def require(store: Store, capability: str) -> None:
-        """Skip the test unless ``store`` declares ``capability``.
+    def require(store: Store, capability: str, why: str | None = None) -> None:
+        """Skip the test unless ``store`` declares ``capability``; the skip names the
+        capability and why the check needs it.
+
+        Args:
+            store: the store under test.
+            capability: a field of ``outboxkit.storekit.Capabilities``.
+            why: what the check needs the capability for (default: what the capability
+                promises, ``outboxkit.storekit.CAPABILITIES``).
 
         Raises:
-            ValueError: ``capability`` is not a field of ``outboxkit.store.Capabilities``
+            ValueError: ``capability`` is not a field of ``outboxkit.storekit.Capabilities``
                 (a misspelt name would otherwise skip the test for every store).
         """
         if capability not in CAPABILITY_NAMES:
             raise ValueError(
                 f"unknown capability {capability!r}: require() takes a field of "
-                f"outboxkit.store.Capabilities ({', '.join(CAPABILITY_NAMES)})"
+                f"outboxkit.storekit.Capabilities ({', '.join(CAPABILITY_NAMES)})"
             )
         if capability not in store.capabilities:
-            pytest.skip(f"store does not declare the {capability!r} capability")
+            reason = why if why is not None else CAPABILITIES[capability]
+            pytest.skip(
+                f"store does not declare the {capability!r} capability; the check needs it: "
+                f"{reason}"
+            )
 
     @staticmethod
     def concurrency(outbox: Outbox) -> int:

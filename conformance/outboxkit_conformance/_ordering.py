@@ -1,19 +1,20 @@
-"""Per-key ordering (R15), dead keys, idempotent enqueue (R16) and absolute scheduling.
+"""Per-key ordering (R15) and dead keys (``capabilities.ordering``).
 
 The events of one ``key`` are claimed one at a time, in the order their transactions
 committed; unkeyed events and other keys never wait for them. A dead head releases its key
-(``dead_key="release"``) or holds it until it is requeued or purged (``"hold"``).
+(``dead_key="release"``) or holds it until it is requeued or purged (``"hold"``). A store
+without the ``ordering`` capability skips every check here.
 """
 
 from __future__ import annotations
 
 import threading
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 import pytest
 
-from outboxkit import Event, EventBus, FrozenClock, InvalidEvent, Outbox, Store
+from outboxkit import Event, EventBus, FrozenClock, Outbox, Store
 from outboxkit.core.machine import DeadLetter, Publish, Retry
 from outboxkit.core.payload import build_event
 from outboxkit.store import settle_one
@@ -24,7 +25,7 @@ __all__ = ["OrderingTests"]
 
 
 class OrderingTests(ConformanceBase):
-    """R15 and R16 on the store, and end to end through the outbox in every mode."""
+    """R15 on the store, and end to end through the outbox in every mode."""
 
     @staticmethod
     def put_keyed(
@@ -35,6 +36,7 @@ class OrderingTests(ConformanceBase):
             return store.enqueue(conn, built, now=now)
 
     def test_r15_one_event_of_a_key_at_a_time(self, store: Store, clock: FrozenClock) -> None:
+        self.require(store, "ordering")
         k1, k2, j1, u = self.put_keyed(
             store, clock.now(), ("t", 1, "K"), ("t", 2, "K"), ("t", 3, "J"), ("t", 4, None)
         )
@@ -53,6 +55,7 @@ class OrderingTests(ConformanceBase):
 
     @pytest.mark.parametrize("dead_key", ["release", "hold"])
     def test_r15_dead_key(self, store: Store, clock: FrozenClock, dead_key: str) -> None:
+        self.require(store, "ordering")
         k1, k2 = self.put_keyed(store, clock.now(), ("t", 1, "K"), ("t", 2, "K"))
         (claim,) = store.claim(batch_size=10, lease=30 * S, now=clock.now(), dead_key=dead_key)  # type: ignore[arg-type]
         assert settle_one(store, claim, DeadLetter(), error="boom", now=clock.now())
@@ -77,7 +80,8 @@ class OrderingTests(ConformanceBase):
         """T1 enqueues K#a, T2 enqueues K#b and tries to commit first. A store whose second
         enqueuer of a key waits (PostgreSQL's key row, SQLite's write lock) commits T1 first;
         one that does not (memory) commits T2 first. Either way the claim follows commit order."""
-        self.require(store, "concurrent_claimers")
+        self.require(store, "ordering")
+        self.require(store, "concurrent_claimers", "two transactions enqueue from two threads")
         committed: list[str] = []
         enqueued = threading.Event()
         errors: list[BaseException] = []
@@ -113,6 +117,7 @@ class OrderingTests(ConformanceBase):
     def test_r15_drain_keeps_key_order(
         self, store: Store, outbox: Outbox, bus: EventBus, clock: FrozenClock
     ) -> None:
+        self.require(store, "ordering")
         ran: list[tuple[str, int]] = []
         failures = {1: 2}  # K#1 fails twice, then succeeds
 
@@ -133,40 +138,3 @@ class OrderingTests(ConformanceBase):
         # K#2 started only after K#1's last (successful) run
         assert ran.index(("K", 2)) > max(i for i, r in enumerate(ran) if r == ("K", 1))
         assert ran.index(("-", 3)) < ran.index(("K", 2))  # not held up by K
-
-    def test_r16_dedupe_key(self, store: Store, clock: FrozenClock) -> None:
-        first = build_event("t", 1, dedupe_key="order-42-placed")
-        with store.transaction() as conn:
-            (a,) = store.enqueue(conn, [first], now=clock.now())
-        with store.transaction() as conn:
-            b, c, d = store.enqueue(
-                conn,
-                [
-                    build_event("t", 2, dedupe_key="order-42-placed"),
-                    build_event("t", 3, dedupe_key="other"),
-                    build_event("t", 4, dedupe_key="other"),
-                ],
-                now=clock.now(),
-            )
-        assert b == a and d == c and c != a
-        assert store.stats(now=clock.now()).total == 2
-        (claim,) = [c for c in self.claim(store, clock.now()) if c.event.id == a]
-        assert settle_one(store, claim, DeadLetter(), error="x", now=clock.now())
-        assert store.purge_dead(ids=[a], limit=10) == 1  # purged: the key is free again
-        with store.transaction() as conn:
-            (e,) = store.enqueue(conn, [first], now=clock.now())
-        assert e not in (a, c)
-
-    def test_available_at(self, store: Store, outbox: Outbox, clock: FrozenClock) -> None:
-        now = clock.now()
-        with store.transaction() as conn:
-            later = outbox.enqueue(conn, "t", "later", available_at=now + 10 * S)
-            at_now = outbox.enqueue(conn, "t", "now", available_at=now)
-            past = outbox.enqueue(conn, "t", "past", available_at=now - 60 * S)
-            with pytest.raises(InvalidEvent, match="naive"):
-                outbox.enqueue(conn, "t", "x", available_at=now.replace(tzinfo=None))
-            with pytest.raises(InvalidEvent, match="not both"):
-                outbox.enqueue(conn, "t", "x", available_at=now, delay=1)
-        assert self.ids(self.claim(store, now)) == [past, at_now]  # due order, not id order
-        assert self.claim(store, now + 9 * S) == []
-        assert self.ids(self.claim(store, now + timedelta(seconds=10))) == [later]

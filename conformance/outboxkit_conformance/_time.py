@@ -1,11 +1,14 @@
 """Time: a store uses the instant it is given (``now=...``) and nothing else; ``now=None``
-means its production clock, ``store.now()``."""
+means its production clock, ``store.now()``; an event scheduled for an absolute instant
+(``available_at``) is due then, in due order."""
 
 from __future__ import annotations
 
 from datetime import timedelta
 
-from outboxkit import FrozenClock, Store
+import pytest
+
+from outboxkit import FrozenClock, InvalidEvent, Outbox, Store
 from outboxkit.core.machine import Publish
 from outboxkit.store import settle_one
 
@@ -15,7 +18,7 @@ __all__ = ["TimeTests"]
 
 
 class TimeTests(ConformanceBase):
-    """Given time, the production clock path, and ``now()``."""
+    """Given time, the production clock path, ``now()``, and absolute scheduling."""
 
     def test_store_honours_the_given_time(self, store: Store) -> None:
         y2001 = FrozenClock("2001-01-01T00:00:00Z").now()
@@ -54,3 +57,17 @@ class TimeTests(ConformanceBase):
         assert event is not None and event.created_at is not None
         slack = timedelta(seconds=5)  # a database clock is read at its own statement's start
         assert before - slack <= event.created_at <= after + slack
+
+    def test_available_at(self, store: Store, outbox: Outbox, clock: FrozenClock) -> None:
+        now = clock.now()
+        with store.transaction() as conn:
+            later = outbox.enqueue(conn, "t", "later", available_at=now + 10 * S)
+            at_now = outbox.enqueue(conn, "t", "now", available_at=now)
+            past = outbox.enqueue(conn, "t", "past", available_at=now - 60 * S)
+            with pytest.raises(InvalidEvent, match="naive"):
+                outbox.enqueue(conn, "t", "x", available_at=now.replace(tzinfo=None))
+            with pytest.raises(InvalidEvent, match="not both"):
+                outbox.enqueue(conn, "t", "x", available_at=now, delay=1)
+        assert self.ids(self.claim(store, now)) == [past, at_now]  # due order, not id order
+        assert self.claim(store, now + 9 * S) == []
+        assert self.ids(self.claim(store, now + timedelta(seconds=10))) == [later]
