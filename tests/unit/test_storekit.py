@@ -1,0 +1,606 @@
+"""``outboxkit.storekit``: a store written from its twelve required methods alone passes the
+conformance suite (the checks of what it does not declare skipped, by capability), ``Outbox``
+refuses what it cannot keep, and the defaults answer as the memory store does."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import uuid
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import fields, replace
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import outboxkit.store
+from outboxkit import FrozenClock, MemoryStore, Message, Outbox, storekit
+from outboxkit.core.payload import build_event
+from outboxkit.storekit import (
+    CAPABILITIES,
+    Capabilities,
+    Claim,
+    ConfigurationError,
+    DeadKey,
+    DeadLetterSettlement,
+    DeliveryRecord,
+    Event,
+    LeaseLostError,
+    NewEvent,
+    Outcome,
+    PublishSettlement,
+    RetrySettlement,
+    SettleItem,
+    Settlement,
+    Store,
+    StoreBase,
+    StoreError,
+    decode_payload,
+    make_claim,
+)
+from outboxkit_conformance import StoreConformance
+
+# -- the example: a store of events in a dict --------------------------------------------------
+
+
+class DictTransaction:
+    """An open transaction on a ``DictStore`` (what ``transaction()`` yields and ``enqueue``
+    takes): its events and records wait here until the store applies them, all at once."""
+
+    def __init__(self, store: DictStore) -> None:
+        self.store = store
+        self.events: list[Event] = []
+        self.records: list[DeliveryRecord] = []
+
+
+class DictDelivery:
+    """One event's delivery transaction (``DeliveryTransaction``): a ``DictTransaction``
+    whose records are stamped with the claim's attempt."""
+
+    def __init__(self, store: DictStore, claim: Claim, now: datetime) -> None:
+        self.connection = DictTransaction(store)
+        self._claim = claim
+        self._now = now
+
+    def enqueue(self, events: Sequence[NewEvent]) -> list[int]:
+        """Follow-up events, written when the delivery commits."""
+        return self.connection.store.enqueue(self.connection, events, now=self._now)
+
+    def record(self, handler: str, outcome: Outcome, *, reason: str | None = None) -> None:
+        """The handler's record, written when the delivery commits.
+
+        Raises:
+            ConfigurationError: ``outcome`` is not one that is recorded.
+        """
+        if not outcome.recorded:
+            raise ConfigurationError(f"only succeeded and rejected are recorded, got {outcome}")
+        claim = self._claim
+        self.connection.records.append(
+            DeliveryRecord(claim.event.id, handler, outcome, claim.attempt, self._now, reason)
+        )
+
+
+class DictStore(StoreBase):
+    """Events, tokens and records in dicts, behind one lock: one process, per-event deliveries
+    only (no batches, no asyncio side, no per-key order, no dedupe keys). Everything but the
+    twelve required methods is ``StoreBase``'s default."""
+
+    capabilities = Capabilities()
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._events: dict[int, Event] = {}
+        self._tokens: dict[int, str] = {}  # event id -> the token of its live claim
+        self._records: dict[int, list[DeliveryRecord]] = {}
+        self._next_id = 1
+
+    def __repr__(self) -> str:
+        return f"DictStore({len(self._events)} events)"
+
+    # -- writing events ---------------------------------------------------------------------
+
+    @contextmanager
+    def transaction(self) -> Iterator[DictTransaction]:
+        tx = DictTransaction(self)
+        yield tx  # an exception leaves the block: nothing is applied
+        self._apply(tx)
+
+    def enqueue(self, conn: Any, events: Sequence[NewEvent], *, now: datetime | None) -> list[int]:
+        if not isinstance(conn, DictTransaction) or conn.store is not self:
+            raise ConfigurationError(f"{self!r} enqueues through its transaction(), got {conn!r}")
+        at = self._at(now)
+        ids = []
+        with self._lock:
+            for new in events:
+                event = Event(
+                    id=self._next_id,
+                    topic=new.topic,
+                    payload=decode_payload(new.payload_json),
+                    headers=dict(new.headers),
+                    key=new.key,
+                    created_at=at,
+                    available_at=new.available_at or at + new.delay,
+                    message_id=str(uuid.uuid4()),
+                )
+                self._next_id += 1
+                conn.events.append(event)
+                ids.append(event.id)
+        return ids
+
+    # -- claims and deliveries --------------------------------------------------------------
+
+    def claim(
+        self,
+        *,
+        batch_size: int,
+        lease: timedelta,
+        now: datetime | None,
+        dead_key: DeadKey = "release",  # no per-key order here: nothing for it to hold
+    ) -> list[Claim]:
+        at = self._at(now)
+        with self._lock:
+            due = sorted(
+                (e.available_at, e.id)
+                for e in self._events.values()
+                if e.published_at is None
+                and e.failed_at is None
+                and e.available_at is not None
+                and e.available_at <= at
+                and (e.locked_until is None or e.locked_until <= at)
+            )
+            claims = []
+            for _, event_id in due[:batch_size]:
+                old = self._events[event_id]
+                event = replace(old, attempts=old.attempts + 1, locked_until=at + lease)
+                self._events[event_id] = event
+                token = self._tokens[event_id] = uuid.uuid4().hex
+                done = {r.handler: r.outcome for r in self._records.get(event_id, [])}
+                claims.append(make_claim(event, token, at + lease, done))
+            return claims
+
+    @contextmanager
+    def delivery(self, claim: Claim, *, now: datetime | None) -> Iterator[DictDelivery]:
+        if not self._owns(claim):
+            raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
+        tx = DictDelivery(self, claim, self._at(now))
+        yield tx  # an exception leaves the block: nothing is applied
+        with self._lock:
+            if not self._owns(claim):  # taken over while the handler ran
+                raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
+            self._apply(tx.connection)
+
+    def extend(
+        self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None
+    ) -> list[Claim]:
+        until = self._at(now) + lease
+        with self._lock:
+            owned = [claim for claim in claims if self._owns(claim)]
+            for claim in owned:
+                self._events[claim.event.id] = replace(
+                    self._events[claim.event.id], locked_until=until
+                )
+            return [replace(claim, locked_until=until) for claim in owned]
+
+    def settle_many(self, items: Sequence[SettleItem], *, now: datetime | None) -> list[bool]:
+        at = self._at(now)
+        with self._lock:
+            return [
+                self._settle(claim, settlement, error, at) for claim, settlement, error in items
+            ]
+
+    def release(self, claims: Sequence[Claim], *, now: datetime | None) -> int:
+        with self._lock:
+            owned = [claim for claim in claims if self._owns(claim)]
+            for claim in owned:
+                del self._tokens[claim.event.id]
+                event = self._events[claim.event.id]
+                self._events[event.id] = replace(
+                    event, attempts=event.attempts - 1, locked_until=None
+                )
+            return len(owned)
+
+    # -- operations -------------------------------------------------------------------------
+
+    def requeue(self, ids: Iterable[int], *, now: datetime | None) -> int:
+        at = self._at(now)
+        with self._lock:
+            dead = [i for i in set(ids) if i in self._events and self._events[i].failed_at]
+            for event_id in dead:
+                self._events[event_id] = replace(
+                    self._events[event_id], failed_at=None, attempts=0, available_at=at
+                )
+            return len(dead)
+
+    def events(
+        self, *, after_id: int = 0, topic: str | None = None, limit: int = 1000
+    ) -> list[Event]:
+        with self._lock:
+            events = sorted(self._events.items())
+        return [e for i, e in events if i > after_id and topic in (None, e.topic)][:limit]
+
+    def records(self, event_id: int) -> list[DeliveryRecord]:
+        with self._lock:
+            return list(self._records.get(event_id, []))
+
+    def purge_published(self, *, before: datetime, limit: int) -> int:
+        with self._lock:
+            return self._delete(
+                [
+                    event_id
+                    for event_id, e in sorted(self._events.items())
+                    if e.published_at is not None and e.published_at < before
+                ][:limit]
+            )
+
+    def purge_dead(
+        self, *, ids: Iterable[int] | None = None, before: datetime | None = None, limit: int
+    ) -> int:
+        wanted = None if ids is None else set(ids)
+        with self._lock:
+            return self._delete(
+                [
+                    event_id
+                    for event_id, e in sorted(self._events.items())
+                    if e.failed_at is not None
+                    and (wanted is None or event_id in wanted)
+                    and (before is None or e.failed_at < before)
+                ][:limit]
+            )
+
+    # -- helpers ----------------------------------------------------------------------------
+
+    def _at(self, now: datetime | None) -> datetime:
+        """The instant to write with: the one given, else the store's clock."""
+        return now if now is not None else self.now()
+
+    def _owns(self, claim: Claim) -> bool:
+        """Whether ``claim``'s token still owns its event (the fence of every write)."""
+        return self._tokens.get(claim.event.id) == claim.token
+
+    def _apply(self, tx: DictTransaction) -> None:
+        """Commit ``tx``: all of it, or (a record written twice) none of it."""
+        with self._lock:
+            for record in tx.records:
+                if any(r.handler == record.handler for r in self._records.get(record.event_id, [])):
+                    raise StoreError(f"event {record.event_id} has a {record.handler!r} record")
+            self._events.update((event.id, event) for event in tx.events)
+            for record in tx.records:
+                self._records.setdefault(record.event_id, []).append(record)
+
+    def _settle(
+        self, claim: Claim, settlement: Settlement, error: str | None, at: datetime
+    ) -> bool:
+        if not self._owns(claim):
+            return False
+        del self._tokens[claim.event.id]
+        event = replace(self._events[claim.event.id], locked_until=None)
+        match settlement:
+            case PublishSettlement():
+                event = replace(event, published_at=at)
+            case RetrySettlement(delay=delay):
+                event = replace(event, available_at=at + delay, last_error=error)
+            case _:  # DeadLetterSettlement
+                event = replace(event, failed_at=at, last_error=error)
+        self._events[event.id] = event
+        return True
+
+    def _delete(self, ids: list[int]) -> int:
+        for event_id in ids:
+            del self._events[event_id]
+            self._records.pop(event_id, None)
+            self._tokens.pop(event_id, None)
+        return len(ids)
+
+
+# -- the tests ----------------------------------------------------------------------------------
+
+
+class TestDictStoreConformance(StoreConformance):
+    """The whole suite on the example store: what it does not declare is skipped."""
+
+    def make_store(self, tmp_path: Path) -> DictStore:
+        return DictStore()
+
+
+REQUIRED = {
+    "enqueue",
+    "transaction",
+    "claim",
+    "delivery",
+    "extend",
+    "settle_many",
+    "release",
+    "requeue",
+    "events",
+    "records",
+    "purge_published",
+    "purge_dead",
+}
+
+
+def test_store_base_requires_exactly_twelve_methods_and_the_example_writes_only_those() -> None:
+    assert StoreBase.__abstractmethods__ == REQUIRED
+    written = {
+        name
+        for name, value in vars(DictStore).items()
+        if callable(value) and not name.startswith("_")
+    }
+    assert written == REQUIRED
+    assert isinstance(DictStore(), Store)
+    with pytest.raises(TypeError, match="abstract method"):
+        StoreBase()  # type: ignore[abstract]
+
+
+def test_the_suite_skips_what_the_example_does_not_declare_naming_the_capability(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makepyfile(
+        """
+        from outboxkit_conformance import StoreConformance
+        from tests.unit.test_storekit import DictStore
+
+        class TestDict(StoreConformance):
+            def make_store(self, tmp_path):
+                return DictStore()
+        """
+    )
+    pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
+    checks = "r15 or r16 or two_threads or two_processes or batch_commits or prefetch_claims"
+    result = pytester.runpytest_inprocess("-rs", "-p", "no:cacheprovider", "-k", checks)
+    outcomes = result.parseoutcomes()
+    assert "passed" not in outcomes and "failed" not in outcomes
+    for capability in (
+        "ordering",
+        "dedupe",
+        "batches",
+        "concurrent_claimers",
+        "multiprocess",
+        "asyncio",
+    ):
+        result.stdout.fnmatch_lines([f"*store does not declare the '{capability}' capability*"])
+
+
+# -- Outbox refuses what the store cannot keep ---------------------------------------------------
+
+
+def test_outbox_refuses_a_key_or_a_dedupe_key_before_anything_is_written() -> None:
+    store = DictStore()
+    outbox = Outbox(store, load_entry_points=False)
+    with store.transaction() as conn:
+        with pytest.raises(ConfigurationError, match=r"DictStore\(0 events\) keeps no per-key"):
+            outbox.enqueue(conn, "t", 1, key="order-7")
+        with pytest.raises(ConfigurationError, match=r"DictStore.*dedupe_key='once'"):
+            outbox.enqueue(conn, "t", 1, dedupe_key="once")
+        with pytest.raises(ConfigurationError, match=r"DictStore.*key='k'"):
+            outbox.enqueue_many(conn, [("t", 1), Message("t", 2, key="k")])
+        with pytest.raises(ConfigurationError, match=r"DictStore.*dedupe_key='d'"):
+            outbox.enqueue_many(conn, [Message("t", 3, dedupe_key="d")])
+        assert conn.events == []  # nothing written, the transaction still usable
+        kept = outbox.enqueue(conn, "t", "kept")
+    assert [e.id for e in store.events()] == [kept]
+
+
+def test_outbox_refuses_a_key_on_the_async_path_too() -> None:
+    store = DictStore()
+    outbox = Outbox(store, load_entry_points=False)
+    with store.transaction() as conn:
+        with pytest.raises(ConfigurationError, match=r"DictStore.*key='k'"):
+            asyncio.run(outbox.enqueue_async(conn, "t", 1, key="k"))
+        with pytest.raises(ConfigurationError, match=r"DictStore.*dedupe_key='d'"):
+            asyncio.run(outbox.enqueue_many_async(conn, [Message("t", 1, dedupe_key="d")]))
+        assert conn.events == []
+
+
+def test_outbox_refuses_to_hold_keys_on_a_store_without_order() -> None:
+    with pytest.raises(ConfigurationError, match=r"DictStore\(0 events\).*dead_key=\"hold\""):
+        Outbox(DictStore(), dead_key="hold", load_entry_points=False)
+    holding = Outbox(MemoryStore(), dead_key="hold", load_entry_points=False)
+    with pytest.raises(ConfigurationError, match=r"DictStore.*dead_key=\"hold\""):
+        holding.rebind(store=DictStore())
+    releasing = Outbox(DictStore(), load_entry_points=False)
+    assert releasing.dead_key == "release"
+
+
+def test_a_store_with_order_and_dedupe_keeps_both_through_the_outbox() -> None:
+    store = MemoryStore()
+    assert {"ordering", "dedupe"} <= store.capabilities.names()
+    outbox = Outbox(store, dead_key="hold", load_entry_points=False)
+    with store.transaction() as conn:
+        first = outbox.enqueue(conn, "t", 1, key="k", dedupe_key="d")
+        again = outbox.enqueue(conn, "t", 2, dedupe_key="d")
+    assert again == first
+    assert [e.key for e in store.events()] == ["k"]
+
+
+# -- the defaults answer as the memory store does -----------------------------------------------
+
+START = FrozenClock("2030-01-01T00:00:00Z").now()
+S = timedelta(seconds=1)
+
+
+def _scenario(store: StoreBase | MemoryStore) -> list[Claim]:
+    """The same history on any store: published, retried, dead (two topics, one keyed, one
+    failing later), claimed, delayed and pending events, with records; the claims left live."""
+    with store.transaction() as conn:
+        store.enqueue(
+            conn,
+            [
+                build_event("a", 1),
+                build_event("a", 2, key="k1"),
+                build_event("b", 3),
+                build_event("b", 4),
+                build_event("a", 5),
+                build_event("c", 6, delay=60),
+                build_event("b", 7),
+            ],
+            now=START,
+        )
+    one, two, three, four = store.claim(batch_size=4, lease=30 * S, now=START)
+    with store.delivery(two, now=START) as tx:
+        tx.record("h", Outcome.REJECTED, reason="no")
+    assert store.settle_many(
+        [
+            (one, PublishSettlement(), None),
+            (two, DeadLetterSettlement(), "h: boom"),
+            (three, RetrySettlement(delay=5 * S, retry=1), "h: later"),
+        ],
+        now=START + S,
+    ) == [True, True, True]
+    (five, seven) = store.claim(batch_size=2, lease=30 * S, now=START + 2 * S)
+    assert store.settle_many([(five, DeadLetterSettlement(), "h: again")], now=START + 3 * S)
+    return [four, seven]
+
+
+@pytest.fixture
+def both() -> Iterator[tuple[DictStore, MemoryStore, list[Claim], list[Claim]]]:
+    mine, memory = DictStore(), MemoryStore()
+    yield mine, memory, _scenario(mine), _scenario(memory)
+    memory.close()
+
+
+def test_get_dead_letters_and_stats_answer_as_the_memory_store(both: Any) -> None:
+    mine, memory, _, _ = both
+    for event_id in range(0, 10):
+        assert mine.get(event_id) == memory.get(event_id)
+    assert mine.get(2) is not None and mine.get(99) is None
+    for kw in ({}, {"topic": "a"}, {"since": START + 2 * S}, {"limit": 1}, {"topic": "b"}):
+        got = mine.dead_letters(**kw)
+        assert got == memory.dead_letters(**kw)
+    assert [d.event.id for d in mine.dead_letters()] == [2, 5]  # oldest failure first
+    assert [r.reason for r in mine.dead_letters()[0].records] == ["no"]
+    for at in (START + 3 * S, START + 6 * S, START + 40 * S, START + 61 * S, None):
+        assert mine.stats(now=at) == memory.stats(now=at)
+    stats = mine.stats(now=START + 3 * S)
+    assert (stats.pending, stats.claimed, stats.published, stats.dead) == (2, 2, 1, 2)
+    assert stats.held_keys == 1
+    assert stats.oldest_due_at is None  # the retry waits for its backoff, the rest is leased
+
+
+def test_record_many_writes_each_claim_fenced_as_the_memory_store(both: Any) -> None:
+    mine, memory, my_claims, memory_claims = both
+    for store, (live, other) in ((mine, my_claims), (memory, memory_claims)):
+        stale = replace(other, token="stale")
+        assert store.record_many("relay", [live, stale], now=START + 4 * S) == [True, False]
+    assert mine.records(4) == memory.records(4) != []
+    assert mine.records(7) == memory.records(7) == []
+
+
+def test_rounds_are_the_store_itself_and_a_batch_settles_last_with_settle_many(
+    both: Any,
+) -> None:
+    mine, memory, _, memory_claims = both
+    with mine.rounds(concurrency=4) as deliveries:
+        assert deliveries is mine
+    with memory.rounds() as deliveries:
+        assert deliveries is memory
+    with pytest.raises(ConfigurationError, match=r"DictStore\(7 events\) has no batches"):
+        mine.batch(now=START)
+    with pytest.raises(ConfigurationError, match=r"DictStore\(7 events\) has no asyncio side"):
+        mine.async_store()
+    live, stale = memory_claims[0], replace(memory_claims[1], token="stale")
+    with memory.batch(now=START + 4 * S) as batch:  # BatchBase's settle_last
+        items: list[SettleItem] = [
+            (live, PublishSettlement(), None),
+            (stale, PublishSettlement(), None),
+        ]
+        assert batch.settle_last(items, now=START + 4 * S) == [True, False]
+    event = memory.get(live.event.id)
+    assert event is not None and event.published_at == START + 4 * S
+
+
+def test_the_asyncio_bases_default_as_the_blocking_ones() -> None:
+    store = MemoryStore()
+    with store.transaction() as conn:
+        store.enqueue(conn, [build_event("t", 1), build_event("t", 2)], now=START)
+    first, second = store.claim(batch_size=2, lease=30 * S, now=START)
+    side = store.async_store()
+
+    async def run() -> None:
+        async with side.rounds(concurrency=2) as deliveries:
+            assert deliveries is side
+        assert side.make_waiter() is None
+        stale = replace(second, token="stale")
+        assert await side.record_many("relay", [first, stale], now=START) == [True, False]
+        async with side.batch(now=START) as batch:
+            items: list[SettleItem] = [(first, PublishSettlement(), None)]
+            assert await batch.settle_last(items, now=START) == [True]
+        await side.close()
+
+    asyncio.run(run())
+    assert [r.handler for r in store.records(first.event.id)] == ["relay"]
+    event = store.get(first.event.id)
+    assert event is not None and event.published_at == START
+    store.close()
+
+
+# -- capabilities, the seam's exports, the deprecated names ------------------------------------
+
+
+def test_ordering_and_dedupe_are_capabilities_a_bare_store_lacks() -> None:
+    bare = Capabilities()
+    assert not bare.ordering and not bare.dedupe
+    assert "ordering" not in bare and "dedupe" not in bare
+    assert set(CAPABILITIES) == {f.name for f in fields(Capabilities)}
+    assert {"ordering", "dedupe"} <= Capabilities(ordering=True, dedupe=True).names()
+    assert outboxkit.store.Capabilities is Capabilities  # the old home still has it
+
+
+def test_the_seam_exports_what_it_lists() -> None:
+    for name in storekit.__all__:
+        assert getattr(storekit, name) is not None, name
+    # The settlement and the listed dead letter, apart under their two names.
+    assert storekit.DeadLetterSettlement().state is storekit.State.DEAD
+    assert "failed_at" in {f.name for f in fields(storekit.DeadLetter)}
+    assert issubclass(storekit.BatchBase, storekit.DeliveriesBase)
+    assert issubclass(storekit.StoreBase, storekit.DeliveriesBase)
+
+
+DEPRECATED = [
+    ("Rounds", "Store.rounds"),
+    ("RecordsMany", "Deliveries.record_many"),
+    ("AsyncRecordsMany", "AsyncDeliveries.record_many"),
+    ("SettlesLast", "BatchTransaction.settle_last"),
+    ("AsyncSettlesLast", "AsyncBatchTransaction.settle_last"),
+    ("record_each", "deliveries.record_many"),
+    ("record_each_async", "await deliveries.record_many"),
+    ("settle_last", "batch.settle_last"),
+    ("settle_last_async", "await batch.settle_last"),
+]
+
+
+@pytest.mark.parametrize(("name", "instead"), DEPRECATED)
+def test_the_old_names_import_with_a_warning_naming_the_replacement(
+    name: str, instead: str
+) -> None:
+    message = rf"outboxkit\.store\.{name} is deprecated: use {re.escape(instead)}"
+    with pytest.warns(DeprecationWarning, match=message):
+        value = getattr(outboxkit.store, name)
+    assert value is not None
+    assert name not in outboxkit.store.__all__
+    with pytest.raises(AttributeError, match="no_such_name"):
+        outboxkit.store.no_such_name  # noqa: B018
+
+
+def _old(name: str) -> Any:
+    """A deprecated name of ``outboxkit.store``, its warning caught."""
+    with pytest.warns(DeprecationWarning, match=f"outboxkit.store.{name} is deprecated"):
+        return getattr(outboxkit.store, name)
+
+
+def test_the_old_helpers_still_do_what_they_did() -> None:
+    store = MemoryStore()
+    with store.transaction() as conn:
+        store.enqueue(conn, [build_event("t", 1)], now=START)
+    (claim,) = store.claim(batch_size=1, lease=30 * S, now=START)
+    assert _old("record_each")(store, "h", [claim], now=START) == [True]
+    with store.batch(now=START) as batch:
+        assert isinstance(batch, _old("RecordsMany"))
+        items = [(claim, PublishSettlement(), None)]
+        assert _old("settle_last")(batch, items, now=START) == [True]
+    assert store.stats(now=START).published == 1
+    assert [r.handler for r in store.records(claim.event.id)] == ["h"]
+    store.close()
