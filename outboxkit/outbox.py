@@ -107,7 +107,8 @@ class Outbox:
     ) -> None:
         if not isinstance(store, Store):
             raise ConfigurationError(
-                f"store must implement the outboxkit Store protocol: {store!r}"
+                f"store must implement the outboxkit Store protocol (derive it from "
+                f"outboxkit.storekit.StoreBase): {store!r}"
             )
         if bus is not None and not isinstance(bus, EventBus):
             raise ConfigurationError(f"bus must be an EventBus, got {bus!r}")
