@@ -24,6 +24,7 @@ from .core.model import (
     Claimed,
     DeadLetter,
     DeadLettered,
+    Delivery,
     DeliveryRecord,
     Event,
     HandlerFailed,
@@ -34,6 +35,7 @@ from .core.model import (
     Migration,
     ObserverEvent,
     Outcome,
+    PollReport,
     Published,
     RetryScheduled,
     State,
@@ -64,8 +66,9 @@ from .hookspecs import hookimpl
 from .memory import MemoryStore, MemoryTransaction
 from .outbox import Message, Outbox
 from .plugins import open_store
-from .poller import Delivery, Poller, PollReport, ThreadWaiter, Waiter
+from .poller import Poller
 from .store import Store
+from .waiter import ThreadWaiter, Waiter
 
 __version__ = "0.1.0"
 

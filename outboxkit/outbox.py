@@ -13,6 +13,7 @@ import pluggy
 
 from .bus import EventBus
 from .clock import Clock, MonotonicClock, SystemClock, as_timedelta, require_aware
+from .context import ContextMaker
 from .contrib import adapter_for
 from .core.backoff import BackoffPolicy
 from .core.duration import MAX_DURATION, before
@@ -30,11 +31,13 @@ from .core.options import PollerOptions, TransactionMode
 from .core.payload import DEFAULT_MAX_PAYLOAD_BYTES, build_event
 from .errors import ConfigurationError, InvalidEvent, StoreError
 from .plugins import make_plugin_manager, notify, register
+from .reports import Reporter
+from .runtime import Runtime
 from .store import AsyncStore, Store
 
 if TYPE_CHECKING:
     from .aio import AsyncPoller
-    from .handling import SessionProvider
+    from .context import SessionProvider
     from .poller import Poller
     from .waiter import AsyncWaiter, Waiter, Wakeable
 
@@ -472,7 +475,7 @@ class Outbox:
         from .poller import Poller
 
         return Poller(
-            self,
+            self.runtime(),
             PollerOptions.build(self.options, **options),
             waiter=waiter,
             concurrency=concurrency,
@@ -497,10 +500,28 @@ class Outbox:
         from .aio import AsyncPoller
 
         return AsyncPoller(
-            self,
+            self.runtime(),
             PollerOptions.build(self.options, **options),
             concurrency=concurrency,
             waiter=waiter,
+        )
+
+    def runtime(self) -> Runtime:
+        """What a poller of this outbox needs from it (``outboxkit.runtime.Runtime``): the
+        store, the bus, the clocks, the handlers' contexts, the reporter, the dead-key policy,
+        the in-process waiters and the retention."""
+        return Runtime(
+            store=self.store,
+            bus=self.bus,
+            clock=self.clock,
+            local_clock=self.local_clock,
+            store_now=self.store_now,
+            dead_key=self.dead_key,
+            contexts=ContextMaker(self.max_payload_bytes, lambda: self.sessions, self.headers_for),
+            reporter=Reporter(self.emit, self.plugins, self.clock, self.local_clock),
+            add_waiter=self.add_waiter,
+            remove_waiter=self.remove_waiter,
+            prune_if_due=self.prune_if_due,
         )
 
     def add_waiter(self, waiter: Wakeable) -> None:

@@ -27,9 +27,9 @@ from typing import Any, TypeVar
 from outboxkit import Event, EventBus, Outbox, PollReport
 from outboxkit.aio import AsyncPoller
 from outboxkit.bus import DeliveryContext, Handler, HandlerSpec
+from outboxkit.calls import is_coroutine_function
 from outboxkit.core.model import Claim
 from outboxkit.core.options import TransactionMode
-from outboxkit.handling import is_coroutine_function
 
 __all__ = ["MODES", "AsyncioBus", "AsyncioOutbox", "LoopRunner", "Mode"]
 

@@ -48,7 +48,7 @@ from typing import IO, Any, TypeVar
 
 import click
 
-from .. import handling
+from .. import calls
 from ..aio import MAX_CONCURRENCY, AsyncPoller
 from ..core.model import DeadLettered, ObserverEvent, PollReport, Published
 from ..core.options import PollerOptions
@@ -56,8 +56,8 @@ from ..core.text import parse_decimal, printable
 from ..errors import ConfigurationError
 from ..hookspecs import hookimpl
 from ..outbox import Outbox
-from ..poller import Poller, ThreadWaiter
-from ..waiter import LoopWaiter
+from ..poller import Poller
+from ..waiter import LoopWaiter, ThreadWaiter
 from .errors import WRONG_INPUT
 from .params import DURATION, StoreOption, Whole, format_duration
 from .progress import DrainProgress, StatusLine, StatusLineHandler
@@ -326,7 +326,7 @@ def _asyncio_wanted(outbox: Outbox, settings: RunSettings) -> bool:
     Raises:
         ConfigurationError: the asyncio poller cannot run this app on this store (exit 2).
     """
-    coroutines = handling.async_handlers(outbox.bus.specs())
+    coroutines = calls.async_handlers(outbox.bus.specs())
     if not settings.asyncio and not coroutines:
         return False
     if not outbox.store.capabilities.asyncio:

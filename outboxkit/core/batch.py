@@ -266,10 +266,10 @@ class ClaimedBatch:
     # -- what happened ------------------------------------------------------------------------------
 
     def delivered(self, run: EventRun, delivery: Delivery) -> None:
-        """One of ``run``'s handlers ran (``CRASHED``: the lease was lost under it). A run
+        """One of ``run``'s handlers ran (``LEASE_LOST``: the lease was lost under it). A run
         that ended the batch's transaction (``BatchRolledBack``) undoes what it held."""
         self.report.deliveries.append(delivery)
-        if delivery.outcome is Outcome.CRASHED:
+        if delivery.outcome is Outcome.LEASE_LOST:
             self.lose(run)
             return
         run.outcomes[delivery.handler] = delivery.outcome

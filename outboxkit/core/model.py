@@ -89,9 +89,10 @@ def state_of(
 class Outcome(enum.Enum):
     """What one delivery of an event to one handler ended with.
 
-    Only ``SUCCEEDED`` and ``REJECTED`` are ever recorded; ``FAILED`` (an exception) and
-    ``CRASHED`` (a ``BaseException`` or a lost process) leave no record, so the handler
-    runs again on the next attempt.
+    Only ``SUCCEEDED`` and ``REJECTED`` are ever recorded; ``FAILED`` (an exception),
+    ``CRASHED`` (a ``BaseException`` or a lost process) and ``LEASE_LOST`` (another poller took
+    the event over while the handler ran: its run was not recorded) leave no record, so the
+    handler runs again on the next attempt.
     """
 
     __hash__ = object.__hash__  # identity, as ``State``
@@ -100,6 +101,7 @@ class Outcome(enum.Enum):
     REJECTED = "rejected"
     FAILED = "failed"
     CRASHED = "crashed"
+    LEASE_LOST = "lease_lost"
 
     @property
     def recorded(self) -> bool:

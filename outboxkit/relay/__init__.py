@@ -101,7 +101,8 @@ class RelayMessage:
     message_id: str
 
 
-_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+compact_json = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+"""JSON text without spaces, not ASCII-escaped (what a message's body and headers are)."""
 
 
 def message_of(event: Event, destination: Destination) -> RelayMessage:
@@ -129,7 +130,7 @@ def message_of(event: Event, destination: Destination) -> RelayMessage:
     if event.created_at is not None:
         headers["outbox-created-at"] = event.created_at.isoformat()
     stored = stored_payload_text(event)  # the store's own JSON text, when nothing decoded it
-    body = (_dumps(event.payload) if stored is None else stored).encode()
+    body = (compact_json(event.payload) if stored is None else stored).encode()
     return RelayMessage(event.id, where, body, headers, message_id)
 
 

@@ -33,8 +33,8 @@ from . import (
     BrokerRelay,
     Destination,
     RelayMessage,
-    _dumps,
     client_module,
+    compact_json,
     parse_message_id,
     topic_destination,
 )
@@ -139,7 +139,7 @@ def fields(message: RelayMessage) -> dict[str, str | bytes]:
         name: message.headers[name] for name in _OWN if name in message.headers
     }
     own = {k: v for k, v in message.headers.items() if k not in _OWN}
-    entry["headers"] = _dumps(own) if own else "{}"  # no headers of the app's: nearly always
+    entry["headers"] = compact_json(own) if own else "{}"  # no headers of the app's: nearly always
     entry["payload"] = message.body
     return entry
 

@@ -3,13 +3,10 @@ applies them to what one ``with drain.capture()`` block enqueued."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from ..core.model import Event
-
-if TYPE_CHECKING:
-    from .drain import Drain
 
 __all__ = ["Capture", "assert_enqueued", "refute_enqueued"]
 
@@ -18,22 +15,31 @@ class Capture:
     """The events enqueued since the block began (``with drain.capture() as cap``).
 
     Args:
-        drain: the drain whose store is read; what ``assert_enqueued`` matches counts as
-            asserted for its strict mode.
+        last_id: the store's newest event id now (the block's start, and its end).
+        events_after: the events with an id above the one given, any state.
+        asserted: the ids ``assert_enqueued`` matched, for the drain's strict mode.
     """
 
-    def __init__(self, drain: Drain) -> None:
-        self._drain = drain
-        self._after = drain._last_id()
+    def __init__(
+        self,
+        last_id: Callable[[], int],
+        events_after: Callable[[int], list[Event]],
+        asserted: set[int],
+    ) -> None:
+        self._last_id = last_id
+        self._events_after = events_after
+        self._asserted = asserted
+        self._after = last_id()
         self._until: int | None = None
 
-    def _close(self) -> None:
-        self._until = self._drain._last_id()
+    def close(self) -> None:
+        """The block ended: what is enqueued after it is not the block's."""
+        self._until = self._last_id()
 
     @property
     def events(self) -> list[Event]:
         """The events enqueued inside the block (so far, while it is open), any state."""
-        events = self._drain._events_after(self._after)
+        events = self._events_after(self._after)
         return [e for e in events if self._until is None or e.id <= self._until]
 
     def enqueued(self, topic: str | None = None) -> list[Event]:
@@ -64,9 +70,7 @@ class Capture:
         Raises:
             AssertionError: listing the block's events of that topic.
         """
-        return assert_enqueued(
-            self.enqueued(topic), topic, payload, count, asserted=self._drain._asserted
-        )
+        return assert_enqueued(self.enqueued(topic), topic, payload, count, asserted=self._asserted)
 
     def refute_enqueued(self, topic: str, payload: Mapping[str, Any] | None = None) -> None:
         """No ``topic`` event (whose payload contains ``payload``'s items) in the block.

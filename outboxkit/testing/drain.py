@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from .. import handling
+from .. import calls
 from ..bus import EventBus, HandlerSpec
 from ..clock import FrozenClock, as_timedelta
 from ..core.machine import blocks_key
@@ -54,22 +54,26 @@ class _Expected:
 @dataclass
 class _Run:
     """One drain in progress: what both pollers' ``run_until_idle`` are given (``on_idle`` moves
-    the virtual clock, ``on_round`` folds a round into the report) and what they fill in."""
+    the virtual clock, ``on_round`` folds a round into the report) and what they fill in; the
+    drain's steps it takes are given to it."""
 
-    drain: Drain
     start: datetime
     horizon: datetime | None
     max_rounds: int
+    advance: Callable[[datetime | None], bool]
+    record: Callable[[DrainReport, PollReport], None]
+    next_due: Callable[[datetime | None], datetime | None]
+    cascade: Callable[[DrainReport, int], str]
     report: DrainReport = field(default_factory=DrainReport)
 
     def on_idle(self) -> bool:
-        return self.drain._advance_to_next(self.horizon)
+        return self.advance(self.horizon)
 
     def on_round(self, round_report: PollReport) -> None:
-        self.drain._record(self.report, round_report)
+        self.record(self.report, round_report)
         # The cascade guard: a drain whose rounds keep making work ends, naming the chain.
-        if self.report.rounds >= self.max_rounds and self.drain._next_due(self.horizon) is not None:
-            raise DrainError(self.drain._cascade_message(self.report, self.max_rounds))
+        if self.report.rounds >= self.max_rounds and self.next_due(self.horizon) is not None:
+            raise DrainError(self.cascade(self.report, self.max_rounds))
 
 
 class Drain:
@@ -131,7 +135,7 @@ class Drain:
             ConfigurationError: async handlers on a store without an asyncio side.
         """
         run = self._begin(until, max_rounds)
-        coroutines = handling.async_handlers(self.outbox.bus.specs())
+        coroutines = calls.async_handlers(self.outbox.bus.specs())
         if coroutines:
             _refuse_running_loop(
                 f"outbox_drain() drains async def handlers ({_names(coroutines)}) on an event "
@@ -180,7 +184,7 @@ class Drain:
                 poller refuses (a blocking transactional one).
         """
         run = self._begin(until, max_rounds)
-        poller = self._async_poller(handling.async_handlers(self.outbox.bus.specs()))
+        poller = self._async_poller(calls.async_handlers(self.outbox.bus.specs()))
         await poller.run_until_idle(on_idle=run.on_idle, on_round=run.on_round)
         return self._end(run, raise_errors)
 
@@ -188,7 +192,15 @@ class Drain:
         if not isinstance(max_rounds, int) or isinstance(max_rounds, bool) or max_rounds < 1:
             raise ConfigurationError(f"max_rounds must be an integer >= 1, got {max_rounds!r}")
         start = self.clock.now()
-        return _Run(self, start, self._horizon(start, until), max_rounds)
+        return _Run(
+            start,
+            self._horizon(start, until),
+            max_rounds,
+            self._advance_to_next,
+            self._record,
+            self._next_due,
+            self._cascade_message,
+        )
 
     def _end(self, run: _Run, raise_errors: bool) -> DrainReport:
         report = run.report
@@ -235,7 +247,7 @@ class Drain:
         topics = self._topics_of(round_report)
         report.rounds += 1
         report.topics_per_round.append([topics[i] for i in round_report.claimed])
-        report._add(round_report, topics)
+        report.add_round(round_report, topics)
         self._drained.update(round_report.claimed)
 
     def _advance_to_next(self, horizon: datetime | None) -> bool:
@@ -393,11 +405,11 @@ class Drain:
         Yields:
             The ``Capture``; it keeps what the block enqueued after the block ends.
         """
-        cap = Capture(self)
+        cap = Capture(self._last_id, self._events_after, self._asserted)
         try:
             yield cap
         finally:
-            cap._close()
+            cap.close()
 
     # -- one handler --------------------------------------------------------------------------
 
@@ -433,14 +445,14 @@ class Drain:
             HandlerErrors: the handler failed and ``raise_errors`` is true.
         """
         spec = self.outbox.bus.find(handler)
-        if handling.is_coroutine_function(spec.fn):
+        if calls.is_coroutine_function(spec.fn):
             _refuse_running_loop(
                 f"outbox_drain.deliver_one() runs the async def handler {spec.name!r} on an "
                 "event loop of its own, and one is running here: in an async def test, use "
                 "`report = await outbox_drain.deliver_one_async(...)`"
             )
         solo = self._solo(spec)
-        if handling.is_coroutine_function(spec.fn):
+        if calls.is_coroutine_function(spec.fn):
             poller = self._async_poller([spec], solo)  # refusals before anything is written
             event_id, ours, claimed_at = self._claim_alone(solo, spec, payload, headers)
             round_report = _on_a_loop_of_its_own(
@@ -478,7 +490,7 @@ class Drain:
         """
         spec = self.outbox.bus.find(handler)
         solo = self._solo(spec)
-        coroutine = [spec] if handling.is_coroutine_function(spec.fn) else []
+        coroutine = [spec] if calls.is_coroutine_function(spec.fn) else []
         poller = self._async_poller(coroutine, solo)  # refusals before anything is written
         event_id, ours, claimed_at = self._claim_alone(solo, spec, payload, headers)
         round_report = await poller.process(ours, claimed_at=claimed_at)
@@ -516,7 +528,7 @@ class Drain:
         self, round_report: PollReport, event_id: int, spec: HandlerSpec, raise_errors: bool
     ) -> DrainReport:
         report = DrainReport()
-        report._add(round_report, {event_id: spec.topic})
+        report.add_round(round_report, {event_id: spec.topic})
         report.rounds = 1
         self._drained.add(event_id)
         if raise_errors:

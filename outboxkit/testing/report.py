@@ -66,7 +66,7 @@ class DrainReport:
             if (topic is None or d.topic == topic) and (handler is None or d.handler == handler)
         ]
 
-    def _add(self, report: PollReport, topics: Mapping[int, str]) -> None:
+    def add_round(self, report: PollReport, topics: Mapping[int, str]) -> None:
         """Fold one round's ``PollReport`` in (the drain calls it; ``topics`` names the
         topic of every event the round claimed)."""
         self._topics.update(topics)

@@ -158,7 +158,7 @@ def test_a_non_transactional_handler_hanging_past_its_lease_is_overtaken_and_fen
         assert report.lease_lost == [event_id]
         assert report.published == report.retried == report.dead_lettered == []
         assert report.deliveries[-1].handler == "mailer"
-        assert report.deliveries[-1].outcome is Outcome.CRASHED
+        assert report.deliveries[-1].outcome is Outcome.LEASE_LOST
         assert recorder.of(LeaseLost) == [LeaseLost(event_id, "t", 1, "mailer")]
         # Only the outside effect happened twice: the duplicate allowed after a lost lease.
         assert mails == [(event_id, 1), (event_id, 2)]

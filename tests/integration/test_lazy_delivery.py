@@ -102,7 +102,7 @@ def check_takeover(store: Store, mode: str) -> None:
         (event_id,) = outbox.enqueue_many(tx, [("t", {"n": 1})])
     report = outbox.poller(transaction=mode, lease=LEASE).run_once()
     assert refused and "stale" in refused[0]
-    assert [d.outcome for d in report.deliveries] == [Outcome.CRASHED]
+    assert [d.outcome for d in report.deliveries] == [Outcome.LEASE_LOST]
     assert report.published == [] and report.failed == []
     assert report.lease_lost == [event_id]
     assert store.records(event_id) == []

@@ -99,13 +99,13 @@ def test_events_carry_created_at_start_instants_durations_and_batch_sizes(
 def test_no_observer_event_is_built_when_nobody_observes(
     asyncio_poller: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import outboxkit.handling
+    import outboxkit.reports
 
     def refuse(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("an observer event was built with no observer")
 
     for name in ("Claimed", "HandlerStarted", "HandlerSucceeded"):
-        monkeypatch.setattr(outboxkit.handling, name, refuse)
+        monkeypatch.setattr(outboxkit.reports, name, refuse)
     bus = EventBus()
     if asyncio_poller:
 

@@ -69,6 +69,18 @@ class _Lent:
         self.ended: str | None = None  # how the handler tried to end the transaction
         self._first = raw not in _SET_UP
 
+    def connected(self) -> None:
+        """SQLAlchemy's setup is over (pool ``checkout``): from now on the handler drives, and
+        the dialects' per-connection setup is done for this delivery connection."""
+        self.connecting = False
+        self._first = False
+        _SET_UP.add(self._raw)
+
+    def check(self) -> None:
+        """Raises ``HandlerCrashed`` if the handler's session ended the transaction."""
+        if self.ended is not None:
+            raise HandlerCrashed("the handler's session " + _ENDED.format(how=self.ended))
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._raw, name)
 
@@ -129,9 +141,7 @@ def _connected(dbapi_connection: Any, record: Any, proxy: Any) -> None:
     """Pool ``checkout``: SQLAlchemy's setup is over; from now on the handler drives."""
     lent = getattr(dbapi_connection, "driver_connection", dbapi_connection)
     if isinstance(lent, _Lent):
-        lent.connecting = False
-        lent._first = False
-        _SET_UP.add(lent._raw)
+        lent.connected()
 
 
 def _kind(connection: Any) -> tuple[str, bool]:
@@ -257,13 +267,9 @@ class _Scope:
         Raises:
             HandlerCrashed: the handler's session committed or rolled back the transaction.
         """
-        self._check()
+        self._lent.check()
         self.session.flush()
-        self._check()
-
-    def _check(self) -> None:
-        if self._lent.ended is not None:
-            raise HandlerCrashed("the handler's session " + _ENDED.format(how=self._lent.ended))
+        self._lent.check()
 
     def close(self) -> None:
         """Let go of the session; the delivery transaction stays the store's."""
@@ -289,9 +295,9 @@ class _AsyncScope:
         Raises:
             HandlerCrashed: the handler's session committed or rolled back the transaction.
         """
-        _Scope._check(self)  # type: ignore[arg-type]
+        self._lent.check()
         await self.session.flush()
-        _Scope._check(self)  # type: ignore[arg-type]
+        self._lent.check()
 
     async def close(self) -> None:
         """Let go of the session; the delivery transaction stays the store's."""
