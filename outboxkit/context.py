@@ -7,7 +7,7 @@ given to it (``ContextMaker``), never read from the outbox itself.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -68,17 +68,19 @@ class ContextMaker:
         headers: ``Outbox.headers_for``.
     """
 
-    __slots__ = ("_sessions", "headers", "max_payload_bytes", "sessions")
+    __slots__ = ("_sessions", "check", "headers", "max_payload_bytes", "sessions")
 
     def __init__(
         self,
         max_payload_bytes: int,
         sessions: Callable[[], SessionProvider | None],
         headers: HeadersFor,
+        check: Callable[[Sequence[NewEvent]], None] | None = None,
     ) -> None:
         self.max_payload_bytes = max_payload_bytes
         self._sessions = sessions
         self.headers = headers
+        self.check = check
         self.sessions: SessionProvider | None = None
 
     def refresh(self) -> None:
@@ -87,7 +89,9 @@ class ContextMaker:
 
     def make(self, handler: str, attempt: int) -> Context:
         """The ``ctx`` of one run of ``handler``."""
-        return Context(handler, attempt, self.max_payload_bytes, self.sessions, self.headers)
+        return Context(
+            handler, attempt, self.max_payload_bytes, self.sessions, self.headers, self.check
+        )
 
 
 class Context:
@@ -106,6 +110,7 @@ class Context:
     """
 
     __slots__ = (
+        "_check",
         "_headers",
         "_max_payload_bytes",
         "_tx",
@@ -123,10 +128,12 @@ class Context:
         max_payload_bytes: int,
         sessions: SessionProvider | None = None,
         headers: HeadersFor | None = None,
+        check: Callable[[Sequence[NewEvent]], None] | None = None,
     ) -> None:
         self.handler = handler
         self.attempt = attempt
         self._headers = headers
+        self._check = check
         self._max_payload_bytes = max_payload_bytes
         self._tx: DeliveryTransaction | AsyncDeliveryTransaction | None = None
         self.buffer: list[NewEvent] = []
@@ -183,16 +190,18 @@ class Context:
 
         Raises:
             InvalidEvent: the event is invalid (checked now, before anything is written).
+            ConfigurationError: a ``key`` on a store that keeps no per-key order.
         """
         if self._headers is not None:
             headers = self._headers(topic, headers)
-        self.buffer.append(
-            build_event(
-                topic,
-                payload,
-                headers=headers,
-                key=key,
-                delay=delay,
-                max_payload_bytes=self._max_payload_bytes,
-            )
+        event = build_event(
+            topic,
+            payload,
+            headers=headers,
+            key=key,
+            delay=delay,
+            max_payload_bytes=self._max_payload_bytes,
         )
+        if self._check is not None:
+            self._check([event])
+        self.buffer.append(event)

@@ -517,7 +517,9 @@ class Outbox:
             local_clock=self.local_clock,
             store_now=self.store_now,
             dead_key=self.dead_key,
-            contexts=ContextMaker(self.max_payload_bytes, lambda: self.sessions, self.headers_for),
+            contexts=ContextMaker(
+                self.max_payload_bytes, lambda: self.sessions, self.headers_for, self._check_keys
+            ),
             reporter=Reporter(self.emit, self.plugins, self.clock, self.local_clock),
             add_waiter=self.add_waiter,
             remove_waiter=self.remove_waiter,

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import outboxkit.store
-from outboxkit import FrozenClock, MemoryStore, Message, Outbox, storekit
+from outboxkit import EventBus, FrozenClock, MemoryStore, Message, Outbox, storekit
 from outboxkit.core.payload import build_event
 from outboxkit.storekit import (
     CAPABILITIES,
@@ -393,6 +393,27 @@ def test_outbox_refuses_a_key_on_the_async_path_too() -> None:
         with pytest.raises(ConfigurationError, match=r"DictStore.*dedupe_key='d'"):
             asyncio.run(outbox.enqueue_many_async(conn, [Message("t", 1, dedupe_key="d")]))
         assert conn.events == []
+
+
+def test_a_handlers_keyed_follow_up_is_refused_on_a_store_without_order() -> None:
+    """The refusal covers ``ctx.enqueue`` too: the follow-up's key would be lost; the handler
+    fails (naming the store), its delivery is retried, and nothing of it is written."""
+    store = DictStore()
+    bus = EventBus()
+
+    @bus.handler("t", name="chains")
+    def chains(event: Event, ctx: Any) -> None:
+        ctx.enqueue("next", {}, key="k")
+
+    outbox = Outbox(store, bus, clock=FrozenClock(), load_entry_points=False)
+    with store.transaction() as conn:
+        event_id = outbox.enqueue(conn, "t", 1)
+    report = outbox.poller().run_once()
+    (delivery,) = report.deliveries
+    assert delivery.outcome is Outcome.FAILED
+    assert "keeps no per-key order" in (delivery.error or "")
+    assert report.retried == [event_id]
+    assert [e.topic for e in store.events()] == ["t"]
 
 
 def test_outbox_refuses_to_hold_keys_on_a_store_without_order() -> None:
