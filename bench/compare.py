@@ -61,10 +61,10 @@ from typing import Any
 
 from _common import median, pg_schema, pg_url_default
 
-from outboxkit._sql.rows import EVENT_COLUMNS
+from outboxkit.storekit.rows import EVENT_COLUMNS
 
 TOKEN = len(EVENT_COLUMNS)
-"""Where a claimed row's token is: right after the event's columns (outboxkit._sql.base)."""
+"""Where a claimed row's token is: right after the event's columns (outboxkit.storekit.sql)."""
 
 TOPIC = "bench.compare"
 HANDLER = "noop"
@@ -483,8 +483,8 @@ def _bare_worker(job: Job, barrier: Barrier) -> Drained:
 
     c = job.contender
     store = PostgresStore(job.target, schema=job.schema, notify=False)
-    q = store._queries
-    _, claim_params = store._claim_query(
+    q = store.dialect.queries
+    _, claim_params = store.statements.claim_query(
         c.batch_size, datetime.timedelta(seconds=30), None, "release"
     )
     handled = 0
@@ -536,7 +536,7 @@ def _bare_sqlite_worker(job: Job, barrier: Barrier) -> Drained:
 
     c = job.contender
     store = SQLiteStore(job.target, migrate=False)
-    q = store._queries
+    q = store.dialect.queries
     conn = _sqlite_connect(job.target)
     handled = 0
     barrier.wait()

@@ -206,10 +206,10 @@ def run_pg(args: argparse.Namespace) -> None:
 
 def explain(store: PostgresStore, url: str) -> None:
     """``EXPLAIN (ANALYZE, BUFFERS)`` of a claim of 100, in a transaction rolled back."""
-    name, params = store._claim_query(100, LEASE, None, "release")
-    query = b"EXPLAIN (ANALYZE, BUFFERS) " + store._queries[name]
+    name, params = store.statements.claim_query(100, LEASE, None, "release")
+    query = b"EXPLAIN (ANALYZE, BUFFERS) " + store.dialect.queries[name]
     with psycopg.connect(url) as conn:
-        plan = [row[0] for row in conn.execute(query, store._params(params))]
+        plan = [row[0] for row in conn.execute(query, store.dialect.params(params))]
         conn.rollback()
     print("\n".join(plan), flush=True)
 

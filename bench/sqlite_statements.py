@@ -87,7 +87,7 @@ def store_statements(path: Path, events: int) -> Timings:
         SQLiteStore(path, migrate=False) as store,
         closing(compare._sqlite_connect(str(path))) as conn,
     ):
-        q = store._queries
+        q = store.dialect.queries
         timed = Timed(conn)
         while True:
             now = int(time.time() * 1_000_000)

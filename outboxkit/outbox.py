@@ -212,23 +212,24 @@ class Outbox:
         """
         if store is not None:
             _check_dead_key(store, self.dead_key)
-        copy = type(self).__new__(type(self))  # a subclass stays one
-        copy.__dict__.update(self.__dict__)
+        state = dict(vars(self))
         if store is not None:
-            copy.store = store
+            state["store"] = store
         if clock is not None:
-            copy.clock = clock
-            copy.local_clock = clock
-            copy._bind_clock = True
-        # Its own list too: an observer added to the copy must not leak into the original.
-        copy._plugin_list = list(self._plugin_list)
-        copy.plugins = make_plugin_manager(
-            copy._plugin_list, load_entry_points=self._load_entry_points
+            state.update(clock=clock, local_clock=clock, _bind_clock=True)
+        # Its own list too: an observer added to the copy must not leak into the original;
+        # its own waiters and retention schedule.
+        plugins = list(self._plugin_list)
+        state.update(
+            _plugin_list=plugins,
+            plugins=make_plugin_manager(plugins, load_entry_points=self._load_entry_points),
+            _waiters=[],
+            _waiters_lock=threading.Lock(),
+            _next_prune_at=None,
+            _prune_lock=threading.Lock(),
         )
-        copy._waiters = []
-        copy._waiters_lock = threading.Lock()
-        copy._next_prune_at = None
-        copy._prune_lock = threading.Lock()
+        copy = type(self).__new__(type(self))  # a subclass stays one
+        vars(copy).update(state)
         return copy
 
     # -- writing --------------------------------------------------------------------------------

@@ -54,16 +54,15 @@ claims, in claim order."""
 class Poller(PollerBase):
     """Claims due events and delivers them. Make one with ``Outbox.poller(**options)``.
 
-    ``stop()`` may be called from any thread or a signal handler.
-
-    ``concurrency`` (see the module docstring): how many events of a claimed batch are
-    delivered at once.
+    ``stop()`` may be called from any thread or a signal handler. What ``concurrency`` means
+    to each poller: see ``outboxkit/aio.py``'s module docstring.
 
     Raises:
-        ConfigurationError: the store has no asyncio side; a handler this poller cannot run
-            on the bus; ``concurrency`` not from 1 to ``MAX_CONCURRENCY``, or above 1 with
-            ``transaction="per_batch"`` (a batch is one transaction on one connection); or
-            ``per_batch`` on a store without batches.
+        ConfigurationError: a handler this poller cannot run on the bus, or a store that
+            cannot serve it (the asyncio poller needs an asyncio side); ``concurrency`` not
+            from 1 to ``MAX_CONCURRENCY``, or above 1 with ``transaction="per_batch"`` (a batch
+            is one transaction on one connection); or ``per_batch`` on a store without
+            batches.
     """
 
     def __init__(

@@ -1,11 +1,12 @@
 """The PostgreSQL store's asyncio side (``PostgresStore.async_store()``): what the asyncio
 poller and ``Outbox.enqueue_async`` need, name for name with the blocking store.
 
-It runs the blocking store's statements (``queries.sql``, rendered once by the store), built
-and mapped by the store's own code (``SQLStore``'s hot path through ``AsyncSQLStore``; enqueue
-through ``PostgresStore._insert_query``), with the store's error mapping (``errors``). A
-delivery is the same ``flow.Flow`` as the blocking one (its two pipeline syncs, the commit
-guard, which error a failure is), driven by an async shell. Only the waiting is its own:
+It runs the blocking store's statements (``queries.sql``, rendered once by its dialect), built
+and read by the store's own ``Statements`` (``SQLStore``'s hot path through ``AsyncSQLStore``;
+enqueue through ``PostgresDialect.insert_query``), with the dialect's error mapping
+(``errors``). A delivery is the same ``flow.Flow`` as the blocking one (its two pipeline syncs,
+the commit guard, which error a failure is), driven by an async shell. Only the waiting is its
+own:
 
 - connections come from ``pool.AsyncPool``, a ``psycopg_pool.AsyncConnectionPool`` of its own
   (the store's sizes), opened on first use on the running event loop and closed by
@@ -26,11 +27,10 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 from psycopg.rows import tuple_row
 
-from outboxkit._sql.aio import AsyncSQLBatch, AsyncSQLStore
-from outboxkit._sql.base import Row
-from outboxkit._sql.rows import inserted_ids, resolve_ids
 from outboxkit.core.model import Claim, NewEvent, Outcome
 from outboxkit.errors import StoreError
+from outboxkit.storekit.rows import inserted_ids, resolve_ids
+from outboxkit.storekit.sql import AsyncSQLBatch, AsyncSQLStore, Row
 
 from .flow import BatchGuard, Flow, Result, Statement, Transaction, check_usable, has_rows
 from .listen import AsyncNotifyWaiter
@@ -54,31 +54,33 @@ class AsyncPostgresStore(AsyncSQLStore):
     them again, on whichever loop it runs.
     """
 
-    _store: PostgresStore
+    store: PostgresStore
 
     def __init__(self, store: PostgresStore) -> None:
         super().__init__(store)
-        self._pool = AsyncPool(store._pool)
+        self.dialect = store.dialect
+        """The blocking store's dialect: its statements, checks and error mapping."""
+        self._pool = AsyncPool(store.dialect.pool)
         self._waiters: weakref.WeakSet[AsyncNotifyWaiter] = weakref.WeakSet()
 
     def __repr__(self) -> str:
-        return f"AsyncPostgresStore({self._store.where}, schema={self._store.names.schema!r})"
+        return f"AsyncPostgresStore({self.dialect.where}, schema={self.dialect.names.schema!r})"
 
-    # -- the async dialect seam (outboxkit._sql.aio) ----------------------------------------------
+    # -- the async seam (outboxkit.storekit.sql.AsyncSQLStore) ------------------------------------
 
     @asynccontextmanager
-    async def _write(self, doing: str) -> AsyncIterator[AsyncConnection]:
+    async def write(self, doing: str) -> AsyncIterator[AsyncConnection]:
         # As the blocking store's: every write is one statement, atomic by itself.
-        with self._store._mapped(doing):
+        with self.dialect.mapped(doing):
             async with self._connection(doing) as conn:
                 yield conn
 
-    async def _rows(self, conn: Any, name: str, params: Mapping[str, Any]) -> list[Row]:
-        store = self._store
+    async def rows(self, conn: Any, name: str, params: Mapping[str, Any]) -> list[Row]:
+        dialect = self.dialect
         async with conn.cursor(row_factory=tuple_row) as cur:
             # No parameters: none at all, so a % in the statement (a function body) is kept.
             await cur.execute(
-                store._queries[name], store._params(params) or None, prepare=prepared(conn, name)
+                dialect.queries[name], dialect.params(params) or None, prepare=prepared(conn, name)
             )
             rows: list[Row] = await cur.fetchall() if has_rows(cur) else []
             return rows
@@ -95,16 +97,16 @@ class AsyncPostgresStore(AsyncSQLStore):
             SchemaError: no schema, or one of another version.
         """
         async with self._pool.connection(doing) as conn:
-            if not self._store._schema_checked:
+            if not self.dialect.schema_checked:
                 await self._check_schema(conn)
             yield conn
 
     async def _check_schema(self, conn: AsyncConnection) -> None:
         try:
-            rows = await self._rows(conn, "schema_version", {})
+            rows = await self.rows(conn, "schema_version", {})
         except psycopg.Error as exc:
-            raise self._store._schema_error(exc) from exc
-        self._store._schema_found(rows)
+            raise self.dialect.schema_error(exc) from exc
+        self.dialect.schema_found(rows)
 
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[AsyncConnection]:
@@ -122,7 +124,7 @@ class AsyncPostgresStore(AsyncSQLStore):
     async def _open_transaction(self, what: str) -> AsyncIterator[AsyncConnection]:
         """As the blocking store's: begin and commit mapped, naming ``what``; an error of the
         block is re-raised as it is, after the rollback (which never masks it)."""
-        mapped = self._store._mapped
+        mapped = self.dialect.mapped
         async with self._connection(f"open {what}") as conn:
             tx = psycopg.AsyncTransaction(conn)
             with mapped(f"begin {what}", conn):
@@ -162,24 +164,26 @@ class AsyncPostgresStore(AsyncSQLStore):
         """
         if not events:
             return []
-        store = self._store
-        store._check_app_connection(conn, psycopg.AsyncConnection)
-        with store._mapped(f"enqueue {len(events)} event(s)"):
-            if not store._schema_checked:
+        dialect = self.dialect
+        dialect.check_app_connection(conn, psycopg.AsyncConnection)
+        with dialect.mapped(f"enqueue {len(events)} event(s)"):
+            if not dialect.schema_checked:
                 await self._check_schema(conn)
-            return await self._insert(conn, events, now)
+            return await self.insert(conn, events, now)
 
-    async def _insert(
+    async def insert(
         self, conn: AsyncConnection, events: Sequence[NewEvent], now: datetime | None
     ) -> list[int]:
-        name, params = self._store._insert_query(events, now)
-        rows = await self._rows(conn, name, params)
+        """``PostgresDialect.insert`` on an async connection: insert ``events`` in the
+        transaction open on ``conn``; the new ids, in ``events`` order."""
+        name, params = self.dialect.insert_query(events, now)
+        rows = await self.rows(conn, name, params)
         if name == "enqueue_one":
-            return self._store._inserted(name, rows)
+            return self.dialect.inserted(name, rows)
         ids, missing = inserted_ids(events, rows)
         found: dict[str, int] = {}
         if missing:
-            rows = await self._rows(conn, "dedupe_holders", {"keys": missing})
+            rows = await self.rows(conn, "dedupe_holders", {"keys": missing})
             found = {key: event_id for key, event_id in rows}
         return resolve_ids(events, ids, found)
 
@@ -216,7 +220,7 @@ class AsyncPostgresStore(AsyncSQLStore):
                 yield batch
                 await batch.write_kept()
                 if batch.begun:
-                    check_usable(conn, self._store.where, "the batch")
+                    check_usable(conn, self.dialect.where, "the batch")
                     await batch.commit()
             except BaseException:
                 await batch.abort()
@@ -228,9 +232,9 @@ class AsyncPostgresStore(AsyncSQLStore):
         """An async waiter that also returns when an enqueue commits anywhere (``LISTEN``), or
         None when notifications are off. It connects on its first ``wait``; the poller that
         asked closes it (so do ``close()`` and the store's ``close()``)."""
-        if not self._store.capabilities.waiter:
+        if not self.store.capabilities.waiter:
             return None
-        waiter = AsyncNotifyWaiter(**self._store._listening(asyncio=True))
+        waiter = AsyncNotifyWaiter(**self.dialect.listening(asyncio=True))
         self._waiters.add(waiter)
         return waiter
 
@@ -296,8 +300,8 @@ class AsyncDelivery(Transaction[AsyncConnection]):
             return []
         await self.open()
         flow = self._flow
-        with flow.store._mapped(self._following(events), flow.conn):
-            return await self._side._insert(flow.conn, events, flow.now)
+        with flow.dialect.mapped(self._following(events), flow.conn):
+            return await self._side.insert(flow.conn, events, flow.now)
 
     async def record(self, handler: str, outcome: Outcome, *, reason: str | None = None) -> None:
         """Queue the record; it is written with the commit, in the same sync (or, for a
@@ -308,34 +312,35 @@ class AsyncDelivery(Transaction[AsyncConnection]):
 class AsyncBatch(BatchGuard, AsyncSQLBatch):
     """One transaction for a claimed batch (see ``AsyncPostgresStore.batch``)."""
 
-    _side: AsyncPostgresStore
-    _conn: AsyncConnection
+    side: AsyncPostgresStore
+    conn: AsyncConnection
 
     def delivery(
         self, claim: Claim, *, now: datetime | None
     ) -> AbstractAsyncContextManager[AsyncDelivery]:
         self._check_for_delivery()
-        return delivering(self._side, self._conn, claim, now, self)
+        return delivering(self.side, self.conn, claim, now, self)
 
-    async def _begin(self) -> None:
+    async def begin(self) -> None:
+        """``Batch.begin`` on the async connection."""
         if not self.begun:
-            with self._side._store._mapped("begin the batch", self._conn):
-                await _sync(self._conn, self.beginning())
+            with self.side.dialect.mapped("begin the batch", self.conn):
+                await _sync(self.conn, self.beginning())
             self.began()
 
     async def commit(self) -> None:
         """``Batch.commit`` on the async connection."""
-        with self._side._store._mapped("commit the batch", self._conn):
-            await self._conn.execute(b"COMMIT")
+        with self.side.dialect.mapped("commit the batch", self.conn):
+            await self.conn.execute(b"COMMIT")
         self.ended()
 
     async def abort(self) -> None:
         """``Batch.abort`` on the async connection."""
-        if self.begun and not (await abort_quietly(self._conn, (b"ROLLBACK",)) and self.ended()):
-            await self._conn.close()
+        if self.begun and not (await abort_quietly(self.conn, (b"ROLLBACK",)) and self.ended()):
+            await self.conn.close()
 
     def _where(self) -> str:
-        return self._side._store.where
+        return self.side.dialect.where
 
 
 @asynccontextmanager
@@ -356,7 +361,7 @@ async def delivering(
         StoreUnavailable: the server ended the session under the handler.
         StoreError: the database failed (never blamed on the handler).
     """
-    flow = Flow(side._store, conn, claim, now, batch)
+    flow = Flow(side.dialect, conn, claim, now, batch)
     tx = AsyncDelivery(side, flow)
     try:
         yield tx

@@ -17,17 +17,18 @@ import psycopg
 from psycopg.pq import PipelineStatus, TransactionStatus
 from psycopg.rows import tuple_row
 
-from outboxkit._sql.base import SQLBatch
-from outboxkit._sql.rows import record_params
 from outboxkit.core.model import Claim, NewEvent, Outcome
 from outboxkit.errors import StoreError, StoreUnavailable
 from outboxkit.storekit import DeliveriesBase, SettleItem
+from outboxkit.storekit.rows import record_params
+from outboxkit.storekit.sql import SQLBatch
 
 from .flow import BatchGuard, Flow, Result, Statement, has_rows
 from .pipeline import RecordPipeline, drain
 from .pool import Connection
 
 if TYPE_CHECKING:
+    from .dialect import PostgresDialect
     from .store import PostgresStore
 
 __all__ = ["Batch", "Delivery", "Round", "delivering", "restart"]
@@ -58,11 +59,11 @@ class Delivery:
         StoreError: the database failed (never blamed on the handler).
     """
 
-    __slots__ = ("_batch", "_claim", "_conn", "_flow", "_now", "_record", "_round", "_store")
+    __slots__ = ("_batch", "_claim", "_conn", "_dialect", "_flow", "_now", "_record", "_round")
 
     def __init__(
         self,
-        store: PostgresStore,
+        dialect: PostgresDialect,
         conn: Connection,
         claim: Claim,
         now: datetime | None,
@@ -70,8 +71,8 @@ class Delivery:
         round_: Round | None = None,
     ) -> None:
         if now is not None and now.utcoffset() is None:
-            store._params({"now": now})  # refused, naming it, before anything runs
-        self._store = store
+            dialect.params({"now": now})  # refused, naming it, before anything runs
+        self._dialect = dialect
         self._conn = conn
         self._claim = claim
         self._now = now
@@ -83,7 +84,7 @@ class Delivery:
     def _made_flow(self) -> Flow[Connection]:
         flow = self._flow
         if flow is None:
-            flow = self._flow = Flow(self._store, self._conn, self._claim, self._now, self._batch)
+            flow = self._flow = Flow(self._dialect, self._conn, self._claim, self._now, self._batch)
             if self._record is not None:
                 flow.records.append(self._record)
                 self._record = None
@@ -110,9 +111,9 @@ class Delivery:
         if not events:
             return []
         flow = self._opened()
-        with flow.store._mapped(f"enqueue {len(events)} follow-up(s)", flow.conn):
+        with flow.dialect.mapped(f"enqueue {len(events)} follow-up(s)", flow.conn):
             flow.check_usable()
-            return flow.store._insert(flow.conn, events, flow.now)
+            return flow.dialect.insert(flow.conn, events, flow.now)
 
     def record(self, handler: str, outcome: Outcome, *, reason: str | None = None) -> None:
         """Queue the record; it is written with the commit, in the same sync (or, for a
@@ -209,17 +210,18 @@ def restart(batch: Batch, conn: Connection, failure: BaseException) -> BaseExcep
 class Batch(BatchGuard, SQLBatch):
     """One transaction for a claimed batch (see ``PostgresStore.batch``)."""
 
-    _store: PostgresStore
-    _conn: Connection
+    store: PostgresStore
+    conn: Connection
 
     def delivery(self, claim: Claim, *, now: datetime | None) -> AbstractContextManager[Delivery]:
         self._check_for_delivery()
-        return Delivery(self._store, self._conn, claim, now, self)
+        return Delivery(self.store.dialect, self.conn, claim, now, self)
 
-    def _begin(self) -> None:
+    def begin(self) -> None:
+        """``SQLBatch.begin``: the batch's ``BEGIN``, if no delivery sent it yet."""
         if not self.begun:
-            with self._store._mapped("begin the batch", self._conn):
-                _sync(self._conn, self.beginning())
+            with self.store.dialect.mapped("begin the batch", self.conn):
+                _sync(self.conn, self.beginning())
             self.began()
 
     def commit(self) -> None:
@@ -228,22 +230,22 @@ class Batch(BatchGuard, SQLBatch):
         Raises:
             StoreError: the database failed (the caller rolls back).
         """
-        with self._store._mapped("commit the batch", self._conn):
-            self._conn.execute(b"COMMIT")
+        with self.store.dialect.mapped("commit the batch", self.conn):
+            self.conn.execute(b"COMMIT")
         self.ended()
 
     def abort(self) -> None:
         """Roll the batch's transaction back after a failure that ends the batch (quietly: the
         failure is the error to see); a connection that cannot is discarded."""
-        if self.begun and not (abort_quietly(self._conn, (b"ROLLBACK",)) and self.ended()):
-            self._conn.close()
+        if self.begun and not (abort_quietly(self.conn, (b"ROLLBACK",)) and self.ended()):
+            self.conn.close()
 
     def _where(self) -> str:
-        return self._store.where
+        return self.store.where
 
 
 delivering = Delivery
-"""``delivering(store, conn, claim, now, batch=None, round_=None)``: a delivery on ``conn``, its
+"""``delivering(dialect, conn, claim, now, batch=None, round_=None)``: a delivery on ``conn``, its
 own transaction, a savepoint of ``batch``'s, or one of a per-event round's (``Delivery``)."""
 
 
@@ -324,6 +326,7 @@ class Round(DeliveriesBase):
 
     def __init__(self, store: PostgresStore, concurrency: int = 1) -> None:
         self._store = store
+        self._dialect = store.dialect
         self._lines: list[_Line | None] = [None] * concurrency
         self._next = 0  # the line the next pipelined record goes to
         self._lost: StoreError | None = None
@@ -333,7 +336,7 @@ class Round(DeliveriesBase):
             raise self._lost
         line = self._lines[index]
         if line is None:
-            lease = self._store._connection(doing)
+            lease = self._dialect.connection(doing)
             line = self._lines[index] = _Line(lease, lease.__enter__())
         return line
 
@@ -343,7 +346,7 @@ class Round(DeliveriesBase):
         line = self._line(0, f"deliver event {claim.event.id}")
         conn = line.conn
         try:
-            with delivering(self._store, conn, claim, now, round_=self) as tx:
+            with delivering(self._dialect, conn, claim, now, round_=self) as tx:
                 yield tx
         finally:
             if conn.closed or conn.broken or not (line.pending or _idle(conn)):
@@ -362,7 +365,7 @@ class Round(DeliveriesBase):
         if line.pipeline is None:
             if not RecordPipeline.usable(line.conn):
                 return False
-            line.pipeline = RecordPipeline(self._store, line.conn)
+            line.pipeline = RecordPipeline(self._dialect, line.conn)
         self._next = (index + 1) % len(self._lines)
         try:
             line.pipeline.send(claim, record)
@@ -397,12 +400,11 @@ class Round(DeliveriesBase):
     ) -> list[Claim]:
         if not claims:
             return []
-        store = self._store
         doing = f"extend {len(claims)} lease(s)"
         conn = self._line(0, doing).conn
         self.before_use()
-        with store._mapped(doing, conn):
-            return store._extend_on(conn, claims, lease, now)
+        with self._dialect.mapped(doing, conn):
+            return self._store.extend_on(conn, claims, lease, now)
 
     def settle_many(self, items: Sequence[SettleItem], *, now: datetime | None) -> list[bool]:
         """``PostgresStore.settle_many`` after every pipelined record is read back: a refused
@@ -410,12 +412,11 @@ class Round(DeliveriesBase):
         if not items:
             self.before_use()
             return []
-        store = self._store
         doing = f"settle {len(items)} event(s)"
         conn = self._line(0, doing).conn
         self.before_use()
-        with store._mapped(doing, conn):
-            return store._settle_many_on(conn, items, now)
+        with self._dialect.mapped(doing, conn):
+            return self._store.settle_many_on(conn, items, now)
 
     def close(self, failed: bool = False) -> None:
         """End the round: read what is pending and hand the connections back. After a
@@ -437,7 +438,7 @@ class Round(DeliveriesBase):
             return
         if line.pending and self._lost is None:
             self._lost = StoreUnavailable(
-                f"PostgreSQL at {self._store.where}: the connection was lost with delivery "
+                f"PostgreSQL at {self._dialect.where}: the connection was lost with delivery "
                 "records unanswered; their events recover by their leases"
             )
         if not broken:

@@ -33,7 +33,6 @@ import psycopg
 from psycopg import errors as pg_errors
 from psycopg.pq import ExecStatus, TransactionStatus
 
-from outboxkit._sql.rows import record_params
 from outboxkit.core.model import Claim, Outcome
 from outboxkit.errors import (
     BatchRolledBack,
@@ -43,12 +42,13 @@ from outboxkit.errors import (
     StoreError,
     StoreUnavailable,
 )
+from outboxkit.storekit.rows import record_params
 
 from .errors import session_ended_by_handler
 from .pool import AnyConnection, hold_transaction, release_transaction
 
 if TYPE_CHECKING:
-    from .store import PostgresStore
+    from .dialect import PostgresDialect
 
 __all__ = [
     "BatchGuard",
@@ -132,7 +132,7 @@ class BatchGuard:
     taken: bool = True
     # Whether the batch's transaction has begun. On an autocommit connection (the store's own
     # pool) it begins lazily: with the first delivery that opens its savepoint (``BEGIN`` in
-    # the same pipeline sync) or a step that must be in it (``_begin``: a lease extension, a
+    # the same pipeline sync) or a step that must be in it (``begin``: a lease extension, a
     # ``settle_many``, a settlement of more than one statement). A batch whose handlers never
     # took the connection settles (``settle_last``) in one statement, a transaction of its own:
     # no BEGIN and no COMMIT, two round trips fewer.
@@ -140,7 +140,7 @@ class BatchGuard:
     # Whether outboxkit began the batch's transaction itself, on an autocommit connection, and
     # holds it (``pool.hold_transaction``) until it ends.
     held: bool = False
-    _conn: AnyConnection
+    conn: AnyConnection
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -150,7 +150,7 @@ class BatchGuard:
 
     def beginning(self) -> list[Statement]:
         """The statement that begins the batch's transaction on an autocommit connection
-        (lazily: sent by the first delivery that opens its savepoint, or by ``_begin``);
+        (lazily: sent by the first delivery that opens its savepoint, or by ``begin``);
         ``began`` once it was answered."""
         self.begun = True
         return [Statement(b"BEGIN")]
@@ -158,7 +158,7 @@ class BatchGuard:
     def began(self) -> None:
         """The batch's ``BEGIN`` was answered: outboxkit holds the transaction until it ends, so
         that a statement after a handler's rollback cannot commit on its own (R17)."""
-        hold_transaction(self._conn)
+        hold_transaction(self.conn)
         self.held = True
 
     def ended(self) -> bool:
@@ -167,12 +167,12 @@ class BatchGuard:
         if not self.held:
             return True
         self.held = False
-        return release_transaction(self._conn)
+        return release_transaction(self.conn)
 
     def restarting(self) -> list[bytes]:
         """A handler ended the batch's transaction (R17): what rolls back whatever it began
         instead, before ``restarted``."""
-        conn = self._conn
+        conn = self.conn
         return [] if conn.info.transaction_status == TransactionStatus.IDLE else [b"ROLLBACK"]
 
     def restarted(self, failure: BaseException) -> tuple[list[bytes], BatchRolledBack]:
@@ -186,7 +186,7 @@ class BatchGuard:
         """
         if not self.ended():
             raise self.unusable()
-        self.begun = not self._conn.autocommit
+        self.begun = not self.conn.autocommit
         self.guarded = self.taken = False
         undone, self.written = tuple(self.written), []
         error = BatchRolledBack(
@@ -210,14 +210,19 @@ class BatchGuard:
     def _where(self) -> str:
         raise NotImplementedError
 
-    def _check_open(self) -> None:
+    def check_open(self) -> None:
+        """``SQLBatch.check_open``: the batch's transaction, once begun, is still open.
+
+        Raises:
+            StoreError: a handler ended it, or the connection was lost (``check_batch_open``).
+        """
         if self.begun:
-            check_batch_open(self._conn, self._where())
+            check_batch_open(self.conn, self._where())
 
     def _check_for_delivery(self) -> None:
-        """``_check_open`` before a delivery, if a handler had the connection since the last."""
+        """``check_open`` before a delivery, if a handler had the connection since the last."""
         if self.taken:
-            self._check_open()
+            self.check_open()
             self.taken = False
 
 
@@ -238,27 +243,27 @@ class Flow(Generic[C]):
 
     def __init__(
         self,
-        store: PostgresStore,
+        dialect: PostgresDialect,
         conn: C,
         claim: Claim,
         now: datetime | None,
         batch: BatchGuard | None = None,
     ) -> None:
-        self.store: PostgresStore = store
+        self.dialect: PostgresDialect = dialect
         self.conn: C = conn
         self.claim: Claim = claim
         self.now: datetime | None = now
         self._batch: BatchGuard | None = batch
-        queries = store._queries
+        queries = dialect.queries
         if batch is None:
             self.frame = TRANSACTION if conn.autocommit else IMPLICIT
             self._lock = queries["lock_for_delivery"]
         else:
             self.frame, self._lock = SAVEPOINT, queries["lock_in_batch"]
-        self._params = store._params(
+        self._params = dialect.params(
             {"id": claim.event.id, "token": claim.token, "mark": batch is None}
         )
-        store._params({"now": now})  # refused here if naive, before anything runs
+        dialect.params({"now": now})  # refused here if naive, before anything runs
         # The batch's first delivery (until one matches its row) also queues the guard's
         # trigger, outside its savepoint: a statement of its own, before the savepoint opens.
         self._guarding = batch is not None and not batch.guarded
@@ -291,7 +296,7 @@ class Flow(Generic[C]):
                 statements += batch.beginning()
                 self._begins_batch = True
         if self._guarding:
-            statements.append(Statement(self.store._queries["lock_for_delivery"], self._params))
+            statements.append(Statement(self.dialect.queries["lock_for_delivery"], self._params))
         if self.frame.begin:
             statements.append(Statement(self.frame.begin))
         statements.append(Statement(self._lock, self._params))
@@ -335,7 +340,7 @@ class Flow(Generic[C]):
 
     def check_usable(self) -> None:
         """The transaction is still the one outboxkit opened (see ``check_usable``)."""
-        check_usable(self.conn, self.store.where, self.what)
+        check_usable(self.conn, self.dialect.where, self.what)
 
     def record(self, handler: str, outcome: Outcome, reason: str | None) -> None:
         """Queue the record; it is written with the commit (``closing``), in the same sync.
@@ -368,13 +373,13 @@ class Flow(Generic[C]):
         if not self.is_open:
             self._phase = _CLOSING
             fenced = Statement(
-                self.store._queries["insert_record_fenced"],
+                self.dialect.queries["insert_record_fenced"],
                 {**self.records[0], "token": self.claim.token},
             )
             return [fenced] if self.frame is TRANSACTION else [fenced, Statement(b"COMMIT")]
         self.check_usable()
         self._phase = _CLOSING
-        insert: bytes = self.store._queries["insert_record"]
+        insert: bytes = self.dialect.queries["insert_record"]
         last = len(self.records) - 1
         statements = [Statement(RESET_ROLE)]
         for i, params in enumerate(self.records):
@@ -413,12 +418,12 @@ class Flow(Generic[C]):
         - closing: a second record for the event is a ``StoreError``, any other driver error
           the database's (mapped).
         """
-        conn, store = self.conn, self.store
+        conn, dialect = self.conn, self.dialect
         if self.open_error is not None:
             return self.open_error  # the lazy opening failed under the handler
         if self._phase == _OPENING:
             if isinstance(exc, psycopg.Error):
-                return store._error(exc, f"deliver {self.what}", conn)
+                return dialect.error(exc, f"deliver {self.what}", conn)
             return exc
         if self._phase == _CLOSING:
             if isinstance(exc, pg_errors.UniqueViolation):
@@ -433,7 +438,7 @@ class Flow(Generic[C]):
                     "delivery was committed and it runs again"
                 )
             if isinstance(exc, psycopg.Error):
-                return store._error(exc, f"commit the delivery of {self.what}", conn)
+                return dialect.error(exc, f"commit the delivery of {self.what}", conn)
             return exc
         if (
             conn.broken
@@ -444,7 +449,7 @@ class Flow(Generic[C]):
             # The server ended the session under the handler (a restart, a terminated
             # backend): the database failed, not the handler, whatever it raised then.
             return StoreUnavailable(
-                f"PostgreSQL at {store.where} is unavailable (deliver {self.what}): the "
+                f"PostgreSQL at {dialect.where} is unavailable (deliver {self.what}): the "
                 "connection was lost while a handler ran"
             )
         if _ended_by_handler(conn, exc):
@@ -482,7 +487,7 @@ class Flow(Generic[C]):
         """Whether this delivery's handler ended the transaction of the batch it ran in: it
         had the connection, which is still usable, and the transaction was found ended, or
         rolling back to the delivery's savepoint failed (``aborted`` is false: the savepoint
-        is not in the transaction any more). See ``BatchGuard.rolled_back``."""
+        is not in the transaction any more). See ``BatchGuard.restarting``."""
         conn = self.conn
         return (
             self._batch is not None

@@ -13,9 +13,9 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from outboxkit._sql.loader import load_queries
-from outboxkit._sql.names import validate_identifier, validate_table_names
 from outboxkit.errors import ConfigurationError
+from outboxkit.storekit.names import validate_identifier, validate_table_names
+from outboxkit.storekit.queries import load_queries
 
 __all__ = ["HOT", "Names", "Queries", "prepared", "validate_schema"]
 

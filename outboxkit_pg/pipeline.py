@@ -46,7 +46,7 @@ from outboxkit.errors import StoreError
 from .pool import AnyConnection
 
 if TYPE_CHECKING:
-    from .store import PostgresStore
+    from .dialect import PostgresDialect
 
 __all__ = ["RecordPipeline", "drain"]
 
@@ -77,16 +77,16 @@ class RecordPipeline:
     """The fenced records a round sent on ``conn`` and has not read back yet.
 
     Args:
-        store: the store whose statement and error mapping are used.
+        dialect: the store's dialect, whose statement and error mapping are used.
         conn: the round's connection (blocking or async: only its ``pgconn`` is used, while
             records are pending).
     """
 
-    def __init__(self, store: PostgresStore, conn: AnyConnection) -> None:
-        self._store = store
+    def __init__(self, dialect: PostgresDialect, conn: AnyConnection) -> None:
+        self._dialect = dialect
         self.conn = conn
         self.pgconn = conn.pgconn
-        self._query, self._order = store._queries.positional("insert_record_fenced")
+        self._query, self._order = dialect.queries.positional("insert_record_fenced")
         digest = hashlib.blake2b(self._query, digest_size=12).hexdigest()
         self._name = _STATEMENT.format(digest).encode()
         self._types = [_TYPES[name] for name in self._order]
@@ -141,7 +141,9 @@ class RecordPipeline:
             pg.flush()  # what the socket does not take now goes with the next flush
             pg.consume_input()
         except psycopg.Error as exc:
-            raise self._store._error(exc, f"record the delivery of event {claim.event.id}") from exc
+            raise self._dialect.error(
+                exc, f"record the delivery of event {claim.event.id}"
+            ) from exc
         self.take_results()
 
     def _text(self, value: Any) -> bytes | None:
@@ -158,7 +160,7 @@ class RecordPipeline:
             return str(value).encode(self._encoding)
         except UnicodeEncodeError as exc:
             raise StoreError(
-                f"PostgreSQL at {self._store.where}: a delivery record's text cannot be "
+                f"PostgreSQL at {self._dialect.where}: a delivery record's text cannot be "
                 f"written in the connection's encoding ({self._encoding}): {exc.reason}"
             ) from None
 
@@ -190,7 +192,7 @@ class RecordPipeline:
         if error is not None:
             return error
         message = self.pgconn.get_error_message(self._encoding) or "the connection was lost"
-        return self._store._error(
+        return self._dialect.error(
             psycopg.OperationalError(message),
             f"read {len(self._sent)} delivery record(s) back",
             self.conn,
@@ -214,14 +216,16 @@ class RecordPipeline:
             if isinstance(error, pg_errors.UniqueViolation):
                 self._error = StoreError(f"{what} already has a delivery record")
             else:
-                self._error = self._store._error(error, f"record the delivery of {what}", self.conn)
+                self._error = self._dialect.error(
+                    error, f"record the delivery of {what}", self.conn
+                )
 
     def wants_write(self) -> bool:
         """Flush what is left to send; whether some is still left (then wait to write)."""
         try:
             return bool(self.pgconn.flush())
         except psycopg.Error as exc:
-            raise self._store._error(exc, "send the delivery records", self.conn) from exc
+            raise self._dialect.error(exc, "send the delivery records", self.conn) from exc
 
     def socket(self) -> int:
         """The connection's socket, to wait on.
@@ -239,7 +243,7 @@ class RecordPipeline:
         try:
             self.pgconn.consume_input()
         except psycopg.Error as exc:
-            raise self._store._error(exc, "read the delivery records", self.conn) from exc
+            raise self._dialect.error(exc, "read the delivery records", self.conn) from exc
         self.take_results()
 
     def finish(self) -> None:
@@ -254,7 +258,7 @@ class RecordPipeline:
             try:
                 pg.exit_pipeline_mode()
             except psycopg.Error as exc:
-                raise self._store._error(exc, "end the delivery records", self.conn) from exc
+                raise self._dialect.error(exc, "end the delivery records", self.conn) from exc
         error, self._error = self._error, None
         if error is not None:
             raise error

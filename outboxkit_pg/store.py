@@ -5,10 +5,11 @@ Theory of operation:
 - The SQL lives in ``queries.sql``, one named statement each; identifiers are filled in with
   ``psycopg.sql.Identifier`` after validation (``names``), values are always bound.
 - The operations every SQL store shares (claim, extend, the round's ``settle_many``, release,
-  requeue, listings, purges, stats) are ``outboxkit._sql.base.SQLStore``'s; this module is the
-  PostgreSQL dialect: transactions on pooled connections (``pool``), errors mapped by SQLSTATE
-  (``errors``), enqueue through the app's connection, migrations, and the delivery and batch
-  transactions (``delivery``, around ``flow``).
+  requeue, listings, purges, stats) are ``outboxkit.storekit.sql.SQLStore``'s, on the
+  PostgreSQL dialect (``dialect``: pooled connections (``pool``), errors mapped by SQLSTATE
+  (``errors``), the schema check, the insert of events). This module adds what is the store's
+  own: its options, enqueue through the app's connection, migrations, and the delivery and
+  batch transactions (``delivery``, around ``flow``), which get the dialect.
 - The asyncio side (``async_store()``, ``aio``) runs the very same statements, mappings and
   decisions on async connections of a pool of its own; only the waiting is its own.
 - Time: every statement takes ``now`` as a parameter and falls back to the database clock
@@ -23,25 +24,24 @@ Theory of operation:
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import warnings
 import weakref
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import psycopg
-from psycopg import errors as pg_errors
-from psycopg.pq import TransactionStatus
 from psycopg.rows import tuple_row
 from psycopg_pool import ConnectionPool
 
-from outboxkit._sql.base import SQLStore
-from outboxkit._sql.names import (
+from outboxkit.core.model import Claim, Migration, NewEvent
+from outboxkit.errors import ConfigurationError
+from outboxkit.store import Capabilities
+from outboxkit.storekit.names import (
     check_bool,
     check_count,
     check_options,
@@ -49,18 +49,14 @@ from outboxkit._sql.names import (
     table_names,
     validate_identifier,
 )
-from outboxkit._sql.rows import encode_headers, event_from_row, inserted_ids, resolve_ids
-from outboxkit.core.machine import Publish
-from outboxkit.core.model import Claim, Event, Migration, NewEvent, Outcome
-from outboxkit.errors import ConfigurationError, SchemaError, StoreError, migrate_hint
-from outboxkit.store import Capabilities, SettleItem
+from outboxkit.storekit.sql import SQLStore
 
 from .delivery import Batch, Delivery, Round, delivering
-from .errors import map_error
-from .flow import check_usable, has_rows
+from .dialect import PostgresDialect, PostgresStatements, batch_document, without_keys
+from .flow import check_usable
 from .listen import NotifyWaiter
-from .names import Names, Queries, prepared, validate_schema
-from .pool import AnyConnection, Connection, Lender, Pool, is_url, scheme_of
+from .names import Names, validate_schema
+from .pool import Connection, Lender, Pool, is_url, scheme_of
 
 if TYPE_CHECKING:
     from .aio import AsyncPostgresStore
@@ -98,9 +94,6 @@ _OPTIONS = frozenset(
     }
 )
 
-Row = Sequence[Any]
-_SUCCEEDED = Outcome.SUCCEEDED.value
-
 
 class PostgresStore(SQLStore):
     """The PostgreSQL store (``postgresql://`` / ``postgres://``). Needs PostgreSQL 13 or later.
@@ -133,8 +126,8 @@ class PostgresStore(SQLStore):
             option or connection string. Nothing connects before the first use.
     """
 
-    settles_recording = True  # a batch's settlement and kept records: one statement
-    payload_is_json = True  # jsonb: a claimed payload is decoded on first read
+    dialect: PostgresDialect
+    statements: PostgresStatements
 
     sql_dialect = "postgresql"
     """The SQL dialect of the store's database, by SQLAlchemy's name for it."""
@@ -160,14 +153,14 @@ class PostgresStore(SQLStore):
         events, deliveries, versions = table_names(
             table_prefix, events_table, deliveries_table, schema_table
         )
-        self.names = Names(
+        names = Names(
             schema=schema,
             events=events,
             deliveries=deliveries,
             versions=versions,
             channel=channel if channel is not None else validate_identifier(events, "channel"),
         )
-        self._notify = check_bool("notify", notify)
+        notifies = check_bool("notify", notify)
         if prepare_threshold is not None:
             check_count("prepare_threshold", prepare_threshold, minimum=0)
         check_count("pool_min_size", pool_min_size, minimum=1)
@@ -183,7 +176,7 @@ class PostgresStore(SQLStore):
                 "psycopg_pool.ConnectionPool or a Lender (open_store(engine) on SQLAlchemy), "
                 f"got {type(conninfo).__name__}"
             )
-        self._pool = Pool(
+        pool = Pool(
             conninfo,
             kwargs={"prepare_threshold": prepare_threshold},
             min_size=pool_min_size,
@@ -191,14 +184,15 @@ class PostgresStore(SQLStore):
             timeout=timeout,
             name=f"outboxkit-{schema}",
         )
-        self.where = self._pool.where
-        self._queries = Queries(self.names)
-        self._schema_checked = False
+        dialect = self._make_dialect(pool, names, notify=notifies)
+        super().__init__(dialect, PostgresStatements(dialect))
+        self.names = names
+        self.where = pool.where
         self._capped = False  # a round's concurrency was held to the pool (logged once)
         self._waiters: weakref.WeakSet[NotifyWaiter] = weakref.WeakSet()
         self._async: AsyncPostgresStore | None = None
         self._async_lock = threading.Lock()
-        url = self._pool.conninfo
+        url = pool.conninfo
         self.url: str | None = url if url is not None and is_url(url) else None
         """The connection URL (``open_store(store.url, **store.options)`` opens this store)."""
         self.options: dict[str, Any] = {
@@ -216,13 +210,13 @@ class PostgresStore(SQLStore):
         """The options that reproduce this store (with ``url``), for other processes."""
         self.capabilities = Capabilities(
             batches=True,
-            waiter=self._notify and self._pool.conninfo is not None,
+            waiter=notifies and pool.conninfo is not None,
             transactional_handlers=True,
             concurrent_claimers=True,
             multiprocess=self.url is not None,
             database_clock=True,
             concurrent_batches=True,
-            asyncio=self._pool.conninfo is not None,
+            asyncio=pool.conninfo is not None,
             ordering=True,
             dedupe=True,
         )
@@ -244,167 +238,12 @@ class PostgresStore(SQLStore):
         check_options(options, _OPTIONS, store="PostgreSQL")
         return cls(url, **options)
 
+    def _make_dialect(self, pool: Pool, names: Names, *, notify: bool) -> PostgresDialect:
+        """The store's dialect, on ``pool`` (the Django store's runs on Django's connection)."""
+        return PostgresDialect(pool, names, notify=notify, schema_version=SCHEMA_VERSION)
+
     def __repr__(self) -> str:
         return f"PostgresStore({self.where}, schema={self.names.schema!r})"
-
-    # -- the dialect seam (outboxkit._sql.base) ---------------------------------------------------
-
-    @contextmanager
-    def _mapped(self, doing: str, conn: Any = None) -> Iterator[None]:
-        try:
-            yield
-        except psycopg.Error as exc:
-            raise self._error(exc, doing, conn) from exc
-
-    @contextmanager
-    def _read(self, doing: str) -> Iterator[Connection]:
-        # One statement is one transaction (autocommit); several reads need no one snapshot here.
-        with self._mapped(doing), self._connection(doing) as conn:
-            yield conn
-
-    _write = _read  # every write is one statement: atomic by itself
-
-    def _rows(self, conn: Any, name: str, params: Mapping[str, Any]) -> list[Row]:
-        with conn.cursor(row_factory=tuple_row) as cur:
-            # No parameters: none at all, so a % in the statement (a function body) is kept.
-            cur.execute(
-                self._queries[name], self._params(params) or None, prepare=prepared(conn, name)
-            )
-            return cur.fetchall() if has_rows(cur) else []
-
-    def _instant(self, at: datetime | None) -> datetime | None:
-        return at  # None: the database's clock (coalesce(%(now)s, now()))
-
-    def _stored_instant(self, raw: Any) -> datetime:
-        instant: datetime = raw
-        return instant
-
-    def _event(self, row: Row) -> Event:
-        # psycopg loads the timestamptz columns as aware datetimes already
-        return event_from_row(row, None, json_column=self.payload_is_json)
-
-    def _duration(self, delta: timedelta) -> timedelta:
-        return delta
-
-    def _array(self, values: Sequence[Any]) -> list[Any]:
-        return list(values)
-
-    def _done(self, raw: Any) -> list[Sequence[str]]:
-        pairs: list[Sequence[str]] = raw or []  # NULL: no earlier claim left a record
-        return pairs
-
-    def _records_params(self, rows: Sequence[tuple[Any, ...]]) -> dict[str, Any]:
-        names = ("ids", "tokens", "handlers", "outcomes", "attempts", "ats", "reasons")
-        return _arrays(names, rows)
-
-    def _settle_params(self, rows: Sequence[tuple[Any, ...]]) -> dict[str, Any]:
-        names = ("ids", "tokens", "publish", "dead", "retry_after", "keeps_error", "errors")
-        return _arrays(names, rows)
-
-    def _settle_kept_query(
-        self, items: Sequence[SettleItem], kept: Sequence[tuple[Any, ...]], now: datetime | None
-    ) -> tuple[str, dict[str, Any]] | None:
-        """``publish_recording`` when every item publishes and every kept record is a success
-        stamped with ``now`` (rows of ``RECORD_COLUMNS``), else the base's choice."""
-        if (
-            kept
-            and all(type(settlement) is Publish for _, settlement, _ in items)
-            and all(r[3] == _SUCCEEDED and r[5] == now and r[6] is None for r in kept)
-        ):
-            settling = {(claim.event.id, claim.token) for claim, _, _ in items}
-            if all((r[0], r[1]) in settling for r in kept):
-                return "publish_recording", {
-                    "now": now,
-                    "ids": [claim.event.id for claim, _, _ in items],
-                    "tokens": [claim.token for claim, _, _ in items],
-                    "record_ids": [r[0] for r in kept],
-                    "handlers": [r[2] for r in kept],
-                }
-        return super()._settle_kept_query(items, kept, now)
-
-    @staticmethod
-    def _params(params: Mapping[str, Any]) -> Mapping[str, Any]:
-        """``params``, refusing a naive datetime (PostgreSQL would read it in the session's
-        time zone).
-
-        Raises:
-            ConfigurationError: naming the parameter.
-        """
-        for name, value in params.items():
-            if isinstance(value, datetime) and value.utcoffset() is None:
-                raise ConfigurationError(
-                    f"{name} must be a timezone-aware datetime (naive ones are refused), got "
-                    f"{value!r}"
-                )
-        return params
-
-    def _error(
-        self, exc: psycopg.Error, doing: str, conn: AnyConnection | None = None
-    ) -> StoreError:
-        """The outboxkit error for a driver error (the password scrubbed from the message)."""
-        return map_error(
-            exc,
-            where=self.where,
-            schema=self.names.schema,
-            doing=doing,
-            scrub=self._pool.scrub,
-            conn=conn,
-        )
-
-    # -- connections ----------------------------------------------------------------------------
-
-    @contextmanager
-    def _connection(self, doing: str, *, check_schema: bool = True) -> Iterator[Connection]:
-        """A pooled connection; on first use, the schema's version is checked.
-
-        Raises:
-            StoreUnavailable: no connection could be had (the message says why).
-            SchemaError: the first use finds no schema, or one of another version.
-        """
-        with self._pool.connection(doing) as conn:
-            if check_schema and not self._schema_checked:
-                self._check_schema(conn)
-            yield conn
-
-    def _check_schema(self, conn: Connection) -> None:
-        try:
-            rows = self._rows(conn, "schema_version", {})
-        except psycopg.Error as exc:
-            raise self._schema_error(exc) from exc
-        self._schema_found(rows)
-
-    def _schema_error(self, exc: psycopg.Error) -> StoreError:
-        """What a failed read of the schema version means (both sides' first use)."""
-        if isinstance(exc, pg_errors.UndefinedTable):
-            return SchemaError(
-                f"PostgreSQL at {self.where} has no outboxkit schema in schema "
-                f"{self.names.schema!r} (table {self.names.versions!r} is missing): "
-                f"{migrate_hint()}"
-            )
-        return self._error(exc, "read the schema version")
-
-    def _schema_found(self, rows: Sequence[Row]) -> None:
-        """The schema version read (``schema_version``): checked once per store.
-
-        Raises:
-            SchemaError: another version than this code's.
-        """
-        self._check_version(int(rows[0][0]))
-        self._schema_checked = True
-
-    def _check_version(self, found: int) -> None:
-        if found > SCHEMA_VERSION:
-            raise SchemaError(
-                f"PostgreSQL at {self.where}, schema {self.names.schema!r}: the outboxkit schema "
-                f"is at version {found}, newer than version {SCHEMA_VERSION} this outboxkit "
-                "supports: upgrade outboxkit"
-            )
-        if found < SCHEMA_VERSION:
-            raise SchemaError(
-                f"PostgreSQL at {self.where}, schema {self.names.schema!r}: the outboxkit schema "
-                f"is at version {found}, older than version {SCHEMA_VERSION} this outboxkit "
-                f"needs: {migrate_hint()}"
-            )
 
     # -- schema ---------------------------------------------------------------------------------
 
@@ -428,28 +267,28 @@ class PostgresStore(SQLStore):
         # the same new schema would otherwise race on its CREATE SCHEMA (a unique violation on
         # pg_namespace). Migrations are rare; serializing them per schema costs nothing.
         lock_key = zlib.crc32(self.names.schema.encode()) - (1 << 31)  # a signed 32-bit key
+        dialect = self.dialect
+        rows = dialect.rows
         with (
-            self._mapped(doing),
-            self._connection(doing, check_schema=False) as conn,
+            dialect.mapped(doing),
+            dialect.connection(doing, check_schema=False) as conn,
             conn.transaction(),
         ):
-            self._rows(conn, "lock_migrations", {"lock_space": _LOCK_SPACE, "lock_key": lock_key})
-            if not self._rows(conn, "find_schema", {"schema": self.names.schema}):
-                self._rows(conn, "create_schema", {})
+            rows(conn, "lock_migrations", {"lock_space": _LOCK_SPACE, "lock_key": lock_key})
+            if not rows(conn, "find_schema", {"schema": self.names.schema}):
+                rows(conn, "create_schema", {})
             table = {"schema": self.names.schema, "table": self.names.versions}
-            if not self._rows(conn, "find_table", table):
-                self._rows(conn, "create_versions", {})
-            found = int(self._rows(conn, "schema_version", {})[0][0])
+            if not rows(conn, "find_table", table):
+                rows(conn, "create_versions", {})
+            found = int(rows(conn, "schema_version", {})[0][0])
             if found > SCHEMA_VERSION:
-                self._check_version(found)
+                dialect.check_version(found)
             for version, description in MIGRATIONS:
                 if version > found:
                     log.info("%r: applying schema version %d", self, version)
-                    self._rows(conn, f"migration_{version}", {})
-                    self._rows(
-                        conn, "record_version", {"version": version, "description": description}
-                    )
-        self._schema_checked = True
+                    rows(conn, f"migration_{version}", {})
+                    rows(conn, "record_version", {"version": version, "description": description})
+        dialect.schema_checked = True
         return Migration(before=found, after=max(found, SCHEMA_VERSION))
 
     def drop_schema(self) -> None:
@@ -460,8 +299,8 @@ class PostgresStore(SQLStore):
         """
         if self.names.schema == "public":
             raise ConfigurationError("drop_schema() never drops the public schema")
-        with self._write("drop the schema") as conn:
-            self._rows(conn, "drop_schema", {})
+        with self.dialect.write("drop the schema") as conn:
+            self.dialect.rows(conn, "drop_schema", {})
 
     def close(self) -> None:
         """Close the store's own pools (the asyncio side's too) and listeners (a pool passed in
@@ -474,12 +313,12 @@ class PostgresStore(SQLStore):
             side = self._async
         if side is not None:
             side.close_blocking()
-        self._pool.close()
+        self.dialect.pool.close()
 
     def now(self) -> datetime:
         """The database's clock (``now()`` on the server): the one every poller shares."""
-        with self._read("read the database clock") as conn:
-            now: datetime = self._rows(conn, "clock", {})[0][0]
+        with self.dialect.read("read the database clock") as conn:
+            now: datetime = self.dialect.rows(conn, "clock", {})[0][0]
         return now
 
     # -- transactions ---------------------------------------------------------------------------
@@ -492,32 +331,8 @@ class PostgresStore(SQLStore):
         Raises:
             StoreUnavailable / StoreError: the database failed to begin or commit.
         """
-        with self._open_transaction("a transaction") as conn:
+        with self.dialect.open_transaction("a transaction") as conn:
             yield conn
-
-    @contextmanager
-    def _open_transaction(self, what: str) -> Iterator[Connection]:
-        """A pooled connection in a psycopg transaction: committed when the block ends, rolled
-        back if it raises; driver errors mapped, naming ``what`` (``transaction``, ``batch``)."""
-        with self._connection(f"open {what}") as conn, self._transaction_on(conn, what):
-            yield conn
-
-    @contextmanager
-    def _transaction_on(self, conn: Connection, what: str) -> Iterator[None]:
-        """A psycopg transaction on ``conn`` (``_open_transaction``)."""
-        tx = psycopg.Transaction(conn)
-        with self._mapped(f"begin {what}", conn):
-            tx.__enter__()
-        try:
-            yield
-        except BaseException as exc:
-            # A failed rollback (the connection is gone) is logged by psycopg, never
-            # raised: it must not mask ``exc``.
-            if not tx.__exit__(type(exc), exc, exc.__traceback__):
-                raise
-            return
-        with self._mapped(f"commit {what}", conn):
-            tx.__exit__(None, None, None)
 
     def enqueue(self, conn: Any, events: Sequence[NewEvent], *, now: datetime | None) -> list[int]:
         """Insert ``events`` through the app's ``psycopg.Connection``, in its transaction.
@@ -532,60 +347,12 @@ class PostgresStore(SQLStore):
         """
         if not events:
             return []
-        self._check_app_connection(conn, psycopg.Connection)
-        with self._mapped(f"enqueue {len(events)} event(s)"):
-            if not self._schema_checked:
-                self._check_schema(conn)
-            return self._insert(conn, events, now)
-
-    @staticmethod
-    def _check_app_connection(
-        conn: object, kind: type[psycopg.Connection[Any]] | type[psycopg.AsyncConnection[Any]]
-    ) -> None:
-        """Refuse a connection ``enqueue`` cannot write through in the app's transaction,
-        before anything is sent (the app's transaction stays usable).
-
-        Raises:
-            ConfigurationError: not a ``kind``, closed, or in autocommit mode outside a
-                transaction block (the INSERT would commit on its own).
-        """
-        name = f"psycopg.{kind.__name__}"
-        if not isinstance(conn, kind):
-            raise ConfigurationError(
-                f"the PostgreSQL store enqueues through the app's {name} (psycopg 3) inside its "
-                f"open transaction, got {conn!r:.80}"
-            )
-        if conn.closed:
-            raise ConfigurationError(f"enqueue got a closed {name}; nothing was written")
-        if conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
-            block = "async with" if kind is psycopg.AsyncConnection else "with"
-            raise ConfigurationError(
-                "enqueue needs the app's open transaction, so that the event commits or rolls "
-                "back with the app's writes; this connection is in autocommit mode outside a "
-                f"transaction block: use `{block} conn.transaction():`. Nothing was written."
-            )
-
-    def _insert_query(
-        self, events: Sequence[NewEvent], now: datetime | None
-    ) -> tuple[str, dict[str, Any]]:
-        """The statement that inserts ``events`` (and queues the notification), by name, and
-        its parameters: ``enqueue_one`` for one event, else ``enqueue_plain`` for a batch
-        without keys or dedupe keys, else ``enqueue``."""
-        channel = {"channel": self.names.channel, "notify": self._notify}
-        plain = _without_keys(events)
-        if plain and len(events) == 1:
-            (event,) = events
-            return "enqueue_one", {
-                "now": now,
-                "topic": event.topic,
-                "payload": event.payload_json,
-                "headers": encode_headers(event.headers),
-                "delay": event.delay,
-                "available_at": event.available_at,
-                **channel,
-            }
-        name = "enqueue_plain" if plain else "enqueue"
-        return name, {"now": now, "events": _batch_document(events), **channel}
+        dialect = self.dialect
+        dialect.check_app_connection(conn, psycopg.Connection)
+        with dialect.mapped(f"enqueue {len(events)} event(s)"):
+            if not dialect.schema_checked:
+                dialect.check_schema(conn)
+            return dialect.insert(conn, events, now)
 
     def portable_enqueue(
         self, events: Sequence[NewEvent], now: datetime | None
@@ -598,36 +365,17 @@ class PostgresStore(SQLStore):
         Raises:
             ConfigurationError: ``now`` is naive.
         """
-        params = self._params(
+        dialect = self.dialect
+        params = dialect.params(
             {
                 "now": now,
-                "events": _batch_document(events),
+                "events": batch_document(events),
                 "channel": self.names.channel,
-                "notify": self._notify,
+                "notify": dialect.notify,
             }
         )
-        name = "enqueue_portable_plain" if _without_keys(events) else "enqueue_portable"
-        return [(self._queries.text(name), dict(params))]
-
-    @staticmethod
-    def _inserted(name: str, rows: Sequence[Row]) -> list[int]:
-        """The new ids from ``enqueue_one``'s rows."""
-        return [rows[0][0]]
-
-    def _insert(
-        self, conn: Connection, events: Sequence[NewEvent], now: datetime | None
-    ) -> list[int]:
-        name, params = self._insert_query(events, now)
-        rows = self._rows(conn, name, params)
-        if name == "enqueue_one":
-            return self._inserted(name, rows)
-        ids, missing = inserted_ids(events, rows)
-        # A statement of its own: its fresh snapshot sees a holder that a concurrent
-        # transaction committed while the insert waited for it (READ COMMITTED).
-        found: dict[str, int] = {}
-        if missing:
-            found = {k: i for k, i in self._rows(conn, "dedupe_holders", {"keys": missing})}
-        return resolve_ids(events, ids, found)
+        name = "enqueue_portable_plain" if without_keys(events) else "enqueue_portable"
+        return [(dialect.queries.text(name), dict(params))]
 
     # -- the hot path ---------------------------------------------------------------------------
 
@@ -646,8 +394,8 @@ class PostgresStore(SQLStore):
             StoreUnavailable / StoreError: the database failed (never blamed on the handler).
         """
         with (
-            self._connection(f"deliver event {claim.event.id}") as conn,
-            delivering(self, conn, claim, now) as tx,
+            self.dialect.connection(f"deliver event {claim.event.id}") as conn,
+            delivering(self.dialect, conn, claim, now) as tx,
         ):
             yield tx
 
@@ -660,7 +408,8 @@ class PostgresStore(SQLStore):
         otherwise, and before the round's settlement. The round holds at most
         ``pool_max_size - 2`` connections (two stay free for the claims, a prefetched one
         included): a higher ``concurrency`` is held to that, said once in the log."""
-        lines = max(1, min(concurrency, self._pool.max_size - 2))
+        max_size = self.dialect.pool.max_size
+        lines = max(1, min(concurrency, max_size - 2))
         if lines < concurrency and not self._capped:
             self._capped = True
             log.info(
@@ -669,7 +418,7 @@ class PostgresStore(SQLStore):
                 self,
                 concurrency,
                 lines,
-                self._pool.max_size,
+                max_size,
             )
         round_ = Round(self, lines)
         try:
@@ -697,9 +446,10 @@ class PostgresStore(SQLStore):
         On the store's own (autocommit) connections the transaction begins lazily
         (``BatchGuard.begun``): a batch whose handlers never took the connection settles in
         one statement, with its records, and that statement is its transaction."""
-        with self._connection("open the batch") as conn:
+        dialect = self.dialect
+        with dialect.connection("open the batch") as conn:
             if not conn.autocommit:  # an app's pool: psycopg begins the transaction
-                with self._transaction_on(conn, "the batch"):
+                with dialect.transaction_on(conn, "the batch"):
                     batch = Batch(self, conn)
                     yield batch
                     batch.write_kept()
@@ -729,13 +479,14 @@ class PostgresStore(SQLStore):
                 conninfo string to open async connections with).
             StoreError: the store is closed.
         """
-        if self._pool.conninfo is None:
+        pool = self.dialect.pool
+        if pool.conninfo is None:
             raise ConfigurationError(
                 f"{self!r} has no asyncio side: its pool has no conninfo string to open async "
                 "connections with"
             )
         with self._async_lock:
-            self._pool.check_open()
+            pool.check_open()
             if self._async is None:
                 from .aio import AsyncPostgresStore
 
@@ -748,21 +499,9 @@ class PostgresStore(SQLStore):
         poller (or by ``close()``)."""
         if not self.capabilities.waiter:
             return None
-        waiter = NotifyWaiter(**self._listening(asyncio=False))
+        waiter = NotifyWaiter(**self.dialect.listening(asyncio=False))
         self._waiters.add(waiter)
         return waiter
-
-    def _listening(self, *, asyncio: bool) -> dict[str, Any]:
-        """A ``LISTEN`` waiter's arguments (either side's)."""
-        pool = self._pool
-        assert pool.conninfo is not None
-        return {
-            "conninfo": pool.conninfo,
-            "kwargs": pool.connect_kwargs(asyncio=asyncio),
-            "listen": self._queries["listen"],
-            "where": self.where,
-            "scrub": pool.scrub,
-        }
 
     def explain_claim(self, *, batch_size: int, lease: timedelta, now: datetime | None) -> Any:
         """``EXPLAIN (ANALYZE, FORMAT JSON)`` of one claim, rolled back afterwards.
@@ -770,11 +509,14 @@ class PostgresStore(SQLStore):
         For operators and tests checking that the claim walks the due index and that the
         ``LIMIT`` holds. Returns the JSON plan.
         """
-        query = b"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + self._queries["claim"]
-        params = self._params({"now": now, "batch_size": batch_size, "lease": lease, "hold": False})
+        dialect = self.dialect
+        query = b"EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + dialect.queries["claim"]
+        params = dialect.params(
+            {"now": now, "batch_size": batch_size, "lease": lease, "hold": False}
+        )
         with (
-            self._mapped("explain the claim"),
-            self._connection("explain the claim") as conn,
+            dialect.mapped("explain the claim"),
+            dialect.connection("explain the claim") as conn,
             conn.transaction(force_rollback=True),
             conn.cursor(row_factory=tuple_row) as cur,
         ):
@@ -782,38 +524,3 @@ class PostgresStore(SQLStore):
             row = cur.fetchone()
             assert row is not None
             return row[0]
-
-
-_json_text = json.JSONEncoder(ensure_ascii=False).encode
-_MICROSECOND = timedelta(microseconds=1)
-
-
-def _without_keys(events: Sequence[NewEvent]) -> bool:
-    """Whether no event of ``events`` has a key or a dedupe key (``enqueue_plain`` inserts
-    them)."""
-    return all(e.key is None and e.dedupe_key is None for e in events)
-
-
-def _batch_document(events: Sequence[NewEvent]) -> str:
-    """The ``enqueue`` statement's parameter: a JSON array of ``[topic, payload, headers, key,
-    delay_us, dedupe_key, available_at]``, one per event, built from the already-encoded
-    payloads (no re-encoding; each
-    distinct topic is encoded once)."""
-    topics = {topic: _json_text(topic) for topic in {e.topic for e in events}}
-    return "[{}]".format(
-        ",".join(
-            f"[{topics[e.topic]},{e.payload_json},{encode_headers(e.headers)},"
-            f"{'null' if e.key is None else _json_text(e.key)},"
-            f"{e.delay // _MICROSECOND if e.delay else 0},"
-            f"{'null' if e.dedupe_key is None else _json_text(e.dedupe_key)},"
-            f"{'null' if e.available_at is None else _json_text(e.available_at.isoformat())}]"
-            for e in events
-        )
-    )
-
-
-def _arrays(names: Sequence[str], rows: Sequence[tuple[Any, ...]]) -> dict[str, list[Any]]:
-    """One array parameter per column of ``rows``, named by ``names`` (bound as binary arrays
-    where the statement says ``%(name)b``: psycopg's text format would escape every element
-    through a regular expression, milliseconds per hundred)."""
-    return {name: list(column) for name, column in zip(names, zip(*rows, strict=True), strict=True)}

@@ -2,18 +2,18 @@
 
 Theory of operation:
 
-- Its connections are the store's own (``connections.connect``: the authorizer that refuses a
+- Its connections are the store's own (``SQLiteDialect.connect``: the authorizer that refuses a
   handler's ``COMMIT``/``ROLLBACK``/``BEGIN``, the pragmas, the text factory), each opened by
   aiosqlite in the one thread that then runs everything on it:
-  ``aiosqlite.Connection(store._connect, ...)``. A delivery's ``tx.connection`` is that
+  ``aiosqlite.Connection(dialect.connect, ...)``. A delivery's ``tx.connection`` is that
   aiosqlite connection, so an ``async def`` handler writes in the delivery transaction.
 - Nothing of the store is written twice. Every transaction is the blocking store's own context
-  manager (``SQLiteStore._write_on``, ``_delivery_on``, ``_batch_on``; the batch's savepoints,
-  ``delivery.in_savepoint``), entered and left on the connection's thread, one hop each:
+  manager (``SQLiteDialect.write_on``; ``delivery.delivery_on``, ``batch_on`` and the batch's
+  savepoints, ``in_savepoint``), entered and left on the connection's thread, one hop each:
   ``BEGIN IMMEDIATE`` with its busy retry and the token check on the way in; the handler's
   failure judged, ``COMMIT`` (or the rollback) and the WAL watch on the way out. Only the block
-  in between is awaited on the event loop. Statements run through the blocking store's
-  ``_rows``; the errors met on the thread are mapped there, by the blocking store's table.
+  in between is awaited on the event loop. Statements run through the dialect's ``rows``; the
+  errors met on the thread are mapped there, by the dialect's table.
 - One write transaction at a time per event loop (an ``asyncio.Lock``): SQLite has one writer,
   and a task waiting its turn on the loop gets it as soon as the last one commits, where a
   connection waiting in SQLite's busy handler polls with sleeps. Writers in other processes and
@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import threading
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, asynccontextmanager
 from datetime import datetime, timedelta
 from functools import partial
@@ -40,17 +40,17 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 import aiosqlite
 from aiosqlite import core as aiosqlite_core
 
-from outboxkit._sql.aio import AsyncSQLBatch, AsyncSQLStore
-from outboxkit._sql.base import Row
 from outboxkit.core.model import Claim, DeadKey, NewEvent, Outcome
 from outboxkit.errors import ConfigurationError, StoreError, StoreUnavailable
+from outboxkit.storekit.sql import AsyncSQLBatch, AsyncSQLStore, Row
 from outboxkit.waiter import AsyncClosingWaiter
 
 from .caller import writable
 from .connections import StoreConnection, in_transaction
-from .delivery import Batch, Delivery
+from .delivery import Batch, Delivery, batch_on, delivery_on
 
 if TYPE_CHECKING:
+    from .dialect import SQLiteDialect
     from .store import SQLiteStore
 
 __all__ = ["AsyncSQLiteStore", "check_aiosqlite"]
@@ -68,7 +68,10 @@ ITER_CHUNK_SIZE = 64
 # connection (the app's, to check it; the store's, to run its code on), the thread (to make it a
 # daemon), and a way to stop the thread that no future waits on (the loop may be gone by the time
 # the thread gets to it). These are aiosqlite 0.22's; ``check_aiosqlite`` refuses a version
-# without them, at the first ``async_store()``.
+# without them, at the first ``async_store()``. The side's own connections are of a subclass of
+# aiosqlite's (``_Connection``), which uses them as its own; of a connection the app opened
+# (``enqueue``) only ``_connection``, ``_running`` and ``_execute`` are read, in ``_sqlite3_of``
+# and ``_run`` alone.
 
 _STOP = getattr(aiosqlite_core, "_STOP_RUNNING_SENTINEL", None)
 _INTERNALS = ("_execute", "_connection", "_thread", "_tx", "_running")
@@ -90,36 +93,26 @@ def check_aiosqlite() -> None:
         )
 
 
-async def _run(conn: aiosqlite.Connection, fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` on ``conn``'s thread, after whatever is queued there."""
-    result: T = await conn._execute(fn, *args)  # type: ignore[no-untyped-call]
-    return result
-
-
 def _sqlite3_of(conn: aiosqlite.Connection) -> sqlite3.Connection | None:
-    """The sqlite3 connection under ``conn``; None once closed (or before it was awaited)."""
-    return conn._connection if conn._running else None
+    """The sqlite3 connection under the app's ``conn``; None once closed (or before it was
+    awaited). aiosqlite has no public way to reach it."""
+    raw: sqlite3.Connection | None = conn._connection if conn._running else None
+    return raw
 
 
-def _retire(conn: aiosqlite.Connection) -> None:
-    """Close ``conn`` and stop its thread once what is queued there has run; nobody waits."""
-    conn._running = False
-
-    def stop() -> object:
-        raw, conn._connection = conn._connection, None
-        if raw is not None:
-            raw.close()
-        return _STOP
-
-    conn._tx.put_nowait((None, stop))
+async def _run(conn: aiosqlite.Connection, fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` on the thread of the app's ``conn``, after whatever is queued there
+    (aiosqlite's own way to run a call there: it has no public one)."""
+    execute: Callable[..., Awaitable[T]] = conn._execute
+    return await execute(fn, *args)
 
 
 def _insert_checked(
-    store: SQLiteStore, raw: sqlite3.Connection, events: Sequence[NewEvent], created: int
+    dialect: SQLiteDialect, raw: sqlite3.Connection, events: Sequence[NewEvent], created: int
 ) -> list[int]:
     """The blocking enqueue's check and insert, on the app connection's thread (the sqlite3
     connection aiosqlite opened checks it is used there)."""
-    return store._insert(writable(raw, wrapped=False), events, created)
+    return dialect.insert(writable(raw, wrapped=False), events, created)
 
 
 class _Connection(aiosqlite.Connection):
@@ -146,16 +139,31 @@ class _Connection(aiosqlite.Connection):
         return bool(self._running)
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """``fn(*args)`` on the connection's thread. Once a handler closed the connection (its
-        thread is gone), here: the store's code then meets the closed sqlite3 connection as the
-        blocking store's does (``HandlerCrashed``; nothing to roll back)."""
+        """``fn(*args)`` on the connection's thread, after whatever is queued there. Once a
+        handler closed the connection (its thread is gone), here: the store's code then meets
+        the closed sqlite3 connection as the blocking store's does (``HandlerCrashed``; nothing
+        to roll back)."""
         if not self._running:
             return fn(*args)
-        return await _run(self, fn, *args)
+        execute: Callable[..., Awaitable[T]] = self._execute
+        return await execute(fn, *args)
 
     def submit(self, fn: Callable[[], object]) -> None:
         """Queue ``fn`` on the connection's thread without waiting for it."""
         self._tx.put_nowait((None, fn))
+
+    def retire(self) -> None:
+        """Close the connection and stop its thread once what is queued there has run; nobody
+        waits."""
+        self._running = False
+
+        def stop() -> object:
+            raw, self._connection = self._connection, None
+            if raw is not None:
+                raw.close()
+            return _STOP
+
+        self.submit(stop)
 
 
 @asynccontextmanager
@@ -219,7 +227,7 @@ class _Pool:
             if usable and not self.closed:
                 self._idle.append(conn)
                 return
-        _retire(conn)
+        conn.retire()
 
     def close(self) -> None:
         """Close the idle connections (those in use are closed as they come back)."""
@@ -227,7 +235,7 @@ class _Pool:
             self.closed = True
             idle, self._idle = self._idle, []
         for conn in idle:
-            _retire(conn)
+            conn.retire()
 
     async def aclose(self) -> None:
         """``close``, waiting for each idle connection to close."""
@@ -274,7 +282,7 @@ class AsyncSQLiteBatch(AsyncSQLBatch):
     """``Batch`` for async code: its savepoints are the blocking batch's, entered and left on
     the batch's connection's thread; extensions and settlements are ``AsyncSQLBatch``'s."""
 
-    _conn: _Connection
+    conn: _Connection
 
     def __init__(self, side: AsyncSQLiteStore, conn: _Connection, batch: Batch) -> None:
         super().__init__(side, conn)
@@ -285,8 +293,8 @@ class AsyncSQLiteBatch(AsyncSQLBatch):
         self, claim: Claim, *, now: datetime | None
     ) -> AsyncIterator[_AsyncDelivery]:
         """A delivery in a savepoint of the batch (see ``SQLiteStore.batch``)."""
-        async with _entered(self._conn, self._batch.savepoint(claim, now=now)) as tx:
-            yield _AsyncDelivery(self._conn, tx)
+        async with _entered(self.conn, self._batch.savepoint(claim, now=now)) as tx:
+            yield _AsyncDelivery(self.conn, tx)
 
 
 class AsyncSQLiteStore(AsyncSQLStore):
@@ -296,34 +304,35 @@ class AsyncSQLiteStore(AsyncSQLStore):
     connection, ``claim``, ``delivery``, ``extend``, ``settle_many``, ``release``, ``batch``.
     """
 
-    _store: SQLiteStore
+    store: SQLiteStore
 
     def __init__(self, store: SQLiteStore) -> None:
         check_aiosqlite()
         super().__init__(store)
-        self._pool = _Pool(store._connect)
+        self.dialect: SQLiteDialect = store.dialect
+        self._pool = _Pool(store.dialect.connect)
         self._turns: dict[asyncio.AbstractEventLoop, asyncio.Lock] = {}
         self._turns_lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return f"AsyncSQLiteStore({self._store._where!r})"
+        return f"AsyncSQLiteStore({self.dialect.where!r})"
 
     @property
     def closed(self) -> bool:
         """Whether ``close`` (or the store's) closed this side."""
         return self._pool.closed
 
-    # -- the async dialect seam (outboxkit._sql.aio) ----------------------------------------------
+    # -- the async connections (``AsyncSQLStore``) ------------------------------------------------
 
     @asynccontextmanager
-    async def _write(self, doing: str) -> AsyncIterator[_Connection]:
-        store = self._store
-        async with self._transaction(doing, lambda raw: store._write_on(raw, doing)) as (conn, _):
+    async def write(self, doing: str) -> AsyncIterator[_Connection]:
+        dialect = self.dialect
+        async with self._transaction(doing, lambda raw: dialect.write_on(raw, doing)) as (conn, _):
             yield conn
 
-    async def _rows(self, conn: Any, name: str, params: Mapping[str, Any]) -> list[Row]:
-        on = cast(_Connection, conn)  # what ``_write`` and the batch hand out
-        return await on.run(self._store._rows, on.store_connection, name, params)
+    async def rows(self, conn: Any, name: str, params: Mapping[str, Any]) -> list[Row]:
+        on = cast(_Connection, conn)  # what ``write`` and the batch hand out
+        return await on.run(self.dialect.rows, on.store_connection, name, params)
 
     @asynccontextmanager
     async def _transaction(
@@ -347,13 +356,13 @@ class AsyncSQLiteStore(AsyncSQLStore):
         """
         lock = self._turn_lock(asyncio.get_running_loop())
         if lock.locked():
-            timeout = self._store.busy_timeout
+            timeout = self.dialect.busy_timeout
             try:
                 async with asyncio.timeout(timeout):
                     await lock.acquire()
             except TimeoutError as exc:
                 raise StoreUnavailable(
-                    f"SQLite store {self._store._where}: cannot {doing}: another write "
+                    f"SQLite store {self.dialect.where}: cannot {doing}: another write "
                     f"transaction of this event loop held the database for {timeout}s "
                     "(busy_timeout)"
                 ) from exc
@@ -406,8 +415,8 @@ class AsyncSQLiteStore(AsyncSQLStore):
                 "enqueue got a closed aiosqlite connection (or one not yet opened: await "
                 "aiosqlite.connect(...) first)"
             )
-        store = self._store
-        return await _run(conn, _insert_checked, store, raw, events, store._instant(now))
+        dialect = self.dialect
+        return await _run(conn, _insert_checked, dialect, raw, events, dialect.instant(now))
 
     async def claim(
         self,
@@ -424,7 +433,7 @@ class AsyncSQLiteStore(AsyncSQLStore):
             StoreUnavailable: the write lock stayed taken for ``busy_timeout``.
             StoreError: SQLite failed, or the side is closed.
         """
-        self._store._check_schema()
+        self.dialect.check_schema()
         return await super().claim(batch_size=batch_size, lease=lease, now=now, dead_key=dead_key)
 
     @asynccontextmanager
@@ -441,10 +450,10 @@ class AsyncSQLiteStore(AsyncSQLStore):
             StoreUnavailable: the database failed under the handler.
             StoreError: SQLite failed.
         """
-        store = self._store
+        dialect = self.dialect
         async with self._transaction(
             f"open a delivery transaction for event {claim.event.id}",
-            lambda raw: store._delivery_on(raw, claim, now),
+            lambda raw: delivery_on(dialect, raw, claim, now),
         ) as (conn, tx):
             yield _AsyncDelivery(conn, tx)
 
@@ -458,10 +467,10 @@ class AsyncSQLiteStore(AsyncSQLStore):
             StoreUnavailable: the write lock stayed taken for ``busy_timeout``.
             StoreError: SQLite failed, or a handler ended the batch's transaction.
         """
-        async with self._transaction("open a batch transaction", self._store._batch_on) as (
-            conn,
-            batch,
-        ):
+        store = self.store
+        async with self._transaction(
+            "open a batch transaction", lambda raw: batch_on(store, raw)
+        ) as (conn, batch):
             yield AsyncSQLiteBatch(self, conn, batch)
 
     def make_waiter(self) -> AsyncClosingWaiter | None:

@@ -2,8 +2,10 @@
 
 Blocking code that both sides of the store run as it is: the blocking store in the caller's
 thread, the asyncio side (``aio``) on the thread of its aiosqlite connection, with the handler's
-block in between run on the event loop. So the token check, the savepoint statements and the
-decision about a handler's failure exist once.
+block in between run on the event loop. So the transactions (``delivery_on``, ``batch_on``,
+``in_savepoint``), the token check and the decision about a handler's failure exist once. They
+work with the store's dialect (``SQLiteDialect``): its connections, statements and error
+mapping; a batch with the store itself (``SQLBatch``: its ``dialect`` and ``statements``).
 """
 
 from __future__ import annotations
@@ -15,10 +17,10 @@ from datetime import datetime
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from outboxkit._sql.base import SQLBatch
-from outboxkit._sql.rows import record_params
 from outboxkit.core.model import Claim, NewEvent, Outcome
 from outboxkit.errors import HandlerCrashed, LeaseLostError, Reject, StoreError
+from outboxkit.storekit.rows import record_params
+from outboxkit.storekit.sql import SQLBatch
 
 from .connections import (
     RELEASE_SAVEPOINT,
@@ -30,6 +32,7 @@ from .connections import (
 from .errors import database_failure, map_error
 
 if TYPE_CHECKING:
+    from .dialect import SQLiteDialect
     from .store import SQLiteStore
 
 WRITABLE = "PRAGMA query_only=0"
@@ -37,12 +40,15 @@ WRITABLE = "PRAGMA query_only=0"
 __all__ = [
     "Batch",
     "Delivery",
-    "check_owned",
-    "delivering",
-    "handler_failure",
-    "in_savepoint",
     "Lazily",
     "Pooled",
+    "batch_on",
+    "check_owned",
+    "delivering",
+    "delivery_on",
+    "handler_failure",
+    "in_savepoint",
+    "lazily",
 ]
 
 
@@ -50,17 +56,17 @@ class Delivery:
     """One delivery transaction: the store's connection inside ``BEGIN IMMEDIATE`` (or a
     savepoint of a batch's), the claim's token checked."""
 
-    __slots__ = ("_claim", "_deferred", "_now", "_store", "conn", "ended_by_handler", "opener")
+    __slots__ = ("_claim", "_deferred", "_dialect", "_now", "conn", "ended_by_handler", "opener")
 
     def __init__(
         self,
-        store: SQLiteStore,
+        dialect: SQLiteDialect,
         conn: sqlite3.Connection,
         claim: Claim,
         now: int,
         opener: Callable[[], None] | None = None,
     ) -> None:
-        self._store = store
+        self._dialect = dialect
         self._claim = claim
         self._now = now
         self.conn = conn
@@ -96,7 +102,7 @@ class Delivery:
         if self.opener is not None:
             self.opener()
         self.check_open()
-        return self._store._insert(self.conn, events, self._now)
+        return self._dialect.insert(self.conn, events, self._now)
 
     def record(self, handler: str, outcome: Outcome, *, reason: str | None = None) -> None:
         """Write the delivery record for ``handler`` now; it commits with the transaction.
@@ -128,11 +134,12 @@ class Delivery:
 
     def _write_record(self, handler: str, params: Mapping[str, Any]) -> None:
         self.check_open()
-        with self._store._mapped(f"record {handler!r} for event {self._claim.event.id}"):
+        dialect = self._dialect
+        with dialect.mapped(f"record {handler!r} for event {self._claim.event.id}"):
             # The record is outboxkit's write, not the handler's: a handler that made its
             # connection read-only does not make the store fail (R18).
             self.conn.execute(WRITABLE)
-            self.conn.execute(self._store._queries["insert_record"], params)
+            self.conn.execute(dialect.queries["insert_record"], params)
 
     def write_fenced(self) -> bool:
         """A delivery never opened, ending with one record: that record, inserted only if the
@@ -142,9 +149,10 @@ class Delivery:
             StoreError: SQLite failed.
         """
         handler, params = self._take()
-        with self._store._mapped(f"record {handler!r} for event {self._claim.event.id}"):
+        dialect = self._dialect
+        with dialect.mapped(f"record {handler!r} for event {self._claim.event.id}"):
             cursor = self.conn.execute(
-                self._store._queries["insert_record_fenced"], {**params, "token": self._claim.token}
+                dialect.queries["insert_record_fenced"], {**params, "token": self._claim.token}
             )
         return cursor.rowcount == 1
 
@@ -189,46 +197,46 @@ class Batch(SQLBatch):
     """One transaction for a claimed batch: deliveries in savepoints; settlements and lease
     extensions on the same connection (``SQLBatch``)."""
 
-    _store: SQLiteStore
-    _conn: StoreConnection
+    store: SQLiteStore
+    conn: StoreConnection
 
     def delivery(self, claim: Claim, *, now: datetime | None) -> AbstractContextManager[Delivery]:
         """A delivery in a savepoint of the batch (``in_savepoint``), opened only when the
         handler first takes the connection; one that never did keeps its record for
         ``write_kept`` (``Lazily``)."""
-        store, conn = self._store, self._conn
+        dialect, conn = self.store.dialect, self.conn
 
         def keep(tx: Delivery) -> None:
             self.keep(claim, tx.take_single())
 
         return Lazily(
-            store, conn, claim, now, lambda tx: in_savepoint(store, conn, claim, now, tx), keep
+            dialect, conn, claim, now, lambda tx: in_savepoint(dialect, conn, claim, now, tx), keep
         )
 
     def savepoint(self, claim: Claim, *, now: datetime | None) -> AbstractContextManager[Delivery]:
         """A delivery in a savepoint of the batch, opened at once (``in_savepoint``): the
         asyncio side's, whose handler takes the aiosqlite connection without asking here."""
-        return in_savepoint(self._store, self._conn, claim, now)
+        return in_savepoint(self.store.dialect, self.conn, claim, now)
 
 
 class Pooled(AbstractContextManager[Delivery]):
     """``SQLiteStore.delivery``: one of the store's connections, taken for the block
-    (``Connections.take``), and on it a delivery opened lazily (``SQLiteStore._lazily``); the
-    connection handed back when the block ends, whatever happened. A class, as ``Lazily`` is:
-    one is made per delivery, and two generator-based context managers cost it ~3.5 µs more."""
+    (``Connections.take``), and on it a delivery opened lazily (``lazily``); the connection
+    handed back when the block ends, whatever happened. A class, as ``Lazily`` is: one is made
+    per delivery, and two generator-based context managers cost it ~3.5 µs more."""
 
-    __slots__ = ("_claim", "_conn", "_delivery", "_now", "_store")
+    __slots__ = ("_claim", "_conn", "_delivery", "_dialect", "_now")
 
-    def __init__(self, store: SQLiteStore, claim: Claim, now: datetime | None) -> None:
-        self._store = store
+    def __init__(self, dialect: SQLiteDialect, claim: Claim, now: datetime | None) -> None:
+        self._dialect = dialect
         self._claim = claim
         self._now = now
 
     def __enter__(self) -> Delivery:
-        connections = self._store._connections
+        connections = self._dialect.connections
         self._conn = conn = connections.take()
         try:
-            self._delivery = delivery = self._store._lazily(conn, self._claim, self._now)
+            self._delivery = delivery = lazily(self._dialect, conn, self._claim, self._now)
             return delivery.__enter__()
         except BaseException:
             connections.give(conn)
@@ -243,7 +251,7 @@ class Pooled(AbstractContextManager[Delivery]):
         try:
             return self._delivery.__exit__(exc_type, exc, tb)
         finally:
-            self._store._connections.give(self._conn)
+            self._dialect.connections.give(self._conn)
 
 
 class Lazily(AbstractContextManager[Delivery]):
@@ -260,7 +268,7 @@ class Lazily(AbstractContextManager[Delivery]):
 
     def __init__(
         self,
-        store: SQLiteStore,
+        dialect: SQLiteDialect,
         conn: StoreConnection,
         claim: Claim,
         now: datetime | None,
@@ -271,7 +279,7 @@ class Lazily(AbstractContextManager[Delivery]):
         self._single = single
         self._stack: ExitStack | None = None  # the opened block, once it is
         self._failed: BaseException | None = None  # the opening's failure
-        self.tx = Delivery(store, conn, claim, store._instant(now), self._open_now)
+        self.tx = Delivery(dialect, conn, claim, dialect.instant(now), self._open_now)
 
     def _open_now(self) -> None:
         self.tx.opener = None
@@ -312,9 +320,72 @@ class Lazily(AbstractContextManager[Delivery]):
         return False
 
 
+# -- the transactions, on a given connection ---------------------------------------------------
+# Each one whole, from BEGIN to COMMIT: the blocking store runs them on its connections, the
+# asyncio side (``aio``) on the threads of its own, with the block in between on the loop.
+
+
+@contextmanager
+def delivery_on(
+    dialect: SQLiteDialect,
+    conn: StoreConnection,
+    claim: Claim,
+    now: datetime | None,
+    tx: Delivery | None = None,
+) -> Iterator[Delivery]:
+    """``SQLiteStore.delivery`` on ``conn``: BEGIN IMMEDIATE, the token check, the block, COMMIT
+    (the block hands out ``tx``, when given: a delivery ``lazily`` opens now)."""
+    with dialect.mapped(f"open a delivery transaction for event {claim.event.id}"):
+        dialect.begin(conn)
+    try:
+        with delivering(dialect, conn, claim, now, tx) as opened:
+            yield opened
+        with dialect.mapped(f"commit the delivery of event {claim.event.id}"):
+            dialect.commit(conn)
+    except BaseException:
+        conn.rollback_quietly()
+        raise
+
+
+def lazily(
+    dialect: SQLiteDialect, conn: StoreConnection, claim: Claim, now: datetime | None
+) -> AbstractContextManager[Delivery]:
+    """``SQLiteStore.delivery`` on ``conn``, opened (``delivery_on``) only when the handler
+    first takes the connection or enqueues a follow-up (``Lazily``); one that never did and
+    ends with one record is that record, fenced by the token, autocommitted."""
+
+    def fenced(tx: Delivery) -> None:
+        if not tx.write_fenced():
+            raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
+        dialect.wal.after_commit(conn)
+
+    return Lazily(
+        dialect, conn, claim, now, lambda tx: delivery_on(dialect, conn, claim, now, tx), fenced
+    )
+
+
+@contextmanager
+def batch_on(store: SQLiteStore, conn: StoreConnection) -> Iterator[Batch]:
+    """``SQLiteStore.batch`` on ``conn``: BEGIN IMMEDIATE, the block, COMMIT."""
+    dialect = store.dialect
+    with dialect.mapped("open a batch transaction"):
+        dialect.begin(conn)
+    try:
+        batch = Batch(store, conn)
+        yield batch
+        batch.write_kept()
+        with dialect.mapped("commit the batch"):
+            if not in_transaction(conn):
+                raise StoreError("the batch transaction was ended by a handler")
+            dialect.commit(conn)
+    except BaseException:
+        conn.rollback_quietly()
+        raise
+
+
 @contextmanager
 def in_savepoint(
-    store: SQLiteStore,
+    dialect: SQLiteDialect,
     conn: StoreConnection,
     claim: Claim,
     now: datetime | None,
@@ -322,10 +393,10 @@ def in_savepoint(
 ) -> Iterator[Delivery]:
     """A delivery in a savepoint of the batch transaction open on ``conn``: released on a normal
     exit, rolled back to (and released) on an exception."""
-    with store._mapped(f"open a savepoint for event {claim.event.id}"):
+    with dialect.mapped(f"open a savepoint for event {claim.event.id}"):
         conn.execute(SAVEPOINT)
     try:
-        with delivering(store, conn, claim, now, tx) as opened:
+        with delivering(dialect, conn, claim, now, tx) as opened:
             yield opened
     except BaseException:
         if in_transaction(conn):
@@ -333,20 +404,20 @@ def in_savepoint(
                 conn.execute(ROLLBACK_TO_SAVEPOINT)
                 conn.execute(RELEASE_SAVEPOINT)
         raise
-    with store._mapped(f"release the savepoint of event {claim.event.id}"):
+    with dialect.mapped(f"release the savepoint of event {claim.event.id}"):
         conn.execute(RELEASE_SAVEPOINT)
 
 
-def check_owned(store: SQLiteStore, conn: sqlite3.Connection, claim: Claim) -> None:
+def check_owned(dialect: SQLiteDialect, conn: sqlite3.Connection, claim: Claim) -> None:
     """R6's token check, inside the delivery's open transaction (it holds the write lock).
 
     Raises:
         LeaseLostError: the token is stale.
         StoreError: SQLite failed.
     """
-    with store._mapped(f"check the claim on event {claim.event.id}"):
+    with dialect.mapped(f"check the claim on event {claim.event.id}"):
         owned = conn.execute(
-            store._queries["owned"], {"id": claim.event.id, "token": claim.token}
+            dialect.queries["owned"], {"id": claim.event.id, "token": claim.token}
         ).fetchone()
     if owned is None:
         raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
@@ -354,7 +425,7 @@ def check_owned(store: SQLiteStore, conn: sqlite3.Connection, claim: Claim) -> N
 
 @contextmanager
 def delivering(
-    store: SQLiteStore,
+    dialect: SQLiteDialect,
     conn: StoreConnection,
     claim: Claim,
     now: datetime | None,
@@ -368,10 +439,10 @@ def delivering(
         HandlerCrashed, StoreUnavailable, StoreError: instead of the block's exception, as
             ``handler_failure`` decides.
     """
-    at = store._instant(now)
-    check_owned(store, conn, claim)
+    at = dialect.instant(now)
+    check_owned(dialect, conn, claim)
     if tx is None:
-        tx = Delivery(store, conn, claim, at)
+        tx = Delivery(dialect, conn, claim, at)
     conn.delivery = tx
     conn.dirty = True  # the handler gets it: its settings are reset before its next user
     try:
@@ -380,7 +451,7 @@ def delivering(
         tx.write_deferred()
         tx.check_open()
     except Exception as exc:
-        instead = handler_failure(store, tx, claim, exc)
+        instead = handler_failure(dialect, tx, claim, exc)
         if instead is None:
             raise
         raise instead from exc
@@ -389,7 +460,7 @@ def delivering(
 
 
 def handler_failure(
-    store: SQLiteStore, tx: Delivery, claim: Claim, exc: Exception
+    dialect: SQLiteDialect, tx: Delivery, claim: Claim, exc: Exception
 ) -> StoreError | HandlerCrashed | None:
     """What a delivery raises instead of ``exc``, the exception its block ended with.
 
@@ -404,7 +475,7 @@ def handler_failure(
     if failure is not None:
         return map_error(
             failure,
-            store._where,
+            dialect.where,
             f"deliver event {claim.event.id} (the database failed while a handler ran)",
         )
     if tx.ended_by_handler and not isinstance(exc, HandlerCrashed | Reject | LeaseLostError):

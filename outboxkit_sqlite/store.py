@@ -9,10 +9,13 @@ Theory of operation:
   committed transaction survives any process crash; a power cut may lose the last few commits.
 - The SQL is in ``queries.sql``; the operations every SQL store shares (claim, extend, the
   round's ``settle_many``, release, requeue, listings, purges, stats) are
-  ``outboxkit._sql.base.SQLStore``'s. What is SQLite's own lives here (its transactions, each
-  written once against a given connection, enqueue, the paths) and beside it: the delivery
-  transaction and the batch's savepoints (``delivery``), what the app's connection must be
-  (``caller``), and the asyncio side (``aio``), which runs these very transactions on aiosqlite.
+  ``outboxkit.storekit.sql.SQLStore``'s, run on the store's dialect (``dialect``,
+  ``SQLiteDialect``: the connections, the transactions, the error mapping, the values, the
+  insert of events). What is the store's own lives here (enqueue, ``transaction``, migrations,
+  the paths) and beside it: the delivery transaction and the batch's savepoints
+  (``delivery``), what the app's connection must be (``caller``), and the asyncio side
+  (``aio``), which runs these very transactions on aiosqlite. Each helper gets the dialect, or
+  the store's public members.
 - A claim is one ``UPDATE ... WHERE id IN (SELECT ... LIMIT n) RETURNING ...`` under the write
   lock: two claimers, in threads or processes, never get the same event (R3).
 - A delivery transaction holds the write lock while its handler runs, so handlers on SQLite
@@ -25,67 +28,37 @@ Theory of operation:
 
 from __future__ import annotations
 
-import functools
-import json
 import os
 import sqlite3
 import threading
-import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
-from outboxkit._sql.base import SQLStore
-from outboxkit._sql.names import check_count, check_options, check_seconds
-from outboxkit._sql.rows import encode_headers, inserted_ids, resolve_ids
 from outboxkit.core.model import Claim, DeadKey, Migration, NewEvent
-from outboxkit.errors import (
-    ConfigurationError,
-    LeaseLostError,
-    SchemaError,
-    StoreError,
-    migrate_hint,
-)
+from outboxkit.errors import ConfigurationError, StoreError
 from outboxkit.store import Capabilities
+from outboxkit.storekit.names import check_count, check_options, check_seconds
+from outboxkit.storekit.sql import SQLStore
 from outboxkit.waiter import ClosingWaiter
 
 from . import schema
 from .caller import app_connection
-from .connections import (
-    BEGIN,
-    BEGIN_READ,
-    COMMIT,
-    Connections,
-    StoreConnection,
-    WalWatch,
-    connect,
-    in_transaction,
-    retry_busy,
-)
-from .delivery import Batch, Delivery, Lazily, Pooled, delivering
-from .errors import map_error, open_error
-from .tables import (
-    INSERT_COLUMNS,
-    INSERT_TAIL,
-    NEW_MESSAGE_ID,
-    TableNames,
-    insert_events,
-    render_queries,
-)
+from .connections import in_transaction
+from .delivery import Batch, Delivery, Pooled, batch_on
+from .dialect import MEMORY, SQLiteDialect
+from .tables import TableNames
 
 if TYPE_CHECKING:
     from .aio import AsyncSQLiteStore
 
 __all__ = ["SQLiteStore"]
 
-MEMORY = ":memory:"
 DEFAULT_BUSY_TIMEOUT = 30.0
 MIB = 1024 * 1024
 DEFAULT_WAL_WARN_BYTES = 64 * MIB
-_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-_MICROSECOND = timedelta(microseconds=1)
 _OPTIONS = frozenset(
     {
         "table_prefix",
@@ -98,36 +71,6 @@ _OPTIONS = frozenset(
         "create",
     }
 )
-
-
-def _to_us(at: datetime) -> int:
-    if at.tzinfo is None or at.utcoffset() is None:
-        raise ConfigurationError(f"instants must be timezone-aware, got {at!r}")
-    return (at - _EPOCH) // _MICROSECOND
-
-
-@functools.lru_cache(maxsize=1024)
-def _from_us(us: int) -> datetime:
-    # Kept: a claim's rows share their lease end, and events enqueued together their instants.
-    return _EPOCH + timedelta(0, 0, us)  # positional: cheaper than microseconds=
-
-
-class _Mapped:
-    """``SQLiteStore._mapped``: a plain class, not a generator context manager (the hot path
-    enters several per event)."""
-
-    __slots__ = ("_store", "_what")
-
-    def __init__(self, store: SQLiteStore, what: str) -> None:
-        self._store = store
-        self._what = what
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
-        if isinstance(exc, sqlite3.Error):
-            raise map_error(exc, self._store._where, self._what) from exc
 
 
 class SQLiteStore(SQLStore):
@@ -153,6 +96,10 @@ class SQLiteStore(SQLStore):
             ``outboxkit``'s commands other than ``migrate`` use, so that a mistyped path is an
             error, not a new empty database.
 
+    Attributes:
+        dialect: the store's ``SQLiteDialect``: its connections, transactions, statements and
+            values, which the store's helpers (and its asyncio side) work with.
+
     Raises:
         ConfigurationError: a bad option or table name; the directory is missing; the file or
             its directory is read-only or not a database (the message names the path).
@@ -162,6 +109,8 @@ class SQLiteStore(SQLStore):
 
     sql_dialect = "sqlite"
     """The SQL dialect of the store's database, by SQLAlchemy's name for it."""
+
+    dialect: SQLiteDialect
 
     def __init__(
         self,
@@ -176,70 +125,64 @@ class SQLiteStore(SQLStore):
         migrate: bool = True,
         create: bool = True,
     ) -> None:
-        self.tables = TableNames.from_options(
-            table_prefix, events_table, deliveries_table, schema_table
-        )
-        self.busy_timeout = check_seconds("busy_timeout", busy_timeout, allow_zero=True)
-        self.wal_warn_bytes = check_count("wal_warn_bytes", wal_warn_bytes, minimum=1)
-        self._queries = render_queries(self.tables)
-        self.memory = os.fspath(path) == MEMORY
-        if self.memory:
-            self.path: Path | None = None
-            self.url: str | None = "sqlite://:memory:"
-        else:
-            self.path = Path(os.path.abspath(os.fspath(path)))
-            self.url = f"sqlite:///{self.path.as_posix()}"
-            _check_path(self.path)
-            if not create and not self.path.exists():
+        tables = TableNames.from_options(table_prefix, events_table, deliveries_table, schema_table)
+        busy_timeout = check_seconds("busy_timeout", busy_timeout, allow_zero=True)
+        wal_warn_bytes = check_count("wal_warn_bytes", wal_warn_bytes, minimum=1)
+        file: Path | None = None
+        if os.fspath(path) != MEMORY:
+            file = Path(os.path.abspath(os.fspath(path)))
+            _check_path(file)
+            if not create and not file.exists():
                 raise ConfigurationError(
-                    f"there is no SQLite database {self.path} (to create one, run "
+                    f"there is no SQLite database {file} (to create one, run "
                     "`outboxkit migrate` on it)"
                 )
+        self.url: str | None = (
+            "sqlite://:memory:" if file is None else f"sqlite:///{file.as_posix()}"
+        )
         self.capabilities = Capabilities(
             batches=True,
             transactional_handlers=True,
             concurrent_claimers=True,
-            multiprocess=not self.memory,
-            asyncio=not self.memory,
+            multiprocess=file is not None,
+            asyncio=file is not None,
             ordering=True,
             dedupe=True,
         )
         self.options: dict[str, Any] = {
-            "events_table": self.tables.events,
-            "deliveries_table": self.tables.deliveries,
-            "schema_table": self.tables.schema,
-            "busy_timeout": self.busy_timeout,
-            "wal_warn_bytes": self.wal_warn_bytes,
+            "events_table": tables.events,
+            "deliveries_table": tables.deliveries,
+            "schema_table": tables.schema,
+            "busy_timeout": busy_timeout,
+            "wal_warn_bytes": wal_warn_bytes,
         }
         self._async: AsyncSQLiteStore | None = None
         self._async_lock = threading.Lock()
-        self._wal = WalWatch(None if self.memory else self._where, self.wal_warn_bytes)
-        self._connections = self._open_connections()
-        # An older schema found with migrate=False: pollers are refused until migrate().
-        self._older: int | None = None
+        super().__init__(
+            self._open_dialect(
+                file, tables, busy_timeout=busy_timeout, wal_warn_bytes=wal_warn_bytes
+            )
+        )
+        dialect = self.dialect
         try:
             if migrate:
                 self.migrate()
             else:
-                with self._read("check the schema version") as conn:
-                    found = schema.current_version(conn, self.tables)
-                schema.check_version(found, self._where)
+                with dialect.read("check the schema version") as conn:
+                    found = schema.current_version(conn, tables)
+                schema.check_version(found, dialect.where)
                 if 0 < found < schema.SCHEMA_VERSION:
-                    self._older = found
+                    # Pollers are refused until migrate(); enqueue writes the older shape.
+                    dialect.use_schema(found)
         except BaseException:
-            self._connections.close()
+            dialect.close()
             raise
-        self._shape_inserts()
 
-    def _shape_inserts(self) -> None:
-        """The statements that insert events into the schema found: with the message identity
-        (``message_id``, version 6), or without it into a version 5 schema opened with
-        ``migrate=False`` (its rows keep NULL, their identity their decimal id)."""
-        self._with_message_id = self._older is None
-        self._insert_head = self._queries[
-            "insert_events_head" if self._with_message_id else "insert_events_head_v5"
-        ]
-        self._insert_one = insert_events(self._insert_head, 1, message_id=self._with_message_id)
+    def _open_dialect(
+        self, path: Path | None, tables: TableNames, *, busy_timeout: float, wal_warn_bytes: int
+    ) -> SQLiteDialect:
+        """The store's dialect (the Django store's runs on Django's connection instead)."""
+        return SQLiteDialect(path, tables, busy_timeout=busy_timeout, wal_warn_bytes=wal_warn_bytes)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:
@@ -255,7 +198,7 @@ class SQLiteStore(SQLStore):
         return cls(_path_from_url(url), **options)
 
     def __repr__(self) -> str:
-        return f"SQLiteStore({self._where!r})"
+        return f"SQLiteStore({self.dialect.where!r})"
 
     def __enter__(self) -> SQLiteStore:
         return self
@@ -263,101 +206,34 @@ class SQLiteStore(SQLStore):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
+    # -- what the store was opened with (kept by its dialect) -----------------------------------
+
     @property
-    def _where(self) -> str:
-        return MEMORY if self.path is None else str(self.path)
+    def path(self) -> Path | None:
+        """The database file (absolute), or None for ``:memory:``."""
+        return self.dialect.path
 
-    # -- the dialect seam (outboxkit._sql.base) ---------------------------------------------------
+    @property
+    def memory(self) -> bool:
+        """Whether the database is ``:memory:``."""
+        return self.dialect.memory
 
-    def _mapped(self, doing: str, conn: Any = None) -> _Mapped:
-        return _Mapped(self, doing)
+    @property
+    def tables(self) -> TableNames:
+        """The store's table names."""
+        return self.dialect.tables
 
-    def _rows(self, conn: Any, name: str, params: Mapping[str, Any]) -> list[Sequence[Any]]:
-        rows: list[Sequence[Any]] = conn.execute(self._queries[name], params).fetchall()
-        return rows
+    @property
+    def busy_timeout(self) -> float:
+        """Seconds a connection waits for SQLite's write lock before giving up."""
+        return self.dialect.busy_timeout
 
-    def _instant(self, at: datetime | None) -> int:
-        # The store's clock is this host's: microseconds straight from it.
-        return _to_us(at) if at is not None else time.time_ns() // 1000
+    @property
+    def wal_warn_bytes(self) -> int:
+        """The WAL size over which a passive checkpoint runs (and may warn)."""
+        return self.dialect.wal_warn_bytes
 
-    def _stored_instant(self, raw: Any) -> datetime:
-        return _from_us(raw)
-
-    def _duration(self, delta: timedelta) -> int:
-        return delta // _MICROSECOND
-
-    def _array(self, values: Sequence[Any]) -> str:
-        return json.dumps(list(values))
-
-    def _done(self, raw: Any) -> list[Sequence[str]]:
-        pairs: list[Sequence[str]] = json.loads(raw) if raw and raw != "[]" else []
-        return pairs
-
-    def _records_params(self, rows: Sequence[tuple[Any, ...]]) -> dict[str, Any]:
-        return {"items": json.dumps(rows)}
-
-    def _settle_params(self, rows: Sequence[tuple[Any, ...]]) -> dict[str, Any]:
-        return {"items": json.dumps(rows)}
-
-    @contextmanager
-    def _write(self, doing: str) -> Iterator[StoreConnection]:
-        """A short write transaction on a store connection: BEGIN IMMEDIATE ... COMMIT."""
-        with self._connections.acquire() as conn, self._write_on(conn, doing):
-            yield conn
-
-    @contextmanager
-    def _read(self, doing: str) -> Iterator[StoreConnection]:
-        """A read transaction (one consistent snapshot across several statements)."""
-        with self._connections.acquire() as conn:
-            if in_transaction(conn):  # :memory:, inside the same thread's transaction()
-                with self._mapped(doing):
-                    yield conn
-                return
-            try:
-                with self._mapped(doing):
-                    conn.control(BEGIN_READ)
-                    yield conn
-                    conn.control(COMMIT)
-            except BaseException:
-                conn.rollback_quietly()
-                raise
-
-    # -- connections and transactions ---------------------------------------------------------------
-
-    def _open_connections(self) -> Connections:
-        connections = Connections(self._connect, shared=self.memory)
-        if not self.memory:
-            # WAL is a property of the file: set once, kept by every later connection.
-            try:
-                with connections.acquire() as conn:
-                    (mode,) = retry_busy(
-                        lambda: conn.execute("PRAGMA journal_mode=WAL").fetchone(),
-                        busy_timeout=self.busy_timeout,
-                    )
-            except sqlite3.Error as exc:
-                connections.close()
-                raise open_error(exc, self._where) from exc
-            except BaseException:
-                connections.close()
-                raise
-            if str(mode).lower() != "wal":
-                connections.close()
-                raise StoreError(f"SQLite database {self._where}: cannot use WAL mode ({mode})")
-        return connections
-
-    def _connect(self) -> StoreConnection:
-        try:
-            return connect(self._where, busy_timeout=self.busy_timeout)
-        except sqlite3.Error as exc:
-            raise open_error(exc, self._where) from exc
-
-    def _begin(self, conn: StoreConnection) -> None:
-        retry_busy(conn.control, BEGIN, busy_timeout=self.busy_timeout)
-
-    def _commit(self, conn: StoreConnection) -> None:
-        """Commit a write transaction (and look at the WAL's size, now and then)."""
-        retry_busy(conn.control, COMMIT, busy_timeout=self.busy_timeout)
-        self._wal.after_commit(conn)
+    # -- transactions -------------------------------------------------------------------------------
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
@@ -368,9 +244,10 @@ class SQLiteStore(SQLStore):
         Raises:
             StoreError: the transaction could not begin or commit.
         """
-        with self._connections.acquire() as conn:
-            with self._mapped("begin a transaction"):
-                self._begin(conn)
+        dialect = self.dialect
+        with dialect.connections.acquire() as conn:
+            with dialect.mapped("begin a transaction"):
+                dialect.begin(conn)
             try:
                 yield conn
             except BaseException:
@@ -378,8 +255,8 @@ class SQLiteStore(SQLStore):
                 raise
             if in_transaction(conn):
                 try:
-                    with self._mapped("commit the transaction"):
-                        self._commit(conn)
+                    with dialect.mapped("commit the transaction"):
+                        dialect.commit(conn)
                 except BaseException:
                     conn.rollback_quietly()
                     raise
@@ -397,18 +274,18 @@ class SQLiteStore(SQLStore):
                 clash with existing ones.
             StoreError: SQLite failed.
         """
-        with self._write("migrate the schema") as conn:
+        dialect = self.dialect
+        with dialect.write("migrate the schema") as conn:
             found = schema.migrate(
-                conn, self.tables, applied_at=self._instant(None), where=self._where
+                conn, dialect.tables, applied_at=dialect.instant(None), where=dialect.where
             )
-        self._older = None
-        self._shape_inserts()
+        dialect.use_schema(None)
         return Migration(before=found, after=schema.SCHEMA_VERSION)
 
     def close(self) -> None:
         """Close every connection, the asyncio side's too. The store is unusable afterwards;
         closing twice is fine."""
-        self._connections.close()
+        self.dialect.close()
         with self._async_lock:
             side, self._async = self._async, None
         if side is not None:
@@ -435,7 +312,7 @@ class SQLiteStore(SQLStore):
                 "threads cannot share; use a database file (a temporary one in tests)"
             )
         with self._async_lock:
-            if self._connections.closed:
+            if self.dialect.connections.closed:
                 raise StoreError("the SQLite store is closed")
             if self._async is None or self._async.closed:
                 from .aio import AsyncSQLiteStore
@@ -466,43 +343,8 @@ class SQLiteStore(SQLStore):
             SchemaError: the connection's database has no outboxkit tables.
             StoreError: SQLite failed (the app's transaction is left to the app).
         """
-        return self._insert(app_connection(conn), events, self._instant(now))
-
-    def _insert(
-        self, conn: sqlite3.Connection, events: Sequence[NewEvent], created: int
-    ) -> list[int]:
-        if not events:
-            return []
-        if self._older is not None and self._older < _DEDUPE_VERSION:
-            return self._insert_older(conn, events, created)
-        if len(events) == 1 and events[0].dedupe_key is None:
-            # Outbox.enqueue, the hot path: one cached statement, no chunking
-            try:
-                (event_id, _) = conn.execute(self._insert_one, _row(events[0], created)).fetchone()
-            except sqlite3.Error as exc:
-                raise map_error(exc, self._where, "enqueue 1 event") from exc
-            return [event_id]
-        rows = [_row(e, created) for e in events]
-        returned: list[Sequence[Any]] = []
-        with self._mapped(f"enqueue {len(rows)} event(s)"):
-            per_statement = max(
-                1, conn.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER) // INSERT_COLUMNS
-            )
-            head, drawn = self._insert_head, self._with_message_id
-            for start in range(0, len(rows), per_statement):
-                chunk = rows[start : start + per_statement]
-                values = [value for row in chunk for value in row]
-                # RETURNING has no order; one INSERT hands out increasing ids in VALUES order.
-                statement = insert_events(head, len(chunk), message_id=drawn)
-                returned.extend(conn.execute(statement, values).fetchall())
-            ids, missing = inserted_ids(events, returned)
-            found = self._dedupe_holders(conn, missing) if missing else {}
-            return resolve_ids(events, ids, found)
-
-    def _dedupe_holders(self, conn: sqlite3.Connection, keys: list[str]) -> dict[str, int]:
-        """R16: dedupe key -> the id of the stored event holding it."""
-        rows = self._rows(conn, "dedupe_holders", {"keys": self._array(keys)})
-        return {key: event_id for key, event_id in rows}
+        dialect = self.dialect
+        return dialect.insert(app_connection(conn), events, dialect.instant(now))
 
     def portable_enqueue(
         self, events: Sequence[NewEvent], now: datetime | None
@@ -515,20 +357,7 @@ class SQLiteStore(SQLStore):
         Raises:
             ConfigurationError: ``now`` is naive.
         """
-        created = self._instant(now)
-        head = self._insert_head
-        drawn = [NEW_MESSAGE_ID] if self._with_message_id else []
-        statements: list[tuple[str, dict[str, Any]]] = []
-        for start in range(0, len(events), _PORTABLE_ROWS):
-            chunk = events[start : start + _PORTABLE_ROWS]
-            params: dict[str, Any] = {}
-            values = []
-            for i, event in enumerate(chunk):
-                names = [f"{column}{i}" for column in _PORTABLE_COLUMNS]
-                params.update(zip(names, _row(event, created), strict=True))
-                values.append("(" + ", ".join([*(f":{name}" for name in names), *drawn]) + ")")
-            statements.append((f"{head} {', '.join(values)}{INSERT_TAIL}", params))
-        return statements
+        return self.dialect.portable_enqueue(events, now)
 
     def claim(
         self,
@@ -538,43 +367,13 @@ class SQLiteStore(SQLStore):
         now: datetime | None,
         dead_key: DeadKey = "release",
     ) -> list[Claim]:
-        self._check_schema()
+        self.dialect.check_schema()
         return super().claim(batch_size=batch_size, lease=lease, now=now, dead_key=dead_key)
-
-    def _insert_older(
-        self, conn: sqlite3.Connection, events: Sequence[NewEvent], created: int
-    ) -> list[int]:
-        """Enqueue into a schema older than version 5 (opened with ``migrate=False``, not
-        migrated yet), so that an app can write events before its pollers' ``migrate()``: one
-        statement per event, with the columns every version has; a dedupe key needs version 5.
-
-        Raises:
-            SchemaError: an event has a dedupe key.
-        """
-        if any(event.dedupe_key is not None for event in events):
-            raise SchemaError(
-                f"SQLite database {self._where} has outboxkit schema version {self._older}: "
-                f"dedupe_key needs version {_DEDUPE_VERSION}: run migrate()"
-            )
-        statement = self._queries["insert_event_older"]
-        with self._mapped(f"enqueue {len(events)} event(s)"):
-            return [
-                conn.execute(statement, _row(event, created)[:-1]).fetchone()[0] for event in events
-            ]
-
-    def _check_schema(self) -> None:
-        """Refuse pollers while the schema is older (opened with ``migrate=False``)."""
-        if self._older is not None:
-            raise SchemaError(
-                f"SQLite database {self._where} has outboxkit schema version {self._older}, "
-                f"older than version {schema.SCHEMA_VERSION} this outboxkit needs: "
-                f"{migrate_hint()}"
-            )
 
     def delivery(self, claim: Claim, *, now: datetime | None) -> AbstractContextManager[Delivery]:
         """A delivery transaction (``BEGIN IMMEDIATE``, the claim's token checked), opened when
         ``tx.connection`` is first taken; a block that never takes it ends with its record in
-        one fenced, autocommitted statement (``_lazily``).
+        one fenced, autocommitted statement (``delivery.lazily``).
 
         ``tx.connection`` is the store's ``sqlite3.Connection`` inside that transaction; the
         handler may read and write through it but not commit, roll back or close it.
@@ -585,120 +384,15 @@ class SQLiteStore(SQLStore):
             StoreUnavailable: the database failed under the handler.
             StoreError: SQLite failed.
         """
-        return Pooled(self, claim, now)
+        return Pooled(self.dialect, claim, now)
 
     @contextmanager
     def batch(self, *, now: datetime | None) -> Iterator[Batch]:
         """One ``BEGIN IMMEDIATE`` transaction for a claimed batch (``transaction="per_batch"``):
         each delivery a savepoint of it, everything committed once. It holds SQLite's write
         lock until the batch ends, so other writers wait (up to ``busy_timeout``)."""
-        with self._connections.acquire() as conn, self._batch_on(conn) as batch:
+        with self.dialect.connections.acquire() as conn, batch_on(self, conn) as batch:
             yield batch
-
-    # -- the transactions, on a given connection ----------------------------------------------------
-    # Each one whole, from BEGIN to COMMIT: the blocking store runs them on its connections, the
-    # asyncio side (``aio``) on the threads of its own, with the block in between on the loop.
-
-    @contextmanager
-    def _write_on(self, conn: StoreConnection, doing: str) -> Iterator[StoreConnection]:
-        """A short write transaction on ``conn``, its errors mapped naming ``doing``."""
-        try:
-            with self._mapped(doing):
-                self._begin(conn)
-                yield conn
-                self._commit(conn)
-        except BaseException:
-            conn.rollback_quietly()
-            raise
-
-    @contextmanager
-    def _delivery_on(
-        self,
-        conn: StoreConnection,
-        claim: Claim,
-        now: datetime | None,
-        tx: Delivery | None = None,
-    ) -> Iterator[Delivery]:
-        """``delivery`` on ``conn``: BEGIN IMMEDIATE, the token check, the block, COMMIT (the
-        block hands out ``tx``, when given: a delivery ``_lazily`` opens now)."""
-        with self._mapped(f"open a delivery transaction for event {claim.event.id}"):
-            self._begin(conn)
-        try:
-            with delivering(self, conn, claim, now, tx) as opened:
-                yield opened
-            with self._mapped(f"commit the delivery of event {claim.event.id}"):
-                self._commit(conn)
-        except BaseException:
-            conn.rollback_quietly()
-            raise
-
-    def _lazily(
-        self, conn: StoreConnection, claim: Claim, now: datetime | None
-    ) -> AbstractContextManager[Delivery]:
-        """``delivery`` on ``conn``, opened (``_delivery_on``) only when the handler first
-        takes the connection or enqueues a follow-up (``delivery.Lazily``); one that never did
-        and ends with one record is that record, fenced by the token, autocommitted."""
-
-        def fenced(tx: Delivery) -> None:
-            if not tx.write_fenced():
-                raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
-            self._wal.after_commit(conn)
-
-        return Lazily(
-            self, conn, claim, now, lambda tx: self._delivery_on(conn, claim, now, tx), fenced
-        )
-
-    @contextmanager
-    def _batch_on(self, conn: StoreConnection) -> Iterator[Batch]:
-        """``batch`` on ``conn``: BEGIN IMMEDIATE, the block, COMMIT."""
-        with self._mapped("open a batch transaction"):
-            self._begin(conn)
-        try:
-            batch = Batch(self, conn)
-            yield batch
-            batch.write_kept()
-            with self._mapped("commit the batch"):
-                if not in_transaction(conn):
-                    raise StoreError("the batch transaction was ended by a handler")
-                self._commit(conn)
-        except BaseException:
-            conn.rollback_quietly()
-            raise
-
-
-_DEDUPE_VERSION = 5
-"""The schema version that added dedupe keys (and the multi-row insert with them)."""
-
-_PORTABLE_COLUMNS = ("topic", "payload", "headers", "key", "created", "available", "dedupe")
-_PORTABLE_ROWS = 999 // len(_PORTABLE_COLUMNS)  # within SQLite's oldest parameter limit
-
-
-def _row(event: NewEvent, created: int) -> tuple[Any, ...]:
-    """The ``insert_events`` values of one event, created at ``created`` (microseconds)."""
-    if not event.headers and not event.delay and event.available_at is None:
-        # the usual event: nothing to encode or add
-        return (
-            event.topic,
-            event.payload_json,
-            "{}",
-            event.key,
-            created,
-            created,
-            event.dedupe_key,
-        )
-    return (
-        event.topic,
-        event.payload_json,
-        encode_headers(event.headers),
-        event.key,
-        created,
-        (
-            _to_us(event.available_at)
-            if event.available_at is not None
-            else created + event.delay // _MICROSECOND
-        ),
-        event.dedupe_key,
-    )
 
 
 def _check_path(path: Path) -> None:

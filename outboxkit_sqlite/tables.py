@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from outboxkit._sql.loader import load_queries
-from outboxkit._sql.names import table_names, validate_identifier, validate_table_names
-from outboxkit._sql.rows import EVENT_COLUMNS
 from outboxkit.errors import ConfigurationError
+from outboxkit.storekit.names import table_names, validate_identifier, validate_table_names
+from outboxkit.storekit.queries import load_queries
+from outboxkit.storekit.rows import EVENT_COLUMNS
 
 __all__ = [
     "INDEX_SUFFIXES",

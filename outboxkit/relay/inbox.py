@@ -39,9 +39,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._sql.loader import load_queries
-from .._sql.names import validate_identifier
 from ..errors import ConfigurationError
+from ..storekit.names import validate_identifier
+from ..storekit.queries import load_queries
 
 __all__ = ["Inbox"]
 

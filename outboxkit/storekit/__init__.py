@@ -158,7 +158,7 @@ from ..store import (
     settle_one,
 )
 from ..waiter import AsyncClosingWaiter, ClosingWaiter
-from ._bases import (
+from .bases import (
     AsyncBatchBase,
     AsyncDeliveriesBase,
     AsyncStoreBase,

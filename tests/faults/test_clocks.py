@@ -128,13 +128,13 @@ def test_a_wall_clock_stepped_back_mid_batch_moves_no_lease_deadline(
         recorder = Recorder()
         outbox = Outbox(site.store, bus, lease=1.0, plugins=[recorder], load_entry_points=False)
         extends: list[int] = []
-        # A SQL store extends through _extend_on, whether the poller asks the store or its
-        # round (PostgreSQL's per-event deliveries); the memory store through extend.
-        name = "_extend_on" if hasattr(site.store, "_extend_on") else "extend"
+        # A SQL store extends through extend_on, whether the poller asks the store or its round
+        # (PostgreSQL's per-event deliveries); the memory store through extend.
+        name = "extend_on" if hasattr(site.store, "extend_on") else "extend"
         extend = getattr(site.store, name)
 
         def counted(*args: Any, **kw: Any) -> Any:
-            claims = args[1] if name == "_extend_on" else args[0]
+            claims = args[1] if name != "extend" else args[0]
             extends.append(len(claims))
             return extend(*args, **kw)
 

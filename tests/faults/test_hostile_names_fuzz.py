@@ -6,7 +6,7 @@ The options: ``PostgresStore``'s ``schema``, ``table_prefix``, ``events_table``,
 ``;``, ``--``, ``/*``, NUL, ``$``, dots, whitespace), Unicode lookalikes of letters, digits and
 ``_``, names over 63 bytes, the empty name, and valid names.
 
-The oracle, stated here independently of ``outboxkit._sql.names.IDENTIFIER``: a valid name is 1 to
+The oracle, stated here independently of ``outboxkit.storekit.names.IDENTIFIER``: a valid name is 1 to
 63 bytes of ASCII letters, digits and ``_``, not starting with a digit (the README's
 ``^[A-Za-z_][A-Za-z0-9_]{0,62}$``, read as a whole-string match: no trailing newline). For
 ``table_prefix`` the three names it makes (``{prefix}events``, ``{prefix}deliveries``,

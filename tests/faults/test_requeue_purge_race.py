@@ -56,12 +56,14 @@ def _race_one(
     results: dict[str, int] = {}
     with psycopg.connect(site.url) as holder:
         if first == "requeue":
-            rows = holder.execute(store._queries["requeue"], {"ids": [event_id], "now": None})
+            rows = holder.execute(
+                store.dialect.queries["requeue"], {"ids": [event_id], "now": None}
+            )
             results["requeue"] = len(rows.fetchall())
             second, waits_on = "purge", "WITH gone AS"
         else:
             cursor = holder.execute(
-                store._queries["purge_dead"],
+                store.dialect.queries["purge_dead"],
                 {
                     "ids": [event_id] if by == "ids" else None,
                     "before": None if by == "ids" else outbox.clock.now(),

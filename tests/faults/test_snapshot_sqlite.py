@@ -99,7 +99,7 @@ class Run:
 def _connections(store: SQLiteStore) -> list[sqlite3.Connection]:
     """The store's own connections (private: ``_Connections`` keeps the idle ones between
     calls; a file database has no shared one)."""
-    pool = store._connections
+    pool = store.dialect.connections
     return [*pool._idle, *([pool._shared] if pool._shared is not None else [])]
 
 

@@ -63,7 +63,7 @@ def s(seconds: float) -> timedelta:
 
 def row(store: MemoryStore, event_id: int) -> Any:
     """The memory store's row, for the timestamps ``Event`` does not carry."""
-    return store._events[event_id]
+    return store.tables.events[event_id]
 
 
 def enqueue(store: MemoryStore, outbox: Outbox, topic: str = "t", payload: Any = None, **kw: Any):

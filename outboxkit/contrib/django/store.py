@@ -26,6 +26,7 @@ import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime, timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from outboxkit.core.model import (
@@ -44,8 +45,10 @@ from outboxkit.waiter import ClosingWaiter
 from outboxkit_sqlite.connections import retry_busy
 from outboxkit_sqlite.delivery import Delivery as SQLiteDelivery
 from outboxkit_sqlite.delivery import check_owned, handler_failure
+from outboxkit_sqlite.dialect import SQLiteDialect
 from outboxkit_sqlite.errors import map_error as map_sqlite_error
 from outboxkit_sqlite.store import SQLiteStore
+from outboxkit_sqlite.tables import TableNames
 
 from .conf import config
 
@@ -264,8 +267,59 @@ def _open(alias: str, options: Mapping[str, Any]) -> _DjangoSQLite | _DjangoPost
 # -- SQLite -------------------------------------------------------------------------------------
 
 
+class _DjangoSQLiteDialect(SQLiteDialect):
+    """The SQLite store's dialect on Django's connection (its own connections are never used):
+    reads and writes in Django's atomic blocks."""
+
+    def __init__(self, alias: str, database: str, tables: TableNames, **options: Any) -> None:
+        super().__init__(None, tables, **options)
+        self.connections.close()  # the placeholder's one in-memory connection
+        self.memory = False
+        self.alias = alias
+        self.where = f"{database} (Django database {alias!r})"
+        events = tables.events.replace('"', '""')
+        # A write that changes nothing: the transaction's first statement takes the lock.
+        self.take_lock = f'UPDATE "{events}" SET id = id WHERE 0'  # noqa: S608
+
+    def raw(self) -> sqlite3.Connection:
+        raw: sqlite3.Connection = _django_connection(self.alias).connection
+        return raw
+
+    def lock(self, raw: sqlite3.Connection) -> None:
+        try:
+            retry_busy(raw.execute, self.take_lock, busy_timeout=self.busy_timeout)
+        except sqlite3.OperationalError as exc:
+            if "no such table" not in str(exc):  # before the first migration: nothing to lock
+                raise
+
+    @contextmanager
+    def atomic(self, doing: str, *, lock: bool) -> Iterator[sqlite3.Connection]:
+        """Django's atomic block on the alias (a savepoint inside one), errors mapped."""
+        from django.db import Error as DjangoError
+        from django.db import transaction
+
+        try:
+            with self.mapped(doing), transaction.atomic(using=self.alias):
+                raw = self.raw()
+                if lock:
+                    self.lock(raw)
+                yield raw
+        except DjangoError as exc:  # Django's commit or rollback failed
+            if isinstance(exc.__cause__, sqlite3.Error):
+                raise map_sqlite_error(exc.__cause__, self.where, doing) from exc
+            raise
+
+    def write(self, doing: str) -> AbstractContextManager[sqlite3.Connection]:  # type: ignore[override]
+        return self.atomic(doing, lock=True)
+
+    def read(self, doing: str) -> AbstractContextManager[sqlite3.Connection]:  # type: ignore[override]
+        return self.atomic(doing, lock=False)
+
+
 class _DjangoSQLite(SQLiteStore):
-    """The SQLite store on Django's connection (its own connections are never used)."""
+    """The SQLite store on Django's connection (``_DjangoSQLiteDialect``)."""
+
+    dialect: _DjangoSQLiteDialect
 
     def __init__(self, alias: str, **options: Any) -> None:
         self.alias = alias
@@ -276,58 +330,26 @@ class _DjangoSQLite(SQLiteStore):
             wrapper.connection.execute("PRAGMA journal_mode=WAL")
         options.setdefault("migrate", False)  # the Django migration (or `outboxkit migrate`)
         super().__init__(":memory:", **options)
-        self._connections.close()  # the placeholder's one in-memory connection
-        self.memory = False
         self.url = None
         self.capabilities = CAPABILITIES
-        events = self.tables.events.replace('"', '""')
-        # A write that changes nothing: the transaction's first statement takes the lock.
-        self._take_lock = f'UPDATE "{events}" SET id = id WHERE 0'  # noqa: S608
+
+    def _open_dialect(
+        self, path: Path | None, tables: TableNames, *, busy_timeout: float, wal_warn_bytes: int
+    ) -> _DjangoSQLiteDialect:
+        return _DjangoSQLiteDialect(
+            self.alias,
+            self._name,
+            tables,
+            busy_timeout=busy_timeout,
+            wal_warn_bytes=wal_warn_bytes,
+        )
 
     def __repr__(self) -> str:
         return f"DjangoStore(using={self.alias!r}, sqlite={self._name!r})"
 
-    @property
-    def _where(self) -> str:
-        return f"{self._name} (Django database {self.alias!r})"
-
-    def _raw(self) -> sqlite3.Connection:
-        raw: sqlite3.Connection = _django_connection(self.alias).connection
-        return raw
-
-    def _lock(self, raw: sqlite3.Connection) -> None:
-        try:
-            retry_busy(raw.execute, self._take_lock, busy_timeout=self.busy_timeout)
-        except sqlite3.OperationalError as exc:
-            if "no such table" not in str(exc):  # before the first migration: nothing to lock
-                raise
-
-    @contextmanager
-    def _atomic(self, doing: str, *, lock: bool) -> Iterator[sqlite3.Connection]:
-        """Django's atomic block on the alias (a savepoint inside one), errors mapped."""
-        from django.db import Error as DjangoError
-        from django.db import transaction
-
-        try:
-            with self._mapped(doing), transaction.atomic(using=self.alias):
-                raw = self._raw()
-                if lock:
-                    self._lock(raw)
-                yield raw
-        except DjangoError as exc:  # Django's commit or rollback failed
-            if isinstance(exc.__cause__, sqlite3.Error):
-                raise map_sqlite_error(exc.__cause__, self._where, doing) from exc
-            raise
-
-    def _write(self, doing: str) -> AbstractContextManager[sqlite3.Connection]:  # type: ignore[override]
-        return self._atomic(doing, lock=True)
-
-    def _read(self, doing: str) -> AbstractContextManager[sqlite3.Connection]:  # type: ignore[override]
-        return self._atomic(doing, lock=False)
-
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
-        with self._atomic("run a transaction", lock=True) as raw:
+        with self.dialect.atomic("run a transaction", lock=True) as raw:
             yield raw
 
     def claim(
@@ -344,18 +366,18 @@ class _DjangoSQLite(SQLiteStore):
     @contextmanager
     def delivery(self, claim: Claim, *, now: datetime | None) -> Iterator[SQLiteDelivery]:
         with (
-            self._atomic(f"deliver event {claim.event.id}", lock=True) as raw,
+            self.dialect.atomic(f"deliver event {claim.event.id}", lock=True) as raw,
             _delivering(self, raw, claim, now) as tx,
         ):
             yield tx
 
     @contextmanager
     def batch(self, *, now: datetime | None) -> Iterator[_SQLiteBatch]:  # type: ignore[override]
-        with self._atomic("run a batch", lock=True) as raw:
+        with self.dialect.atomic("run a batch", lock=True) as raw:
             yield _SQLiteBatch(self, raw)
 
     def clear(self) -> None:
-        with self._write("clear the outbox tables") as raw:
+        with self.dialect.write("clear the outbox tables") as raw:
             for table in (self.tables.deliveries, self.tables.events):
                 raw.execute('DELETE FROM "{}"'.format(table.replace('"', '""')))  # noqa: S608
 
@@ -372,7 +394,7 @@ class _SQLiteBatch(BatchBase):
     @contextmanager
     def delivery(self, claim: Claim, *, now: datetime | None) -> Iterator[SQLiteDelivery]:
         with (
-            self._store._atomic(f"deliver event {claim.event.id}", lock=False) as raw,
+            self._store.dialect.atomic(f"deliver event {claim.event.id}", lock=False) as raw,
             _delivering(self._store, raw, claim, now) as tx,
         ):
             yield tx
@@ -382,14 +404,14 @@ class _SQLiteBatch(BatchBase):
     ) -> list[Claim]:
         if not claims:
             return []
-        with self._store._mapped(f"extend {len(claims)} lease(s)"):
-            return self._store._extend_on(self._conn, claims, lease, now)
+        with self._store.dialect.mapped(f"extend {len(claims)} lease(s)"):
+            return self._store.extend_on(self._conn, claims, lease, now)
 
     def settle_many(self, items: Sequence[SettleItem], *, now: datetime | None) -> list[bool]:
         if not items:
             return []
-        with self._store._mapped(f"settle {len(items)} event(s)"):
-            return self._store._settle_many_on(self._conn, items, now)
+        with self._store.dialect.mapped(f"settle {len(items)} event(s)"):
+            return self._store.settle_many_on(self._conn, items, now)
 
 
 @contextmanager
@@ -398,16 +420,17 @@ def _delivering(
 ) -> Iterator[SQLiteDelivery]:
     """The SQLite store's delivery inside Django's open transaction: the token check, the
     delivery, the check that the handler left the transaction open. Commits nothing."""
-    at = store._instant(now)
-    check_owned(store, conn, claim)
-    tx = SQLiteDelivery(store, conn, claim, at)
+    dialect = store.dialect
+    at = dialect.instant(now)
+    check_owned(dialect, conn, claim)
+    tx = SQLiteDelivery(dialect, conn, claim, at)
     marked = _marked(store.alias)
     try:
         yield tx
         _refuse_marked(store.alias, claim, marked)
         tx.check_open()
     except Exception as exc:
-        instead = handler_failure(store, tx, claim, exc)
+        instead = handler_failure(dialect, tx, claim, exc)
         if instead is None:
             raise
         raise instead from exc
@@ -456,15 +479,39 @@ try:
     from outboxkit_pg.delivery import Batch as _PGBatch
     from outboxkit_pg.delivery import Delivery as _PGDelivery
     from outboxkit_pg.delivery import delivering as _pg_delivering
+    from outboxkit_pg.dialect import PostgresDialect as _PostgresDialect
     from outboxkit_pg.flow import check_usable as _pg_check_usable
+    from outboxkit_pg.names import Names as _PGNames
+    from outboxkit_pg.pool import Pool as _PGPool
+    from outboxkit_pg.store import SCHEMA_VERSION as _PG_SCHEMA_VERSION
     from outboxkit_pg.store import PostgresStore as _PostgresStore
 except ImportError:  # pragma: no cover - psycopg is not installed: SQLite only
     _PostgresStore = object  # type: ignore[assignment,misc]
+    _PostgresDialect = object  # type: ignore[assignment,misc]
     _PGBatch = object  # type: ignore[assignment,misc]
+
+
+class _DjangoPGDialect(_PostgresDialect):
+    """The PostgreSQL dialect whose connection is Django's (its pool is never opened)."""
+
+    def __init__(self, alias: str, pool: _PGPool, names: _PGNames, *, notify: bool) -> None:
+        super().__init__(pool, names, notify=notify, schema_version=_PG_SCHEMA_VERSION)
+        self.alias = alias
+
+    @contextmanager
+    def connection(self, doing: str, *, check_schema: bool = True) -> Iterator[Any]:
+        """Django's connection: autocommit outside an atomic block (one statement, one
+        transaction, as the store's own pool connections), the caller's transaction inside."""
+        raw = _django_connection(self.alias).connection
+        if check_schema and not self.schema_checked:
+            self.check_schema(raw)
+        yield raw
 
 
 class _DjangoPostgres(_PostgresStore):
     """The PostgreSQL store on Django's psycopg 3 connection (its pool is never opened)."""
+
+    dialect: _DjangoPGDialect
 
     def __init__(self, alias: str, **options: Any) -> None:
         from psycopg.conninfo import make_conninfo
@@ -487,17 +534,11 @@ class _DjangoPostgres(_PostgresStore):
     def __repr__(self) -> str:
         return f"DjangoStore(using={self.alias!r}, postgresql={self.where}, schema={self.names.schema!r})"
 
+    def _make_dialect(self, pool: _PGPool, names: _PGNames, *, notify: bool) -> _DjangoPGDialect:
+        return _DjangoPGDialect(self.alias, pool, names, notify=notify)
+
     def _raw(self) -> Any:
         return _django_connection(self.alias).connection
-
-    @contextmanager
-    def _connection(self, doing: str, *, check_schema: bool = True) -> Iterator[Any]:
-        """Django's connection: autocommit outside an atomic block (one statement, one
-        transaction, as the store's own pool connections), the caller's transaction inside."""
-        raw = self._raw()
-        if check_schema and not self._schema_checked:
-            self._check_schema(raw)
-        yield raw
 
     @contextmanager
     def _atomic(self, doing: str) -> Iterator[Any]:
@@ -506,11 +547,11 @@ class _DjangoPostgres(_PostgresStore):
         from django.db import transaction
 
         try:
-            with self._mapped(doing), transaction.atomic(using=self.alias):
+            with self.dialect.mapped(doing), transaction.atomic(using=self.alias):
                 yield self._raw()
         except DjangoError as exc:  # Django's commit or rollback failed
             if isinstance(exc.__cause__, psycopg.Error):
-                raise self._error(exc.__cause__, doing) from exc
+                raise self.dialect.error(exc.__cause__, doing) from exc
             raise
 
     def migrate(self) -> Migration:
@@ -550,7 +591,7 @@ class _DjangoPostgres(_PostgresStore):
         # and a delivery inside a test's transaction never commits that.
         with (
             self._atomic(f"deliver event {claim.event.id}") as raw,
-            _pg_delivering(self, raw, claim, now, _DjangoPGBatch(self, raw)) as tx,
+            _pg_delivering(self.dialect, raw, claim, now, _DjangoPGBatch(self, raw)) as tx,
         ):
             _ = tx.connection  # opened (row locked, token checked) before the handler runs
             marked = _marked(self.alias)
@@ -584,11 +625,11 @@ class _DjangoPGBatch(_PGBatch):
     whatever it touches: the ORM writes on Django's connection, never through
     ``ctx.connection``, and they must be inside the delivery's savepoint."""
 
-    _store: _DjangoPostgres
+    store: _DjangoPostgres
 
     @contextmanager
     def delivery(self, claim: Claim, *, now: datetime | None) -> Iterator[_PGDelivery]:
-        alias = self._store.alias
+        alias = self.store.alias
         marked = _marked(alias)
         try:
             with super().delivery(claim, now=now) as tx:

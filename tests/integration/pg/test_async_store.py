@@ -537,7 +537,7 @@ async def test_a_delivery_never_opened_is_its_fenced_record_alone(
         with pytest.raises(StoreError, match="await open"):
             tx.connection  # noqa: B018 - not open yet
         await tx.record("h", Outcome.SUCCEEDED)
-    assert sent == [[pg_store._queries["insert_record_fenced"]]]
+    assert sent == [[pg_store.dialect.queries["insert_record_fenced"]]]
     assert [r.handler for r in pg_store.records(claim.event.id)] == ["h"]
     sent.clear()
     await committed(side, Outbox(pg_store), "t", {})

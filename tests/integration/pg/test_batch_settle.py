@@ -44,13 +44,13 @@ def store(pg_url: str, pg_schema: str) -> Iterator[PostgresStore]:
 def statements(store: PostgresStore, monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The names of the statements the store runs, in order."""
     names: list[str] = []
-    run = store._rows
+    run = store.dialect.rows
 
     def spy(conn: Any, name: str, params: Any) -> Any:
         names.append(name)
         return run(conn, name, params)
 
-    monkeypatch.setattr(store, "_rows", spy)
+    monkeypatch.setattr(store.dialect, "rows", spy)
     return names
 
 
@@ -161,13 +161,13 @@ async def test_the_asyncio_batch_keeps_records_the_same_way(
     claims = claimed(store, 3)
     side = store.async_store()
     names: list[str] = []
-    run = side._rows
+    run = side.rows
 
     async def spy(conn: Any, name: str, params: Any) -> Any:
         names.append(name)
         return await run(conn, name, params)
 
-    monkeypatch.setattr(side, "_rows", spy)
+    monkeypatch.setattr(side, "rows", spy)
     try:
         async with side.batch(now=None) as batch:
             for claim in claims:
@@ -200,7 +200,7 @@ def test_a_batch_whose_handlers_never_took_the_connection_settles_last_in_one_st
     claims = claimed(store, 3)
     statements.clear()
     with store.batch(now=None) as batch:
-        conn = batch._conn
+        conn = batch.conn
         for claim in claims:
             with batch.delivery(claim, now=None) as tx:
                 tx.record("h", Outcome.SUCCEEDED)
@@ -219,7 +219,7 @@ def test_a_batch_whose_handler_took_the_connection_commits_once_at_its_end(
 ) -> None:
     claims = claimed(store, 2)
     with store.batch(now=None) as batch:
-        conn = batch._conn
+        conn = batch.conn
         with batch.delivery(claims[0], now=None) as tx:
             tx.record("h", Outcome.SUCCEEDED)
         assert conn.info.transaction_status == TransactionStatus.IDLE
@@ -247,7 +247,7 @@ def test_a_step_of_the_batch_before_its_settlement_begins_it(
         extended = batch.extend(claims, lease=LEASE * 10, now=None)
         assert [c.token for c in extended] == [c.token for c in claims]
         assert batch.settle_many([(claims[0], Publish(), None)], now=None) == [True]
-        assert batch._conn.info.transaction_status == TransactionStatus.INTRANS
+        assert batch.conn.info.transaction_status == TransactionStatus.INTRANS
         raise RuntimeError("poller died")
     assert seen_published(pg_url, store, claims) == [False, False]
     event = store.get(claims[1].event.id)
@@ -265,7 +265,7 @@ async def test_the_asyncio_batch_begins_lazily_the_same_way(
             for claim in claims[:2]:
                 async with batch.delivery(claim, now=None) as tx:
                     await tx.record("h", Outcome.SUCCEEDED)
-            assert batch._conn.info.transaction_status == TransactionStatus.IDLE
+            assert batch.conn.info.transaction_status == TransactionStatus.IDLE
             items = [(c, Publish(), None) for c in claims[:2]]
             assert await batch.settle_last(items, now=None) == [True, True]
             assert seen_published(pg_url, store, claims[:2]) == [True, True]
@@ -277,7 +277,7 @@ async def test_the_asyncio_batch_begins_lazily_the_same_way(
                     await tx.record("h", Outcome.SUCCEEDED)
             items = [(c, Publish(), None) for c in claims[2:]]
             assert await batch.settle_last(items, now=None) == [True, True]
-            assert batch._conn.info.transaction_status == TransactionStatus.INTRANS
+            assert batch.conn.info.transaction_status == TransactionStatus.INTRANS
             assert seen_published(pg_url, store, claims[2:]) == [False, False]
     finally:
         await side.close()

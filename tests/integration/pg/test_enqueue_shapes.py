@@ -106,10 +106,10 @@ def test_the_statement_follows_the_batch(pg_store: PostgresStore) -> None:
     plain = built(Message("t", {}), Message("t", {}, delay=1))
     keyed = built(Message("t", {}), Message("t", {}, key="k"))
     deduped = built(Message("t", {}), Message("t", {}, dedupe_key="d"))
-    assert pg_store._insert_query(plain, None)[0] == "enqueue_plain"
-    assert pg_store._insert_query(keyed, None)[0] == "enqueue"
-    assert pg_store._insert_query(deduped, None)[0] == "enqueue"
-    assert pg_store._insert_query(built(Message("t", {})), None)[0] == "enqueue_one"
-    queries = pg_store._queries
+    assert pg_store.dialect.insert_query(plain, None)[0] == "enqueue_plain"
+    assert pg_store.dialect.insert_query(keyed, None)[0] == "enqueue"
+    assert pg_store.dialect.insert_query(deduped, None)[0] == "enqueue"
+    assert pg_store.dialect.insert_query(built(Message("t", {})), None)[0] == "enqueue_one"
+    queries = pg_store.dialect.queries
     assert pg_store.portable_enqueue(plain, None)[0][0] == queries.text("enqueue_portable_plain")
     assert pg_store.portable_enqueue(keyed, None)[0][0] == queries.text("enqueue_portable")

@@ -112,14 +112,14 @@ def test_a_rounds_settlement_never_compares_every_row_with_every_claim(
     admin.execute(sql.SQL("ANALYZE {}").format(events))
     claims = store.claim(batch_size=500, lease=LEASE, now=None)
     items = [(c, Publish(), None) for c in claims]
-    name, params = store._settle_many_query(items, None)
+    name, params = store.statements.settle_many_query(items, None)
     assert name == "publish_many"
     if statement == "settle_many":
-        params = store._settle_many_params(items, None)
+        params = store.statements.settle_many_params(items, None)
     with admin.transaction(force_rollback=True):
         ((result,),) = admin.execute(
-            b"EXPLAIN (ANALYZE, FORMAT JSON) " + store._queries[statement],
-            store._params(params),
+            b"EXPLAIN (ANALYZE, FORMAT JSON) " + store.dialect.queries[statement],
+            store.dialect.params(params),
         ).fetchall()
     plan = list(nodes(result[0]["Plan"]))
     # Whether the planner probes the key or hashes one pass over the table is its cost
@@ -142,11 +142,11 @@ def test_a_claim_on_a_small_table_probes_the_key_instead_of_scanning_the_table(
     with store.transaction() as conn:
         store.enqueue(conn, [build_event("due", {"n": n}) for n in range(10_000)], now=None)
     admin.execute(sql.SQL("ANALYZE {}").format(events))
-    params = store._params({"now": None, "batch_size": 100, "lease": LEASE, "hold": False})
+    params = store.dialect.params({"now": None, "batch_size": 100, "lease": LEASE, "hold": False})
     with admin.transaction(force_rollback=True):
         admin.execute("SELECT set_config('plan_cache_mode', %s, true)", (plan_cache_mode,))
         ((result,),) = admin.execute(
-            b"EXPLAIN (ANALYZE, FORMAT JSON) " + store._queries["claim"], params
+            b"EXPLAIN (ANALYZE, FORMAT JSON) " + store.dialect.queries["claim"], params
         ).fetchall()
     plan = list(nodes(result[0]["Plan"]))
     scans = [n for n in plan if n.get("Relation Name") == store.names.events]

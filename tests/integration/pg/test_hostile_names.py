@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from psycopg import sql
 
 from outboxkit import ConfigurationError, open_store
-from outboxkit._sql.names import IDENTIFIER
+from outboxkit.storekit.names import IDENTIFIER
 from outboxkit_pg import PostgresStore
 
 from .conftest import drop_schema

@@ -119,7 +119,7 @@ def test_each_prepared_statement_mixup_names_the_pooler(sqlstate: str) -> None:
     assert pooler_mixup(exc)
     store = PostgresStore("postgresql://app@db.example:6432/shop")  # never connects
     try:
-        error = store._error(exc, "claim events")
+        error = store.dialect.error(exc, "claim events")
     finally:
         store.close()
     assert type(error) is StoreError, repr(error)
@@ -134,7 +134,7 @@ def test_another_protocol_violation_is_still_an_outage() -> None:
     assert not pooler_mixup(exc)
     store = PostgresStore("postgresql://app@db.example:6432/shop")  # never connects
     try:
-        error = store._error(exc, "claim events")
+        error = store.dialect.error(exc, "claim events")
     finally:
         store.close()
     assert isinstance(error, StoreUnavailable) and "PgBouncer" not in str(error)

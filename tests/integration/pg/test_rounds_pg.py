@@ -66,13 +66,13 @@ def test_a_round_pipelines_the_records_and_settles_after_reading_them(
 ) -> None:
     sent = _pipelined(monkeypatch)
     takes: list[int] = []
-    original = pg_store._pool.connection
+    original = pg_store.dialect.pool.connection
 
     def counted(doing: str) -> Any:
         takes.append(1)
         return original(doing)
 
-    monkeypatch.setattr(pg_store._pool, "connection", counted)
+    monkeypatch.setattr(pg_store.dialect.pool, "connection", counted)
     bus = EventBus()
     bus.subscribe("t", lambda e, ctx: None, name="h", transactional=transactional)
     ids = _enqueue(pg_store, 20)

@@ -323,7 +323,7 @@ def test_connections_dropped_in_the_pool_are_replaced_without_an_error(
         admin.execute("SELECT pg_terminate_backend(pid) FROM unnest(%s::int[]) AS pid", (pids,))
         # pg_terminate_backend only signals the backends: wait until each idle connection in
         # the pool has heard from its server (psycopg_pool internals, for this test only).
-        idle = list(store._pool._pool._pool)  # type: ignore[union-attr]
+        idle = list(store.dialect.pool._pool._pool)  # type: ignore[union-attr]
         assert wait_until(lambda: len(select.select(idle, [], [], 0)[0]) == len(idle), 30)
         for _ in range(5):  # every pooled connection is dead: each is found and replaced
             assert store.stats(now=None).total == 0
@@ -629,7 +629,7 @@ def test_the_claim_is_prepared_at_its_first_run(
         try:
             store.migrate()
             store.claim(batch_size=1, lease=LEASE, now=None)
-            with store._connection("count prepared statements") as conn:
+            with store.dialect.connection("count prepared statements") as conn:
                 row = conn.execute(
                     "SELECT count(*) FROM pg_prepared_statements"
                     " WHERE statement LIKE %s AND NOT from_sql",

@@ -106,7 +106,7 @@ def test_a_connection_the_server_ended_is_store_unavailable(sqlstate: str) -> No
     exc = pg_errors.lookup(sqlstate)(ENDED[sqlstate])
     assert exc.sqlstate == sqlstate
     store = PostgresStore(URL)  # never connects
-    error = store._error(exc, "commit the delivery of event 7")
+    error = store.dialect.error(exc, "commit the delivery of event 7")
     store.close()
     assert isinstance(error, StoreUnavailable), repr(error)
     assert "commit the delivery of event 7" in str(error) and ENDED[sqlstate] in str(error)
@@ -120,9 +120,9 @@ class _BrokenConnection:
 def test_an_error_on_a_broken_connection_is_store_unavailable() -> None:
     store = PostgresStore(URL)  # never connects
     broken: Any = _BrokenConnection()
-    error = store._error(psycopg.DatabaseError("lost"), "settle event 7", broken)
+    error = store.dialect.error(psycopg.DatabaseError("lost"), "settle event 7", broken)
     assert isinstance(error, StoreUnavailable), repr(error)
     # Any other database error stays a plain StoreError.
-    other = store._error(pg_errors.lookup("23505")("duplicate key"), "settle event 7")
+    other = store.dialect.error(pg_errors.lookup("23505")("duplicate key"), "settle event 7")
     assert type(other) is StoreError, repr(other)
     store.close()

@@ -71,7 +71,7 @@ def test_the_connection_comes_back_however_the_delivery_ends(
 ) -> None:
     end: Callable[[SQLiteStore, Claim], None] = ENDINGS[ending]
     end(store, _claim(store))
-    pool = store._connections
+    pool = store.dialect.connections
     if pool._shared is None:
         assert len(pool._idle) == 1  # the one the delivery took, back and reused each time
         assert not pool._idle[0].in_transaction

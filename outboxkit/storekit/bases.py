@@ -10,7 +10,6 @@ from datetime import UTC, datetime, timedelta
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from .._sql.rows import fold_stats
 from ..capabilities import Capabilities
 from ..core.model import (
     Claim,
@@ -37,6 +36,7 @@ from ..store import (
     SettleItem,
 )
 from ..waiter import AsyncClosingWaiter, ClosingWaiter
+from .rows import fold_stats
 
 if TYPE_CHECKING:
     from ..store import Store
