@@ -71,8 +71,14 @@ class Outbox:
         bus: the handler subscriptions; a fresh empty ``EventBus`` if omitted.
         clock: the clock; ``None`` means the store's production clock (the database clock on
             Postgres). Tests pass a ``FrozenClock``.
-        max_retries, backoff, interval, batch_size, lease, transaction, prefetch: app-wide poller
-            defaults (R14, see ``PollerOptions``); an option given to :meth:`poller` wins.
+        max_retries: app-wide poller default (R14, see ``PollerOptions``), as are the next
+            six; an option given to :meth:`poller` wins.
+        backoff: app-wide poller default: the retry delays.
+        interval: app-wide poller default: the wait between idle polls.
+        batch_size: app-wide poller default: events per claim.
+        lease: app-wide poller default: how long a claim is held.
+        transaction: app-wide poller default: ``"per_event"`` or ``"per_batch"``.
+        prefetch: app-wide poller default: claim the next batch while one is delivered.
         max_payload_bytes: the largest encoded payload ``enqueue`` accepts (default 1 MiB).
         dead_key: what a dead-lettered event does to the events after it of the same ``key``:
             ``"release"`` (default) lets them go on; ``"hold"`` keeps the key waiting until the

@@ -110,16 +110,19 @@ class PostgresStore(SQLStore):
             ``migrate()`` when missing).
         table_prefix: prefix of the three table names: ``{prefix}events``,
             ``{prefix}deliveries``, ``{prefix}schema`` (default ``outbox_``).
-        events_table, deliveries_table, schema_table: override one table name each.
+        events_table: the events table's name, instead of the prefix's.
+        deliveries_table: the delivery records table's name, instead of the prefix's.
+        schema_table: the schema version table's name, instead of the prefix's.
         channel: the ``LISTEN``/``NOTIFY`` channel (default: the events table's name).
         notify: ``NOTIFY`` at enqueue and let pollers ``LISTEN`` (default True). Turn it off
             behind PgBouncer in transaction pooling mode, together with ``prepare_threshold=None``.
         prepare_threshold: psycopg's server-side prepared statements (``None`` disables them).
-        pool_min_size, pool_max_size, pool_timeout: the store's own connection pool and its
-            asyncio side's (when a pool is given, the asyncio side's only): connections kept
-            open, at most, and how long (seconds) to wait for one before the store reports the
-            database unavailable. An asyncio poller delivering ``concurrency`` events at once
-            holds up to ``concurrency + 1`` connections.
+        pool_min_size: connections the store's own pool keeps open (and its asyncio side's;
+            when a pool is given, the asyncio side's only).
+        pool_max_size: connections the pools open at most. An asyncio poller delivering
+            ``concurrency`` events at once holds up to ``concurrency + 1`` connections.
+        pool_timeout: seconds to wait for a pool's connection before the store reports the
+            database unavailable.
         make_dialect: the store's dialect class, or a factory called as it is (the ``Pool``,
             the ``Names``, ``notify=``, ``schema_version=``): a dialect of the caller's, for a
             store on connections someone else holds (the Django store's runs on Django's

@@ -83,7 +83,9 @@ class SQLiteStore(SQLStore):
         path: the database file (created if missing; its directory must exist), or ``":memory:"``.
         table_prefix: prefix of the three table names (``outbox_`` gives ``outbox_events``,
             ``outbox_deliveries``, ``outbox_schema``).
-        events_table, deliveries_table, schema_table: override one table name each.
+        events_table: the events table's name, instead of the prefix's.
+        deliveries_table: the delivery records table's name, instead of the prefix's.
+        schema_table: the schema version table's name, instead of the prefix's.
         busy_timeout: seconds a connection waits for SQLite's write lock before giving up.
         wal_warn_bytes: a write-ahead log larger than this (default 64 MiB) gets a passive
             checkpoint; if a read transaction held open elsewhere keeps it from getting through,
