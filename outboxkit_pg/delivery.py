@@ -14,6 +14,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import psycopg
+from psycopg import errors as pg_errors
 from psycopg.pq import PipelineStatus, TransactionStatus
 from psycopg.rows import tuple_row
 
@@ -24,7 +25,7 @@ from outboxkit.storekit.rows import record_params
 from outboxkit.storekit.sql import SQLBatch
 
 from .flow import BatchGuard, Flow, Result, Statement, has_rows
-from .pipeline import RecordPipeline, drain
+from .pipeline import RecordPipeline, drain, fly, forget_prepared
 from .pool import Connection
 
 if TYPE_CHECKING:
@@ -261,7 +262,14 @@ def open_flow(flow: Flow[Connection], round_: Round | None = None) -> None:
     try:
         if round_ is not None:
             round_.before_use()
-        flow.opened(_sync(flow.conn, flow.opening()))
+        try:
+            results = _sync(flow.conn, flow.opening())
+        except pg_errors.InvalidSqlStatementName:  # gone: see ``Flow.reopening``
+            forget_prepared(flow.conn)
+            if not abort_quietly(flow.conn, flow.reopening()):
+                raise
+            results = _sync(flow.conn, flow.opening())
+        flow.opened(results)
     except BaseException as exc:
         error = flow.open_failed(exc)
         if error is exc:
@@ -270,18 +278,15 @@ def open_flow(flow: Flow[Connection], round_: Round | None = None) -> None:
 
 
 def _sync(conn: Connection, statements: Sequence[Statement]) -> list[Result]:
-    """Send ``statements`` in one pipeline sync (one alone: without the pipeline, whose
-    entry and exit cost more than the statement); what each returned."""
+    """Send ``statements`` in one pipeline sync (``pipeline.fly``; one alone through psycopg,
+    without a pipeline, whose entry and exit cost more than the statement); what each
+    returned."""
     if len(statements) == 1:
         (statement,) = statements
         cursor = conn.cursor(row_factory=tuple_row).execute(statement.query, statement.params)
         rows = cursor.fetchall() if has_rows(cursor) else []
         return [Result(cursor.rowcount, rows)]
-    with conn.pipeline():
-        cursors = [
-            conn.cursor(row_factory=tuple_row).execute(s.query, s.params) for s in statements
-        ]
-    return [Result(c.rowcount, c.fetchall() if has_rows(c) else []) for c in cursors]
+    return fly(conn, statements)
 
 
 def abort_quietly(conn: Connection, statements: Sequence[bytes]) -> bool:

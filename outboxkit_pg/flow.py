@@ -105,10 +105,12 @@ SAVEPOINT = Frame(
 
 @dataclass(frozen=True, slots=True)
 class Statement:
-    """One statement of a pipeline sync, with its bound values (None: no parameters)."""
+    """One statement of a pipeline sync, with its bound values (None: no parameters).
+    ``prepare``: one a delivery sends every time, run prepared (``pipeline.Flight``)."""
 
     query: bytes
     params: Mapping[str, Any] | None = None
+    prepare: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,8 +301,21 @@ class Flow(Generic[C]):
             statements.append(Statement(self.dialect.queries["lock_for_delivery"], self._params))
         if self.frame.begin:
             statements.append(Statement(self.frame.begin))
-        statements.append(Statement(self._lock, self._params))
+        statements.append(Statement(self._lock, self._params, prepare=True))
         return statements
+
+    def reopening(self) -> list[bytes]:
+        """The opening failed because the row lock's prepared statement was gone (psycopg
+        sends ``DEALLOCATE ALL`` after it saw a handler's ``ROLLBACK``, ``DROP`` or
+        ``ALTER``; a handler may ``DISCARD ALL``): what undoes that opening, before
+        ``opening`` is sent again (it prepares the statement anew). Nothing else ran in it."""
+        batch = self._batch
+        if batch is None:
+            return [self.frame.abort[0]]
+        if self._begins_batch:  # its own BEGIN: nothing of the batch's is in there yet
+            batch.begun = self._begins_batch = False
+            return [b"ROLLBACK"]
+        return list(SAVEPOINT.abort)
 
     def opened(self, results: Sequence[Result]) -> None:
         """Read the first sync's results; from now on the handler runs.
