@@ -61,7 +61,7 @@ class Delivery:
     def __init__(
         self,
         dialect: SQLiteDialect,
-        conn: StoreConnection,
+        conn: sqlite3.Connection,
         claim: Claim,
         now: int,
         opener: Callable[[], None] | None = None,
@@ -137,10 +137,10 @@ class Delivery:
         dialect = self._dialect
         with dialect.mapped(f"record {handler!r} for event {self._claim.event.id}"):
             # The record is outboxkit's write, not the handler's: a handler that made its
-            # connection read-only does not make the store fail (R18). Only a connection a
-            # handler set a PRAGMA on can be (``StoreConnection.tainted``).
+            # connection read-only does not make the store fail (R18). Of the store's own
+            # connections, only one a handler set a PRAGMA on can be (``tainted``).
             conn = self.conn
-            if conn.tainted:
+            if not isinstance(conn, StoreConnection) or conn.tainted:
                 conn.execute(WRITABLE)
             conn.execute(dialect.queries["insert_record"], params)
 
