@@ -10,8 +10,11 @@ changes the state that decision reads - then rolls back with ``flow.aborting()``
 waiting is the shell's own.
 
 Round trips: the transaction (or savepoint) opens in the same pipeline sync as the row lock,
-and the record and the COMMIT go in one more sync at the end (psycopg's pipeline mode,
-prepared statements): a one-handler event costs the handler's own statements plus two.
+and the record and the COMMIT go in one more sync at the end: a one-handler event costs the
+handler's own statements plus two (``tests/integration/pg/test_delivery_budget.py`` pins the
+counts per path). A sync of several statements is sent on libpq directly (``pipeline.Flight``,
+the row lock prepared under a name of outboxkit's own): psycopg's own pipeline costs more
+Python per statement than a round trip on one host.
 
 The commit guard (``migration_2`` in ``queries.sql``): ``lock_for_delivery`` marks the
 transaction as holding an open delivery and touches the event row, which queues a deferred
