@@ -38,7 +38,7 @@ from outboxkit.storekit.sql import AsyncSQLBatch, AsyncSQLStore, Row
 from .flow import BatchGuard, Flow, Result, Statement, Transaction, check_usable, has_rows
 from .listen import AsyncNotifyWaiter
 from .names import prepared
-from .pipeline import Flight, flight_result, forget_prepared
+from .pipeline import Flight, flight_result
 from .pool import AsyncConnection, AsyncPool
 
 if TYPE_CHECKING:
@@ -280,7 +280,6 @@ class AsyncDelivery(Transaction[AsyncConnection]):
             try:
                 results = await _sync(flow.conn, flow.opening())
             except pg_errors.InvalidSqlStatementName:  # gone: see ``Flow.reopening``
-                forget_prepared(flow.conn)
                 if not await abort_quietly(flow.conn, flow.reopening()):
                     raise
                 results = await _sync(flow.conn, flow.opening())

@@ -25,7 +25,7 @@ from outboxkit.storekit.rows import record_params
 from outboxkit.storekit.sql import SQLBatch
 
 from .flow import BatchGuard, Flow, Result, Statement, has_rows
-from .pipeline import RecordPipeline, drain, fly, forget_prepared
+from .pipeline import RecordPipeline, drain, fly
 from .pool import Connection
 
 if TYPE_CHECKING:
@@ -265,7 +265,6 @@ def open_flow(flow: Flow[Connection], round_: Round | None = None) -> None:
         try:
             results = _sync(flow.conn, flow.opening())
         except pg_errors.InvalidSqlStatementName:  # gone: see ``Flow.reopening``
-            forget_prepared(flow.conn)
             if not abort_quietly(flow.conn, flow.reopening()):
                 raise
             results = _sync(flow.conn, flow.opening())

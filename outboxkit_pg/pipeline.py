@@ -51,7 +51,7 @@ from .pool import AnyConnection
 if TYPE_CHECKING:
     from .dialect import PostgresDialect
 
-__all__ = ["Flight", "RecordPipeline", "drain", "flight_result", "fly", "forget_prepared"]
+__all__ = ["Flight", "RecordPipeline", "drain", "flight_result", "fly"]
 
 _STATEMENT = "outboxkit_record_{}"
 """The prepared statement's name, with a digest of its text: stores of other schemas or tables
@@ -317,13 +317,10 @@ _FORMS: dict[bytes, _Form] = {}
 """Each statement's ``_Form``, made at its first flight (a handful: the deliveries')."""
 
 _PREPARED: weakref.WeakKeyDictionary[AnyConnection, set[bytes]] = weakref.WeakKeyDictionary()
-"""The statements prepared on each connection by its flights (``Statement.prepare``)."""
-
-
-def forget_prepared(conn: AnyConnection) -> None:
-    """``conn``'s flights prepare their statements again (the server said one was gone:
-    psycopg sends ``DEALLOCATE ALL`` after it saw a handler's ``ROLLBACK`` or ``DROP``)."""
-    _PREPARED.pop(conn, None)
+"""The statements prepared on each connection by its flights (``Statement.prepare``). One
+the server says is gone (psycopg sends ``DEALLOCATE ALL`` after it saw a handler's
+``ROLLBACK``, ``DROP`` or ``ALTER``; a handler may run it) is forgotten, and only that one:
+preparing a statement that still exists would fail, and abort the transaction it is sent in."""
 
 
 class Flight:
@@ -338,7 +335,7 @@ class Flight:
     ``send``, then ``read`` each time the socket is readable until it returns the results.
     """
 
-    __slots__ = ("_conn", "_got", "_kinds", "_new", "_pg")
+    __slots__ = ("_conn", "_got", "_kinds", "_new", "_pg", "_used")
 
     def __init__(self, conn: AnyConnection) -> None:
         self._conn = conn
@@ -348,6 +345,7 @@ class Flight:
         ] = []  # per result expected: True for a statement's, False a prepare's
         self._got: list[pq.abc.PGresult] = []
         self._new: list[bytes] = []  # prepared in this flight (known once it succeeded)
+        self._used: list[bytes] = []  # run under a name prepared by an earlier flight
 
     def send(self, statements: Sequence[Statement]) -> bool:
         """Send ``statements`` and their sync; whether some is still to be flushed.
@@ -378,6 +376,8 @@ class Flight:
                     pg.send_prepare(form.name, form.query, form.types)
                     kinds.append(False)
                     self._new.append(form.name)
+                elif form.name not in self._new:
+                    self._used.append(form.name)
                 pg.send_query_prepared(form.name, values)
             else:
                 pg.send_query_params(form.query, values, form.types)
@@ -429,7 +429,10 @@ class Flight:
         if failed is not None:
             if failed.status == _ABORTED:  # a prepare failed before it: its error came first
                 raise psycopg.OperationalError("a delivery's pipeline was aborted")
-            raise pg_errors.error_from_result(failed, encoding=self._conn.info.encoding)
+            error = pg_errors.error_from_result(failed, encoding=self._conn.info.encoding)
+            if isinstance(error, pg_errors.InvalidSqlStatementName):
+                _PREPARED.get(self._conn, set()).difference_update(self._used)
+            raise error
         if self._new:
             _PREPARED.setdefault(self._conn, set()).update(self._new)
         return results

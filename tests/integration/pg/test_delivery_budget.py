@@ -19,11 +19,10 @@ import psycopg
 import pytest
 from psycopg import sql
 
-import outboxkit_pg.aio
-import outboxkit_pg.delivery
 from outboxkit import Event, EventBus, Outbox
 from outboxkit.core.payload import build_event
-from outboxkit_pg import PostgresStore, pipeline
+from outboxkit_pg import PostgresStore
+from outboxkit_pg.flow import Flow
 
 from .conftest import migrated_store
 
@@ -199,15 +198,14 @@ def _deallocating_bus(table: sql.Identifier, asyncio: bool) -> EventBus:
 def test_a_delivery_whose_prepared_row_lock_is_gone_prepares_it_again(
     pg_store: PostgresStore, transaction: str, asyncio: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    forgotten: list[object] = []
-    forget = pipeline.forget_prepared
-    module = outboxkit_pg.aio if asyncio else outboxkit_pg.delivery
+    reopened: list[object] = []
+    reopening = Flow.reopening
 
-    def counted(conn: Any) -> None:
-        forgotten.append(conn)
-        forget(conn)
+    def counted(flow: Flow[Any]) -> list[bytes]:
+        reopened.append(flow)
+        return reopening(flow)
 
-    monkeypatch.setattr(module, "forget_prepared", counted)
+    monkeypatch.setattr(Flow, "reopening", counted)
     table = sql.Identifier(pg_store.names.schema, "app_rows")
     with pg_store.transaction() as conn:
         conn.execute(sql.SQL("CREATE TABLE {} (event_id bigint PRIMARY KEY)").format(table))
@@ -235,4 +233,34 @@ def test_a_delivery_whose_prepared_row_lock_is_gone_prepares_it_again(
             )
         ).fetchone()
     assert records == (5,)
-    assert len(forgotten) == 4  # every delivery after the first found it gone
+    assert len(reopened) == 4  # every delivery after the first found it gone
+
+
+def test_per_event_and_batch_row_locks_on_one_connection_a_handler_deallocates(
+    pg_url: str,
+) -> None:
+    """One connection, per-event and batch deliveries in turn, a handler dropping every
+    prepared statement of the session once: each row lock found gone is prepared again (only
+    that one: preparing one that is still there would fail, and abort the transaction), and
+    every event is delivered once, none retried."""
+    with migrated_store(pg_url, notify=False, pool_min_size=1, pool_max_size=1) as store:
+        table = sql.Identifier(store.names.schema, "app_rows")
+        insert = sql.SQL("INSERT INTO {} (event_id) VALUES (%s)").format(table)
+        with store.transaction() as conn:
+            conn.execute(sql.SQL("CREATE TABLE {} (event_id bigint PRIMARY KEY)").format(table))
+            ids = store.enqueue(conn, [build_event("t", {"n": n}) for n in range(4)], now=None)
+        bus = EventBus()
+
+        def handle(event: Event, ctx: Any) -> None:
+            ctx.connection.execute(insert, (event.id,))
+            if event.id == ids[0]:
+                ctx.connection.execute("DEALLOCATE ALL")
+
+        bus.subscribe("t", handle, name="h")
+        outbox = Outbox(store, bus, load_entry_points=False)
+        published = []
+        for transaction in ("per_event", "per_batch", "per_event", "per_batch"):
+            report = outbox.poller(transaction=transaction, batch_size=1).run_once()
+            assert report.retried == [] and report.dead_lettered == [], report
+            published += report.published
+        assert published == ids
