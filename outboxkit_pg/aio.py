@@ -38,7 +38,7 @@ from outboxkit.storekit.sql import AsyncSQLBatch, AsyncSQLStore, Row
 from .flow import BatchGuard, Flow, Result, Statement, Transaction, check_usable, has_rows
 from .listen import AsyncNotifyWaiter
 from .names import prepared
-from .pipeline import Flight, flight_result
+from .pipeline import Flight, flight_result, implicit_begin
 from .pool import AsyncConnection, AsyncPool
 
 if TYPE_CHECKING:
@@ -415,15 +415,22 @@ async def restart(
 
 
 async def _sync(conn: AsyncConnection, statements: Sequence[Statement]) -> list[Result]:
-    """Send ``statements`` in one pipeline sync (``pipeline.Flight``; one alone through
-    psycopg, without a pipeline, whose entry and exit cost more than the statement); what
-    each returned."""
+    """Send ``statements`` in one pipeline sync (``pipeline.Flight``; through psycopg one
+    alone, without a pipeline, whose entry and exit cost more than the statement, and all of
+    them on a connection psycopg is to begin a transaction on: ``implicit_begin``); what each
+    returned."""
+    if len(statements) > 1 and not implicit_begin(conn):
+        return await _fly(conn, statements)
     if len(statements) == 1:
         (statement,) = statements
         cursor = await conn.cursor(row_factory=tuple_row).execute(statement.query, statement.params)
         rows = await cursor.fetchall() if has_rows(cursor) else []
         return [Result(cursor.rowcount, rows)]
-    return await _fly(conn, statements)
+    async with conn.pipeline():
+        cursors = [
+            await conn.cursor(row_factory=tuple_row).execute(s.query, s.params) for s in statements
+        ]
+    return [Result(c.rowcount, await c.fetchall() if has_rows(c) else []) for c in cursors]
 
 
 async def _fly(conn: AsyncConnection, statements: Sequence[Statement]) -> list[Result]:

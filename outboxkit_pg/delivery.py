@@ -25,7 +25,7 @@ from outboxkit.storekit.rows import record_params
 from outboxkit.storekit.sql import SQLBatch
 
 from .flow import BatchGuard, Flow, Result, Statement, has_rows
-from .pipeline import RecordPipeline, drain, fly
+from .pipeline import RecordPipeline, drain, fly, implicit_begin
 from .pool import Connection
 
 if TYPE_CHECKING:
@@ -277,15 +277,22 @@ def open_flow(flow: Flow[Connection], round_: Round | None = None) -> None:
 
 
 def _sync(conn: Connection, statements: Sequence[Statement]) -> list[Result]:
-    """Send ``statements`` in one pipeline sync (``pipeline.fly``; one alone through psycopg,
-    without a pipeline, whose entry and exit cost more than the statement); what each
+    """Send ``statements`` in one pipeline sync (``pipeline.fly``; through psycopg one alone,
+    without a pipeline, whose entry and exit cost more than the statement, and all of them on
+    a connection psycopg is to begin a transaction on: ``implicit_begin``); what each
     returned."""
+    if len(statements) > 1 and not implicit_begin(conn):
+        return fly(conn, statements)
     if len(statements) == 1:
         (statement,) = statements
         cursor = conn.cursor(row_factory=tuple_row).execute(statement.query, statement.params)
         rows = cursor.fetchall() if has_rows(cursor) else []
         return [Result(cursor.rowcount, rows)]
-    return fly(conn, statements)
+    with conn.pipeline():
+        cursors = [
+            conn.cursor(row_factory=tuple_row).execute(s.query, s.params) for s in statements
+        ]
+    return [Result(c.rowcount, c.fetchall() if has_rows(c) else []) for c in cursors]
 
 
 def abort_quietly(conn: Connection, statements: Sequence[bytes]) -> bool:

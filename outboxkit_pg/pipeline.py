@@ -51,7 +51,7 @@ from .pool import AnyConnection
 if TYPE_CHECKING:
     from .dialect import PostgresDialect
 
-__all__ = ["Flight", "RecordPipeline", "drain", "flight_result", "fly"]
+__all__ = ["Flight", "RecordPipeline", "drain", "flight_result", "fly", "implicit_begin"]
 
 _STATEMENT = "outboxkit_record_{}"
 """The prepared statement's name, with a digest of its text: stores of other schemas or tables
@@ -436,6 +436,14 @@ class Flight:
         if self._new:
             _PREPARED.setdefault(self._conn, set()).update(self._new)
         return results
+
+
+def implicit_begin(conn: AnyConnection) -> bool:
+    """Whether psycopg would begin a transaction before the next statement on ``conn`` (a
+    connection without autocommit, idle: an app's own, Django's), with the isolation level
+    and access mode the app set on it: a flight, which psycopg does not see, must not be sent
+    there (the delivery's syncs go through psycopg's own pipeline instead)."""
+    return not conn.autocommit and conn.pgconn.transaction_status == _IDLE
 
 
 def _flight_text(value: Any, encoding: str) -> bytes | None:
