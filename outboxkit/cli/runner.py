@@ -302,7 +302,10 @@ def run(settings: RunSettings) -> int:
     with (
         _logging(settings.log_level, prefix) as status,
         open_outbox(
-            app=settings.app, store_url=settings.store_url, store_options=settings.store_options
+            app=settings.app,
+            store_url=settings.store_url,
+            store_options=settings.store_options,
+            must_exist=True,
         ) as outbox,
     ):
         # Validate the options here, once, before any child is started.
