@@ -565,7 +565,7 @@ def _poll_here(
                 progress.maybe_show()
         worker.join()
     if progress is not None:
-        progress.status.clear()
+        progress.finish()  # the true last counts, kept above the log's end
     if failure:
         raise failure[0]
     if stopping.deadline is not None:
@@ -744,6 +744,8 @@ class _Supervisor:
                     self._signal_all(signal.SIGKILL)
                     for relay in self.relays:  # their last lines, before ours
                         relay.join(timeout=5)
+                    if self.progress is not None:
+                        self.progress.finish()  # every child has stopped: the true counts
                     self.status.clear()
         finally:
             if server is not None:
