@@ -9,8 +9,8 @@ The ops commands open a store without creating or migrating anything (``existing
 SQLite store opens with ``create=False, migrate=False``, so a mistyped path is an error, not a
 new empty database (``run`` opens it with ``create=False``: the same error, and an existing
 database is migrated as the store does on open), and only ``outboxkit migrate`` changes a
-schema (a PostgreSQL store never creates or migrates on open). ``migrate`` opens it with ``migrate=False`` itself, so that its
-own ``migrate()`` reports what it did.
+schema (a PostgreSQL store never creates or migrates on open). ``migrate`` opens it with
+``migrate=False`` itself, so that its own ``migrate()`` reports what it did.
 """
 
 from __future__ import annotations
