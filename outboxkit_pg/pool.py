@@ -166,6 +166,7 @@ class Pool:
         self.min_size, self.max_size, self.timeout, self.name = min_size, max_size, timeout, name
         self.secrets: tuple[str, ...] = ()
         self.where = "the pool's server"
+        self._connect_errors_seen = 0
         if isinstance(conninfo, ConnectionPool | Lender):
             self._pool: ConnectionPool[Any] | Lender | None = conninfo
             self.owned = False
@@ -330,11 +331,29 @@ class Pool:
         return CannotConnect(f"cannot connect to PostgreSQL at {self.where} ({doing}): {reason}")
 
     def exhausted(self, doing: str) -> StoreUnavailable:
-        """The direct attempt connected: the pool is full."""
+        """The direct attempt connected: the pool is full, or (the true cause after an outage)
+        its own connection attempts failed and it is waiting to try again."""
+        failed = self._connect_failures()
+        if failed:
+            return StoreUnavailable(
+                f"PostgreSQL at {self.where} ({doing}): the pool had no connection within "
+                f"{self.timeout:g} s: {failed} of its connection attempts failed (the server "
+                "was unreachable or refused them; a direct connection now succeeds, so the "
+                "pool is reconnecting)"
+            )
         return StoreUnavailable(
             f"PostgreSQL at {self.where} ({doing}): no free connection in the pool within "
             f"{self.timeout:g} s (pool_max_size={self.max_size})"
         )
+
+    def _connect_failures(self) -> int:
+        """The store's own pool's failed connection attempts since the last call."""
+        pool = self._pool
+        if not isinstance(pool, ConnectionPool) or not self.owned:
+            return 0
+        errors = pool.get_stats().get("connections_errors", 0)
+        failed, self._connect_errors_seen = errors - self._connect_errors_seen, errors
+        return max(failed, 0)
 
     def close(self) -> None:
         """Close the store's own pool (a pool passed in is left open)."""
