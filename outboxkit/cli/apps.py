@@ -57,11 +57,8 @@ def load_object(
     try:
         target: Any = importlib.import_module(module_name)
     except Exception as exc:
-        hint = _django_hint(exc)
-        raise LoadError(
-            f"cannot import {module_name!r} for {what} {spec!r}: {type(exc).__name__}: {exc}"
-            f"{hint}"
-        ) from None
+        problem = f"{type(exc).__name__}: {exc}{_django_hint(exc)}"
+        raise LoadError(f"cannot import {module_name!r} for {what} {spec!r}: {problem}") from None
     try:
         for part in attribute.split("."):
             target = getattr(target, part)

@@ -48,9 +48,7 @@ def outboxkit_argv(args: list[str], app: str) -> list[str]:
 
 
 class Command(BaseCommand):  # type: ignore[misc]  # Django has no type hints
-    help = (
-        "outboxkit: run pollers and operate the outbox (run, status, dead, purge, migrate, web)."
-    )
+    help = "outboxkit: run pollers and operate the outbox (run, status, dead, purge, migrate, web)."
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("args", nargs=argparse.REMAINDER)
