@@ -22,7 +22,7 @@ import click
 from ..core.model import DeadKey, DeadLetter, DeliveryRecord, Event, Stats, UndecodablePayload
 from ..core.text import printable_json
 from ..outbox import Outbox
-from ..reading import DeadEventKey, dead_keys, iter_dead_letters
+from ..reading import DEFAULT_PAGE_SIZE, DeadEventKey, dead_keys, iter_dead_letters
 from .errors import InputError
 from .output import age, clip, echo, print_json, table
 from .params import DURATION, EVENT_ID, Since, Whole, format_duration
@@ -269,14 +269,17 @@ def dead_list(
     ) as outbox:
         policy = dead_key_policy(outbox, app)
         letters = iter_dead_letters(outbox, topic=topic, since=since, limit=limit)
-        count = _print_json_list(letters, policy) if as_json else _print_rows(letters, policy)
         if as_json:
+            _print_json_list(letters, policy)
             return
+        keyed: list[bool] = []
+        count = _print_rows(letters, policy, keyed)
         if count == 0:
             echo("no dead letters")
             return
         echo(f"{count} dead letter(s)" + (f" (--limit {limit})" if count == limit else ""))
-        dead_key_count = outbox.stats().dead_keys
+        # The count of keys costs a read of the counts: only when a listed letter had a key.
+        dead_key_count = outbox.stats().dead_keys if keyed else 0
     if dead_key_count:
         echo(f"dead-key policy: {_describe_policy(policy)}")
         echo(f"keys with a dead event: {dead_key_count} ({_held_or_not(policy)})")
@@ -286,17 +289,21 @@ _LIST_COLUMNS = (("ID", 10, ">"), ("TOPIC", 28, "<"), ("ATTEMPTS", 8, ">"))
 _LIST_TAIL = (("FAILED AT", 25, "<"), ("KEY", 30, "<"), ("LAST ERROR", 0, "<"))
 
 
-def _print_rows(letters: Iterator[DeadLetter], policy: DeadKey | None) -> int:
-    """One line per dead letter, in fixed columns (the rows are not all known up front)."""
+def _print_rows(letters: Iterator[DeadLetter], policy: DeadKey | None, keyed: list[bool]) -> int:
+    """One line per dead letter, in fixed columns (the rows are not all known up front),
+    printed a page at a time; ``keyed`` gets an entry when one has a key."""
     count = 0
+    lines: list[str] = []
     for letter in letters:
         if count == 0:
-            echo(_row([title for title, _, _ in _LIST_COLUMNS + _LIST_TAIL]))
+            lines.append(_row([title for title, _, _ in _LIST_COLUMNS + _LIST_TAIL]))
         event = letter.event
         key = "" if event.key is None else clip(event.key, 22)
+        if key and not keyed:
+            keyed.append(True)
         if key and policy == "hold":
             key += " (held)"
-        echo(
+        lines.append(
             _row(
                 [
                     str(event.id),
@@ -309,6 +316,11 @@ def _print_rows(letters: Iterator[DeadLetter], policy: DeadKey | None) -> int:
             )
         )
         count += 1
+        if len(lines) >= DEFAULT_PAGE_SIZE:
+            echo("\n".join(lines))
+            lines.clear()
+    if lines:
+        echo("\n".join(lines))
     return count
 
 
