@@ -66,18 +66,23 @@ _PROBE_TIMEOUT = 5  # seconds libpq may spend finding out why the pool cannot co
 _SETS_TIMEZONE = re.compile(r"timezone\s*=", re.IGNORECASE)
 
 
-def utc_options(options: str | None) -> str:
-    """Connection ``options`` (libpq's) that also set the session's ``TimeZone`` to UTC, unless
-    they set one already.
+SET_UTC = b"SET TimeZone TO 'UTC'"
+_UTC = b"UTC"
 
-    The store's own connections load ``timestamptz`` columns as datetimes in ``datetime.UTC``
-    then, whatever the server's default zone: psycopg converts each one to a named zone
-    otherwise (a server's default of ``Etc/UTC`` too), at three times the cost (a row of three
-    ``timestamptz``: 0.93 against 0.30 µs, measured), on every row a claim returns.
-    """
-    if options and _SETS_TIMEZONE.search(options):
-        return options
-    return f"{options} -c TimeZone=UTC" if options else "-c TimeZone=UTC"
+
+def zone_given(options: str | None, environ: Mapping[str, str]) -> bool:
+    """Whether the connection settings name a session time zone: ``TimeZone`` in the
+    ``options`` given (or, without them, in ``PGOPTIONS``), or ``PGTZ``. The store's own
+    connections are put in UTC only when they do not."""
+    if "PGTZ" in environ:
+        return True
+    given = options if options else environ.get("PGOPTIONS")
+    return bool(given and _SETS_TIMEZONE.search(given))
+
+
+def needs_utc(conn: AnyConnection) -> bool:
+    """The session's zone, as the server last reported it, is not UTC (no round trip)."""
+    return conn.pgconn.parameter_status(b"TimeZone") != _UTC
 
 
 def is_url(conninfo: object) -> bool:
@@ -167,6 +172,16 @@ class Pool:
         self.secrets: tuple[str, ...] = ()
         self.where = "the pool's server"
         self._connect_errors_seen = 0
+        self.utc = False
+        """Put the store's own sessions in UTC: ``SET TimeZone`` when a connection is made,
+        and again when one comes back to the pool in another zone (a delivery's ``RESET
+        ALL``). psycopg then loads ``timestamptz`` values as datetimes in ``datetime.UTC``,
+        its cheapest conversion (a named zone, the server's ``Etc/UTC`` default too, costs
+        three times as much: 0.93 against 0.30 µs for a row of three, on every row a claim
+        returns). A ``SET`` and not libpq's ``options`` startup parameter: a transaction
+        pooler refuses that one ("unsupported startup parameter: options"), while PgBouncer
+        keeps a ``TimeZone`` a client ``SET`` for that client, on whichever server connection
+        runs its transactions."""
         if isinstance(conninfo, ConnectionPool | Lender):
             self._pool: ConnectionPool[Any] | Lender | None = conninfo
             self.owned = False
@@ -183,11 +198,10 @@ class Pool:
             self.where, self.secrets, params = describe(self.conninfo)
             if "application_name" not in params and "application_name" not in self.kwargs:
                 self.kwargs["application_name"] = "outboxkit"
-            # The store's own connections in UTC (``utc_options``), unless PGTZ asks otherwise;
-            # given options (or PGOPTIONS, which given ones replace) are kept.
-            if self.owned and "PGTZ" not in os.environ:
-                given = self.kwargs.get("options", params.get("options"))
-                self.kwargs["options"] = utc_options(given or os.environ.get("PGOPTIONS"))
+            # The store's own connections in UTC, unless the settings name a zone (see
+            # ``utc``); given options are passed on as they are, none added.
+            given = self.kwargs.get("options", params.get("options"))
+            self.utc = self.owned and not zone_given(given, os.environ)
 
     @property
     def closed(self) -> bool:
@@ -201,7 +215,11 @@ class Pool:
         """The arguments of a pool of the store's own, besides the conninfo: autocommit
         connections (every write is one statement; a delivery begins its own transaction)."""
         kwargs = {**self.connect_kwargs(asyncio=asyncio), "autocommit": True}
+        in_utc: dict[str, Any] = {}
+        if self.utc and not asyncio:  # the asyncio side passes its own (``AsyncPool``)
+            in_utc = {"configure": _put_in_utc, "reset": _put_in_utc}
         return {
+            **in_utc,
             "kwargs": kwargs,
             "min_size": self.min_size,
             "max_size": self.max_size,
@@ -403,7 +421,10 @@ class AsyncPool:
                 assert self.sync.conninfo is not None
                 await self.probe(doing)
                 pool = AsyncConnectionPool(
-                    self.sync.conninfo, configure=self._made_one, **self.sync.options(asyncio=True)
+                    self.sync.conninfo,
+                    configure=self._made_one,
+                    reset=_put_in_utc_async if self.sync.utc else None,
+                    **self.sync.options(asyncio=True),
                 )
                 closer = asyncio.create_task(_close_at_loop_end(pool), name=pool.name)
                 # Wait for the first connections (``pool_min_size``): none is left half made
@@ -432,6 +453,8 @@ class AsyncPool:
 
     async def _made_one(self, conn: AsyncConnection) -> None:
         self._made.add(conn)
+        if self.sync.utc:
+            await _put_in_utc_async(conn)
 
     @asynccontextmanager
     async def connection(self, doing: str) -> AsyncIterator[AsyncConnection]:
@@ -551,6 +574,17 @@ async def _close_at_loop_end(pool: AsyncConnectionPool[Any]) -> None:
     except asyncio.CancelledError:
         await pool.close()
         raise
+
+
+def _put_in_utc(conn: Connection) -> None:
+    """``Pool.utc``: a connection made, or back in the pool (autocommit, idle)."""
+    if needs_utc(conn):
+        conn.execute(SET_UTC, prepare=False)
+
+
+async def _put_in_utc_async(conn: AsyncConnection) -> None:
+    if needs_utc(conn):
+        await conn.execute(SET_UTC, prepare=False)
 
 
 def hold_transaction(conn: AnyConnection) -> None:
