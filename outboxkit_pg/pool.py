@@ -154,6 +154,8 @@ class Pool:
         kwargs: connection keyword arguments (``prepare_threshold``...).
         min_size, max_size, timeout: the store's own pool (and the asyncio side's).
         name: the pool's name (in psycopg_pool's logs).
+        listen_conninfo: where the ``LISTEN`` connection goes, if not where ``conninfo`` does
+            (the server itself, behind a transaction pooler).
     """
 
     def __init__(
@@ -165,6 +167,7 @@ class Pool:
         max_size: int,
         timeout: float,
         name: str,
+        listen_conninfo: str | None = None,
     ) -> None:
         self._lock = threading.Lock()
         self._closed = False
@@ -202,6 +205,12 @@ class Pool:
             # ``utc``); given options are passed on as they are, none added.
             given = self.kwargs.get("options", params.get("options"))
             self.utc = self.owned and not zone_given(given, os.environ)
+        self.listening_to: str | None = listen_conninfo or self.conninfo
+        """The conninfo of the ``LISTEN`` connection (None: there can be none)."""
+        self.listening_where = self.where
+        if listen_conninfo is not None:
+            self.listening_where, secrets, _ = describe(listen_conninfo)
+            self.secrets = tuple(sorted({*self.secrets, *secrets}, key=len, reverse=True))
 
     @property
     def closed(self) -> bool:
