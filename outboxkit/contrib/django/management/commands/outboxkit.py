@@ -12,7 +12,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from outboxkit.errors import ConfigurationError
 
-COMMANDS = ("run", "status", "dead", "purge", "migrate", "web")
+COMMANDS = ("run", "status", "dead", "purge", "migrate", "web", "doctor")
 
 
 def outboxkit_argv(args: list[str], app: str) -> list[str]:
