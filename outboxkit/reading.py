@@ -43,6 +43,7 @@ def iter_dead_letters(
     since: datetime | timedelta | None = None,
     limit: int | None = None,
     page_size: int = DEFAULT_PAGE_SIZE,
+    after: tuple[datetime, int] | None = None,
 ) -> Iterator[DeadLetter]:
     """Dead letters, oldest failure first, read ``page_size`` at a time.
 
@@ -53,6 +54,7 @@ def iter_dead_letters(
             once, at the start, by the store's clock).
         limit: at most this many; None: all.
         page_size: dead letters per read (1 to 10,000).
+        after: start after this ``(failed_at, id)`` (a page's last, to page by keyset).
 
     Raises:
         ConfigurationError: a bad page size, limit, topic or ``since``.
@@ -65,7 +67,7 @@ def iter_dead_letters(
     if isinstance(since, timedelta):
         since = before(outbox.now(), since)
     given = 0
-    cursor: tuple[datetime, int] | None = None
+    cursor: tuple[datetime, int] | None = after
     at_cursor = 0  # dead letters given that failed at the cursor's instant
     extra = 0  # more rows to read when a page held nothing new (rows sharing one instant)
     while limit is None or given < limit:
