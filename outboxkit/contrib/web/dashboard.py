@@ -38,7 +38,7 @@ __all__ = [
     "Survey",
 ]
 
-READ_PAGE = 25
+READ_PAGE = 10
 """Events per store read: with payloads of up to 1 MiB, a read holds at most this many MiB."""
 PAGE_ROWS = 25
 """Rows a list page shows."""
@@ -125,6 +125,7 @@ class Survey:
     due events (at most ``show``) and failures by handler, nothing else kept."""
 
     scanned: int = 0
+    first_id: int = 0  # read after this id
     last_id: int = 0
     complete: bool = True
     due: list[Event] = field(default_factory=list)
@@ -171,6 +172,9 @@ class Dashboard:
         self.policy: DeadKey | None = outbox.dead_key if policy_known else None
         self._samples: deque[Sample] = deque(maxlen=keep)
         self._sessions: dict[str, _Session] = {}
+        # Below this id every event was published when last surveyed: published is final, so
+        # the next survey starts there (a long history is read once, not on every refresh).
+        self._survey_from = 0
         self._lock = threading.Lock()
 
     def check_token(self, given: str | None) -> bool:
@@ -239,16 +243,23 @@ class Dashboard:
             after_id = page[-1].id
             del page  # one page at a time: its payloads go before the next read
 
-    def survey(self, now: datetime, *, after_id: int = 0, show: int = 10) -> Survey:
-        """The oldest due events and failures by handler, from ``after_id`` on, reading at
-        most ``SCAN_BUDGET`` events."""
-        found = Survey(last_id=after_id)
+    def survey(self, now: datetime, *, after_id: int | None = None, show: int = 10) -> Survey:
+        """The oldest due events and failures by handler, from ``after_id`` on (default: past
+        the published events the last survey found below every other), reading at most
+        ``SCAN_BUDGET`` events."""
+        if after_id is None:
+            with self._lock:
+                after_id = self._survey_from
+        found = Survey(first_id=after_id, last_id=after_id)
+        open_from: int | None = None  # the first id read that is not published
         due: list[Event] = []  # the oldest ``show`` due events, without their payloads
         failing: dict[str, tuple[set[str], int, int]] = {}
         by_topic: dict[str, int] = {}
         for event in self._events(after_id):
             found.scanned += 1
             found.last_id = event.id
+            if open_from is None and event.state is not State.PUBLISHED:
+                open_from = event.id - 1
             by_topic[event.topic] = by_topic.get(event.topic, 0) + 1
             if _state_name(event, now) == "due" and event.available_at is not None:
                 due.append(_without_payload(event))
@@ -265,6 +276,10 @@ class Dashboard:
                 found.complete = False
                 break
         found.due = sorted(due, key=_due_order)
+        with self._lock:
+            self._survey_from = max(
+                self._survey_from, found.last_id if open_from is None else open_from
+            )
         found.failures = sorted(
             (
                 HandlerFailures(handler, dead, retrying, sum(by_topic[t] for t in topics))

@@ -249,7 +249,9 @@ def overview(
         [text(f.handler), str(f.dead), str(f.retrying), str(f.events), f"{f.rate:.0%}"]
         for f in survey.failures
     ]
-    scope = f"the first {survey.scanned} events by id"
+    scope = f"{survey.scanned} events by id after id {survey.first_id}"
+    if survey.first_id:
+        scope += " (those below were all published when last read)"
     if not survey.complete:
         scope += (
             f" (the most one page reads); <a id='survey-more' href='/events?state=due&after="
