@@ -96,15 +96,17 @@ def iter_dead_letters(
             return
 
 
-def dead_keys(outbox: Outbox, *, limit: int = 20) -> list[DeadEventKey]:
+def dead_keys(
+    outbox: Outbox, *, limit: int = 20, page_size: int = DEFAULT_PAGE_SIZE
+) -> list[DeadEventKey]:
     """The first ``limit`` keys with a dead event (by their oldest failure), each with that
-    event; read page by page, stopping once ``limit`` keys are found.
+    event; read ``page_size`` dead letters at a time, stopping once ``limit`` keys are found.
 
     Raises:
         StoreError: the store failed.
     """
     found: dict[str, DeadEventKey] = {}
-    for letter in iter_dead_letters(outbox):
+    for letter in iter_dead_letters(outbox, page_size=page_size):
         key = letter.event.key
         if key is not None and key not in found:
             found[key] = DeadEventKey(key, letter)

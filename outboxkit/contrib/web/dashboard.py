@@ -350,7 +350,8 @@ class Dashboard:
 
     def held_keys(self, limit: int = 20) -> list[DeadEventKey]:
         """The keys with a dead event, each with it (the first ``limit``)."""
-        return [DeadEventKey(k.key, _light(k.dead)) for k in dead_keys(self.outbox, limit=limit)]
+        found = dead_keys(self.outbox, limit=limit, page_size=READ_PAGE)
+        return [DeadEventKey(k.key, _light(k.dead)) for k in found]
 
     def event(self, event_id: int) -> tuple[Event | None, DeadLetter | None]:
         """One event, and its dead letter (with delivery records) when it is dead."""

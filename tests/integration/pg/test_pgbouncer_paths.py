@@ -280,3 +280,18 @@ def test_server_connections_terminated_mid_drain_lose_and_double_nothing(
             store.close()
         assert _booked(pg_url, table) == sorted(ids)  # each once: none lost, none doubled
         assert (stats.published, stats.dead) == (EVENTS, 0)
+
+
+def test_listen_conninfo_is_checked_kept_for_other_processes_and_scrubbed() -> None:
+    from outboxkit import ConfigurationError
+
+    with pytest.raises(ConfigurationError, match="listen_conninfo must be"):
+        PostgresStore("postgresql://app@db.example:6432/shop", listen_conninfo=5)  # type: ignore[arg-type]
+    direct = "postgresql://app:s3cret-word@db.example:5432/shop"
+    store = PostgresStore("postgresql://app@db.example:6432/shop", listen_conninfo=direct)
+    try:  # nothing connects
+        assert store.options["listen_conninfo"] == direct  # a --processes child gets it too
+        assert store.capabilities.waiter
+        assert "s3cret-word" not in store.dialect.pool.scrub(f"failed: {direct}")
+    finally:
+        store.close()
