@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 __all__ = ["DEFAULT_PAGE_SIZE", "DeadEventKey", "dead_keys", "iter_dead_letters"]
 
 DEFAULT_PAGE_SIZE = 200
+MAX_LIMIT = 1_000_000  # as Outbox.dead_letters
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,10 +63,26 @@ def iter_dead_letters(
     """
     if not isinstance(page_size, int) or not 1 <= page_size <= 10_000:
         raise ConfigurationError(f"page_size must be 1 to 10,000, got {page_size!r:.40}")
-    if limit is not None and (not isinstance(limit, int) or limit < 1):
-        raise ConfigurationError(f"limit must be a positive integer or None, got {limit!r:.40}")
+    if limit is not None and (
+        not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= MAX_LIMIT
+    ):
+        raise ConfigurationError(
+            f"limit must be an integer from 1 to {MAX_LIMIT:,} or None, got {limit!r:.40}"
+        )
     if isinstance(since, timedelta):
         since = before(outbox.now(), since)
+    # Checked now, when called, not at the first next(): a command refuses before it prints.
+    return _pages(outbox, topic, since, limit, page_size, after)
+
+
+def _pages(
+    outbox: Outbox,
+    topic: str | None,
+    since: datetime | None,
+    limit: int | None,
+    page_size: int,
+    after: tuple[datetime, int] | None,
+) -> Iterator[DeadLetter]:
     given = 0
     cursor: tuple[datetime, int] | None = after
     at_cursor = 0  # dead letters given that failed at the cursor's instant

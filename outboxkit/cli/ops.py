@@ -24,7 +24,7 @@ from ..core.text import printable_json
 from ..outbox import Outbox
 from ..reading import DEFAULT_PAGE_SIZE, DeadEventKey, dead_keys, iter_dead_letters
 from .errors import InputError
-from .output import age, clip, echo, print_json, table
+from .output import age, clip, echo, one_line, print_json, table
 from .params import DURATION, EVENT_ID, Since, Whole, format_duration
 from .stores import open_outbox, with_store_options
 
@@ -298,7 +298,7 @@ def _print_rows(letters: Iterator[DeadLetter], policy: DeadKey | None, keyed: li
         if count == 0:
             lines.append(_row([title for title, _, _ in _LIST_COLUMNS + _LIST_TAIL]))
         event = letter.event
-        key = "" if event.key is None else clip(event.key, 22)
+        key = "" if event.key is None else clip(event.key, 60)
         if key and not keyed:
             keyed.append(True)
         if key and policy == "hold":
@@ -307,7 +307,7 @@ def _print_rows(letters: Iterator[DeadLetter], policy: DeadKey | None, keyed: li
             _row(
                 [
                     str(event.id),
-                    clip(event.topic, 28),
+                    one_line(event.topic),  # whole: a wider one pushes the row on
                     str(event.attempts),
                     letter.failed_at.isoformat(timespec="seconds"),
                     key,
