@@ -29,8 +29,9 @@ from psycopg.rows import tuple_row
 
 from outboxkit.core.model import Claim, NewEvent, Outcome
 from outboxkit.errors import StoreError
+from outboxkit.storekit.aiosql import AsyncSQLBatch, AsyncSQLStore
 from outboxkit.storekit.rows import inserted_ids, resolve_ids
-from outboxkit.storekit.sql import AsyncSQLBatch, AsyncSQLStore, Row
+from outboxkit.storekit.sql import Row
 
 from .flow import BatchGuard, Flow, Result, Statement, Transaction, check_usable, has_rows
 from .listen import AsyncNotifyWaiter
@@ -66,7 +67,7 @@ class AsyncPostgresStore(AsyncSQLStore):
     def __repr__(self) -> str:
         return f"AsyncPostgresStore({self.dialect.where}, schema={self.dialect.names.schema!r})"
 
-    # -- the async seam (outboxkit.storekit.sql.AsyncSQLStore) ------------------------------------
+    # -- the async seam (outboxkit.storekit.aiosql.AsyncSQLStore) ------------------------------------
 
     @asynccontextmanager
     async def write(self, doing: str) -> AsyncIterator[AsyncConnection]:

@@ -29,7 +29,7 @@ import threading
 import warnings
 import weakref
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -126,6 +126,10 @@ class PostgresStore(SQLStore):
             open, at most, and how long (seconds) to wait for one before the store reports the
             database unavailable. An asyncio poller delivering ``concurrency`` events at once
             holds up to ``concurrency + 1`` connections.
+        make_dialect: the store's dialect class, or a factory called as it is (the ``Pool``,
+            the ``Names``, ``notify=``, ``schema_version=``): a dialect of the caller's, for a
+            store on connections someone else holds (the Django store's runs on Django's
+            connection and never opens the pool). Default: ``PostgresDialect``.
 
     Raises:
         ConfigurationError: a bad name (schema, table, channel: ``^[A-Za-z_][A-Za-z0-9_]{0,62}$``),
@@ -154,6 +158,7 @@ class PostgresStore(SQLStore):
         pool_max_size: int = 4,
         pool_timeout: float = 10.0,
         listen_conninfo: str | None = None,
+        make_dialect: Callable[..., PostgresDialect] = PostgresDialect,
     ) -> None:
         # Names first: a hostile name is refused before anything else happens.
         validate_schema(schema)
@@ -197,7 +202,7 @@ class PostgresStore(SQLStore):
             name=f"outboxkit-{schema}",
             listen_conninfo=listen_conninfo,
         )
-        dialect = self._make_dialect(pool, names, notify=notifies)
+        dialect = make_dialect(pool, names, notify=notifies, schema_version=SCHEMA_VERSION)
         super().__init__(dialect, PostgresStatements(dialect))
         self.names = names
         self.where = pool.where
@@ -252,10 +257,6 @@ class PostgresStore(SQLStore):
             )
         check_options(options, _OPTIONS, store="PostgreSQL")
         return cls(url, **options)
-
-    def _make_dialect(self, pool: Pool, names: Names, *, notify: bool) -> PostgresDialect:
-        """The store's dialect, on ``pool`` (the Django store's runs on Django's connection)."""
-        return PostgresDialect(pool, names, notify=notify, schema_version=SCHEMA_VERSION)
 
     def __repr__(self) -> str:
         return f"PostgresStore({self.where}, schema={self.names.schema!r})"
