@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -614,8 +614,14 @@ class Outbox:
         return self.store.migrate()
 
     def stats(self) -> Stats:
-        """Counts by state and topic, and the oldest due instant."""
-        return self.store.stats(now=self.store_now())
+        """Counts by state and topic, the oldest due instant, the keys with a dead event
+        (``dead_keys``) and those of them this outbox holds (``held_keys``: all of them under
+        ``dead_key="hold"``, none under ``"release"``)."""
+        stats = self.store.stats(now=self.store_now())
+        # A store that fills only held_keys (the keys a hold would hold) says the same.
+        dead_keys = max(stats.dead_keys, stats.held_keys)
+        held = dead_keys if self.dead_key == "hold" else 0
+        return replace(stats, dead_keys=dead_keys, held_keys=held)
 
     def dead_letters(
         self,

@@ -324,7 +324,9 @@ def test_run_forever_polls_again_when_idle_and_stops_on_sigterm(
     proc = procs.start(
         process_cli, ["run", memory_app.spec(), "--log-every", "100ms", "--interval", "50ms"]
     )
-    summary = re.compile(r"published/s, 0 pending, oldest due none, 0 dead, 0 in flight$", re.M)
+    summary = re.compile(
+        r"published/s, 0 pending, oldest due none, 0 dead, 0 in flight \(handlers: .*\)$", re.M
+    )
     wait_for(
         lambda: summary.search(proc.stderr()) or proc.popen.poll() is not None,
         "a summary line once all is published",
