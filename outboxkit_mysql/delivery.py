@@ -115,6 +115,7 @@ class Delivery:
         with dialect.mapped(f"open the delivery of event {claim.event.id}"):
             found = run_script(conn, steps)
         conn.dirty = conn.delivering = True
+        conn.ended_by_handler = False  # this delivery's own (a batch's connection serves many)
         if not found:
             raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
 
