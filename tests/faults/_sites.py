@@ -1,9 +1,10 @@
 """One scenario, four stores: a store plus a *caller* connection of the application's own.
 
 A ``Site`` opens the store (memory, SQLite on a real file, PostgreSQL in a fresh schema,
-MariaDB/MySQL in a fresh database) and an application table ``orders``; ``caller()`` gives a connection with an open transaction that has
-already written one ``orders`` row, so a test can check that a refused ``enqueue`` left that
-transaction open, unbroken and still holding its own write.
+MariaDB/MySQL in a fresh database) and an application table ``orders``; ``caller()`` gives a
+connection with an open transaction that has already written one ``orders`` row, so a test can
+check that a refused ``enqueue`` left that transaction open, unbroken and still holding its own
+write.
 """
 
 from __future__ import annotations
