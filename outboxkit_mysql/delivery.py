@@ -44,7 +44,6 @@ if TYPE_CHECKING:
 __all__ = ["Batch", "Delivery", "batch_on", "xa_end"]
 
 _SAVEPOINT = "SAVEPOINT outboxkit_delivery"
-_RELEASE = "RELEASE SAVEPOINT outboxkit_delivery"
 _ROLLBACK_TO = "ROLLBACK TO SAVEPOINT outboxkit_delivery"
 
 
@@ -78,8 +77,10 @@ class Delivery:
         claim: Claim,
         now: datetime | None,
         xid: str | None,
+        batch: Batch | None = None,
     ) -> None:
         self.store = store
+        self.batch = batch
         self.conn = conn
         self.claim = claim
         self.now = store.dialect.instant(now)
@@ -147,11 +148,15 @@ class Delivery:
         self.check_kept()
         (insert,) = self.store.dialect.queries["insert_record"]
         records = [(insert, params) for params in self.kept]
+        if self.batch is not None:
+            # The savepoint stays (the next delivery's of the same name replaces it; the
+            # batch's commit ends it); the records go with the batch's settlement, fenced by
+            # the row lock this delivery took: no round trip here.
+            for params in self.kept:
+                self.batch.keep(self.claim, params)
+            return
         with self.store.dialect.mapped(f"commit the delivery of event {self.claim.event.id}"):
-            if self.xid is not None:
-                xa_end(self.conn, self.xid, commit=True, before=records)
-            else:
-                run_script(self.conn, [*records, (_RELEASE, None)])
+            xa_end(self.conn, self.xid or "", commit=True, before=records)
 
     def undo(self) -> None:
         """Roll the delivery back (the transaction, or to the savepoint)."""
@@ -159,7 +164,7 @@ class Delivery:
         if self.xid is not None:
             xa_end(self.conn, self.xid, commit=False)
         else:
-            run_script(self.conn, [(_ROLLBACK_TO, None), (_RELEASE, None)])
+            run_script(self.conn, [(_ROLLBACK_TO, None)])
 
     def failure(self, exc: BaseException) -> BaseException | None:
         """What the delivery raises instead of ``exc``, its block's exception: the database's
@@ -261,7 +266,7 @@ class BatchDelivery:
 
     def __init__(self, batch: Batch, claim: Claim, now: datetime | None) -> None:
         self.batch = batch
-        self.tx = Delivery(batch.store, batch.conn, claim, now, None)
+        self.tx = Delivery(batch.store, batch.conn, claim, now, None, batch)
 
     def __enter__(self) -> Delivery:
         return self.tx
