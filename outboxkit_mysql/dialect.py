@@ -1,7 +1,7 @@
 """The MariaDB/MySQL dialect (``outboxkit.storekit.sql.Dialect``): the store's connections, its
 error table, its values, and the statements of ``queries.sql`` with the store's names in place.
 
-- Connections are PyMySQL's, the store's own (``Pool``), in autocommit mode with the session
+- Connections are PyMySQL's, the store's own (``ConnectionPool``), in autocommit mode with the session
   settings below (``SESSION``), set again before a connection a handler used serves anyone else
   (R18). ``StoreConnection`` notes a handler's attempt to end its delivery transaction (R17).
 - Instants are DATETIME(6) in UTC, bound as naive UTC datetimes (None: the database's clock,
@@ -13,7 +13,6 @@ error table, its values, and the statements of ``queries.sql`` with the store's 
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from datetime import UTC, datetime, timedelta
@@ -30,11 +29,13 @@ from outboxkit.storekit import (
     StoreUnavailable,
     migrate_hint,
 )
+from outboxkit.storekit.driver import ConnectionPool, MappedErrors
 from outboxkit.storekit.names import validate_identifier
 from outboxkit.storekit.queries import load_queries, run_steps, split_steps
+from outboxkit.storekit.rows import EVENT_COLUMNS
 from outboxkit.storekit.sql import Dialect, Row
 
-__all__ = ["SESSION", "MySQLDialect", "Pool", "StoreConnection", "map_error", "parse_url"]
+__all__ = ["SESSION", "MySQLDialect", "StoreConnection", "map_error", "parse_url", "run_script"]
 
 SESSION = (
     "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED;"
@@ -154,59 +155,6 @@ def parse_url(url: str) -> dict[str, Any]:
     }
 
 
-class Pool:
-    """The store's connections: made when needed, kept up to ``size`` idle, handed back
-    clean (``give``); one that failed or was left in a transaction is closed instead."""
-
-    def __init__(self, connect: dict[str, Any], size: int) -> None:
-        self.connect_args = connect
-        self.size = size
-        self.idle: list[StoreConnection] = []
-        self.lock = threading.Lock()
-        self.closed = False
-
-    def take(self) -> StoreConnection:
-        with self.lock:
-            if self.closed:
-                raise StoreError("the MySQL store is closed")
-            if self.idle:
-                return self.idle.pop()
-        conn = StoreConnection(
-            **self.connect_args,
-            charset="utf8mb4",
-            autocommit=True,
-            client_flag=CLIENT.MULTI_STATEMENTS,
-            init_command=SESSION,
-            connect_timeout=10,
-        )
-        return conn
-
-    def give(self, conn: StoreConnection, *, broken: bool = False) -> None:
-        conn.delivering = False
-        if not broken and conn.ended_by_handler:
-            broken = True  # its transaction may be anything now
-        if not broken and conn.dirty:
-            try:
-                run_script(conn, [(SESSION, None)])
-                conn.dirty = False
-            except pymysql.err.MySQLError:
-                broken = True
-        with self.lock:
-            if not broken and not self.closed and len(self.idle) < self.size:
-                self.idle.append(conn)
-                return
-        with suppress(pymysql.err.Error):  # already gone
-            conn.close()
-
-    def close(self) -> None:
-        with self.lock:
-            self.closed = True
-            idle, self.idle = self.idle, []
-        for conn in idle:
-            with suppress(pymysql.err.Error):
-                conn.close()
-
-
 def run_script(conn: Any, statements: Sequence[tuple[str, Mapping[str, Any] | None]]) -> list[Row]:
     """Several statements (``(sql, params)``) in one round trip (the store's connections allow
     it); the rows of the last one. Each is interpolated by PyMySQL's own escaping
@@ -218,23 +166,6 @@ def run_script(conn: Any, statements: Sequence[tuple[str, Mapping[str, Any] | No
         while cur.nextset():
             rows = list(cur.fetchall()) if cur.description else []
     return rows
-
-
-class _Mapped:
-    """``MySQLDialect.mapped``: a plain class (the hot path enters several per event)."""
-
-    __slots__ = ("doing", "where")
-
-    def __init__(self, where: str, doing: str) -> None:
-        self.where = where
-        self.doing = doing
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
-        if isinstance(exc, pymysql.err.Error):
-            raise map_error(exc, self.where, self.doing) from exc
 
 
 class MySQLDialect(Dialect):
@@ -262,16 +193,35 @@ class MySQLDialect(Dialect):
         self.tables = tuple(tables)
         names = dict(zip(("events", "deliveries", "keys", "schema"), self.tables, strict=True))
         slots = {k: f"`{db}`.`{v}`" for k, v in names.items()}
+        slots["event_columns"] = ", ".join(f"`{c}`" for c in EVENT_COLUMNS)
         self.queries = {
             name: split_steps(text.replace("{now}", _NOW).format(**slots))
             for name, text in load_queries("outboxkit_mysql").items()
         }
-        self.pool = Pool(self.connect, pool_size)
+        self.pool: ConnectionPool[StoreConnection] = ConnectionPool(
+            self.new_connection, pool_size, reset=_reset, close=_close, what="the MySQL store"
+        )
 
     # -- statements ---------------------------------------------------------------------------
 
-    def mapped(self, doing: str, conn: Any = None) -> _Mapped:
-        return _Mapped(self.where, doing)
+    def mapped(self, doing: str, conn: Any = None) -> MappedErrors:
+        return MappedErrors(pymysql.err.Error, self.map_error, doing)
+
+    def map_error(self, exc: BaseException, doing: str) -> StoreError:
+        """``map_error`` naming this database."""
+        return map_error(exc, self.where, doing)
+
+    def new_connection(self) -> StoreConnection:
+        """A new connection of the store's (the pool's ``connect``)."""
+        with self.mapped("connect"):
+            return StoreConnection(
+                **self.connect,
+                charset="utf8mb4",
+                autocommit=True,
+                client_flag=CLIENT.MULTI_STATEMENTS,
+                init_command=SESSION,
+                connect_timeout=10,
+            )
 
     def rows(self, conn: Any, name: str, params: Mapping[str, Any]) -> list[Row]:
         if any(type(value) is tuple and not value for value in params.values()):
@@ -353,6 +303,27 @@ class MySQLDialect(Dialect):
 
     def close(self) -> None:
         self.pool.close()
+
+
+def _reset(conn: StoreConnection) -> bool:
+    """R18 before a connection is kept: a handler's session settings undone. A connection whose
+    delivery a handler tried to end is closed instead (its transaction may be anything)."""
+    conn.delivering = False
+    if conn.ended_by_handler:
+        return False
+    if conn.dirty:
+        try:
+            run_script(conn, [(SESSION, None)])
+        except pymysql.err.MySQLError:
+            return False
+        conn.dirty = False
+    return True
+
+
+def _close(conn: StoreConnection) -> None:
+    conn.delivering = False
+    with suppress(pymysql.err.Error):  # already gone
+        conn.close()
 
 
 def _json_instant(value: Any) -> str:

@@ -1,27 +1,16 @@
--- The MariaDB/MySQL store's SQL, one named statement per block (outboxkit.storekit.queries),
--- with the names and parameters outboxkit.storekit.sql lists.
---
--- Identifiers are slots: {events}, {deliveries}, {keys}, {schema}, filled with backquoted names
--- that passed validate_identifier; {now} is the instant of the statement, the bound one or the
--- database's clock: COALESCE(CAST(%(now)s AS DATETIME(6)), UTC_TIMESTAMP(6)). Values are always
--- bound (%(name)s). Instants are DATETIME(6) in UTC; durations integer microseconds; lists are
--- tuples (PyMySQL writes them as (a, b, ...)), or JSON text read with JSON_TABLE.
---
--- MariaDB has no UPDATE ... RETURNING: a block of several statements, each ending with ';' at
--- the end of a line, is run as steps (outboxkit.storekit.queries.run_steps): a statement that
--- returns rows binds their first column as %(picked)s for the statements after it (none: the
--- block stops there, returning nothing), and the block returns the rows of the last statement
--- that returned some. A step that picks rows locks them (FOR UPDATE), so the steps after it
--- act on exactly those rows.
-
+-- The MariaDB/MySQL store's SQL (outboxkit.storekit.queries; names and parameters as
+-- outboxkit.storekit.sql lists them). Slots: {events}, {deliveries}, {keys}, {schema} (quoted,
+-- validated names), {event_columns}, {now} (the bound instant, else UTC_TIMESTAMP(6)). Values
+-- are bound. Instants DATETIME(6) UTC; durations microseconds; lists tuples or JSON text.
+-- No UPDATE ... RETURNING: a block of steps (each ending with ';' at a line's end) is run by
+-- run_steps: a step's rows, picked and locked FOR UPDATE, are %(picked)s for the steps after.
 
 -- name: create_tables
 CREATE TABLE IF NOT EXISTS {schema} (
     version INT NOT NULL PRIMARY KEY,
     applied_at DATETIME(6) NOT NULL
 ) ENGINE=InnoDB;
--- R15: one row per ordering key; an enqueue of a keyed event bumps it (upsert_key) and keeps it
--- locked until its transaction ends, so the numbers of a key follow its commit order.
+-- R15: one row per ordering key (upsert_key).
 CREATE TABLE IF NOT EXISTS {keys} (
     `key` VARCHAR(255) NOT NULL PRIMARY KEY,
     seq BIGINT NOT NULL
@@ -72,13 +61,11 @@ DROP TABLE IF EXISTS {deliveries}, {events}, {keys}, {schema}
 SELECT UTC_TIMESTAMP(6)
 
 -- name: upsert_key
--- R15: the key's next number, its row locked until the enqueuing transaction ends: a second
--- transaction enqueueing the key waits here for the first to commit or roll back.
+-- R15: the key's next number, its row locked until the enqueuing transaction ends.
 INSERT INTO {keys} (`key`, seq) VALUES (%(key)s, 1) ON DUPLICATE KEY UPDATE seq = seq + 1
 
 -- name: insert_event
--- R1. R16: a dedupe key an event already holds makes this a no-op whose LAST_INSERT_ID is the
--- holder's id (the unique index makes a concurrent enqueuer of the key wait for the first).
+-- R1. R16: a taken dedupe key makes this a no-op whose LAST_INSERT_ID is the holder's id.
 INSERT INTO {events} (topic, payload, headers, `key`, key_seq, created_at, available_at,
                       message_id, dedupe_key)
 VALUES (%(topic)s, %(payload)s, %(headers)s, %(key)s,
@@ -88,9 +75,8 @@ VALUES (%(topic)s, %(payload)s, %(headers)s, %(key)s,
 ON DUPLICATE KEY UPDATE id = LAST_INSERT_ID(id)
 
 -- name: claim
--- R3: the due rows, oldest first, locked and skipped by other claimers; then leased. R15: a
--- keyed event only while no earlier event of its key (by key_seq, its commit order) is
--- unpublished and not dead (with %(hold)s: unpublished).
+-- R3: due rows, oldest first, locked (others skip them), leased. R15: a keyed event only
+-- while no earlier one of its key (key_seq: commit order) is unsettled (%(hold)s: unpublished).
 SELECT e.id FROM {events} AS e
  WHERE e.published_at IS NULL AND e.failed_at IS NULL
    AND e.available_at <= {now}
@@ -107,15 +93,14 @@ UPDATE {events}
        locked_until = {now} + INTERVAL %(lease)s MICROSECOND,
        token = REPLACE(UUID(), '-', '')
  WHERE id IN %(picked)s;
-SELECT e.id, e.topic, e.payload, e.headers, e.`key`, e.created_at, e.available_at, e.attempts,
-       e.published_at, e.failed_at, e.locked_until, e.last_error, e.message_id, e.token,
+SELECT {event_columns}, token,
        (SELECT JSON_ARRAYAGG(JSON_ARRAY(r.handler, r.outcome) ORDER BY r.seq)
-          FROM {deliveries} AS r WHERE r.event_id = e.id)
-  FROM {events} AS e
- WHERE e.id IN %(picked)s
+          FROM {deliveries} AS r WHERE r.event_id = {events}.id)
+  FROM {events}
+ WHERE id IN %(picked)s
 
 -- name: owned
--- R6: the delivery transaction's first statement: the token check and the row lock.
+-- R6: the token check and the row lock, first in a delivery.
 SELECT id FROM {events}
  WHERE id = %(id)s AND token = %(token)s AND published_at IS NULL AND failed_at IS NULL
    FOR UPDATE
@@ -125,8 +110,7 @@ INSERT INTO {deliveries} (event_id, handler, outcome, attempt, recorded_at, reas
 VALUES (%(event_id)s, %(handler)s, %(outcome)s, %(attempt)s, {now}, %(reason)s)
 
 -- name: insert_record_fenced
--- A delivery whose handler never took the connection: its record in one autocommitted
--- statement, written only while the token holds.
+-- A delivery never opened: its record, autocommitted, fenced by the token.
 INSERT INTO {deliveries} (event_id, handler, outcome, attempt, recorded_at, reason)
 SELECT id, %(handler)s, %(outcome)s, %(attempt)s, {now}, %(reason)s
   FROM {events}
@@ -134,8 +118,7 @@ SELECT id, %(handler)s, %(outcome)s, %(attempt)s, {now}, %(reason)s
    FOR UPDATE
 
 -- name: insert_records_fenced
--- A batch's kept records, each written only while its event's token holds, in delivery order:
--- %(items)s is a JSON array of RECORD_COLUMNS rows.
+-- A batch's kept records (JSON RECORD_COLUMNS rows), each fenced by its token.
 INSERT INTO {deliveries} (event_id, handler, outcome, attempt, recorded_at, reason)
 SELECT e.id, r.handler, r.outcome, r.attempt, COALESCE(r.at, UTC_TIMESTAMP(6)), r.reason
   FROM JSON_TABLE(%(items)s, '$[*]' COLUMNS (
@@ -147,8 +130,7 @@ SELECT e.id, r.handler, r.outcome, r.attempt, COALESCE(r.at, UTC_TIMESTAMP(6)), 
  ORDER BY r.ord
 
 -- name: extend
--- R13, fenced by the tokens: a row whose id is listed and whose token is listed is a row one of
--- these claims holds (a token is unique to one claim of one event).
+-- R13, fenced by the tokens (each unique to one claim of one event).
 SELECT id FROM {events}
  WHERE id IN %(ids)s AND token IN %(tokens)s AND published_at IS NULL AND failed_at IS NULL
    FOR UPDATE;
@@ -156,7 +138,7 @@ UPDATE {events} SET locked_until = {now} + INTERVAL %(lease)s MICROSECOND WHERE 
 SELECT token, locked_until FROM {events} WHERE id IN %(picked)s
 
 -- name: settle_many
--- R8, each event fenced by its token: %(items)s is a JSON array of SETTLE_COLUMNS rows.
+-- R8, each event fenced by its token: %(items)s is JSON SETTLE_COLUMNS rows.
 SELECT e.id
   FROM {events} AS e
   JOIN JSON_TABLE(%(items)s, '$[*]' COLUMNS (
@@ -200,22 +182,16 @@ UPDATE {events}
  WHERE id IN %(picked)s
 
 -- name: get
-SELECT id, topic, payload, headers, `key`, created_at, available_at, attempts, published_at,
-       failed_at, locked_until, last_error, message_id
-  FROM {events} WHERE id = %(id)s
+SELECT {event_columns} FROM {events} WHERE id = %(id)s
 
 -- name: events
-SELECT id, topic, payload, headers, `key`, created_at, available_at, attempts, published_at,
-       failed_at, locked_until, last_error, message_id
-  FROM {events}
+SELECT {event_columns} FROM {events}
  WHERE id > %(after_id)s AND (%(topic)s IS NULL OR topic = %(topic)s)
  ORDER BY id
  LIMIT %(limit)s
 
 -- name: dead_letters
-SELECT id, topic, payload, headers, `key`, created_at, available_at, attempts, published_at,
-       failed_at, locked_until, last_error, message_id
-  FROM {events}
+SELECT {event_columns} FROM {events}
  WHERE failed_at IS NOT NULL
    AND (%(topic)s IS NULL OR topic = %(topic)s)
    AND (%(since)s IS NULL OR failed_at >= %(since)s)
@@ -235,7 +211,7 @@ DELETE FROM {deliveries} WHERE event_id IN %(picked)s;
 DELETE FROM {events} WHERE id IN %(picked)s
 
 -- name: purge_dead
--- %(ids)s is None (any dead event) or a tuple: the dialect binds %(any)s to say which.
+-- %(any)s: ids is None (any dead event).
 SELECT id FROM {events}
  WHERE failed_at IS NOT NULL AND published_at IS NULL
    AND (%(any)s OR id IN %(ids)s)
