@@ -238,67 +238,62 @@ class MySQLStore(SQLStore):
             )
         return self.insert(conn, events, self.dialect.instant(now))
 
+    def inserts(
+        self, events: Sequence[NewEvent], now: datetime | None
+    ) -> Iterator[tuple[str, dict[str, Any]]]:
+        """The statements of an enqueue, in order: the keys upserted sorted first (R15: two
+        transactions enqueueing the same keys never deadlock), again for a key's later
+        events, and one ``insert_event`` per event (its parameters carry ``message_id``)."""
+        (upsert,) = self.dialect.queries["upsert_key"]
+        (insert,) = self.dialect.queries["insert_event"]
+        fresh = sorted({e.key for e in events if e.key is not None})
+        yield from ((upsert, {"key": key}) for key in fresh)
+        for event in events:
+            if event.key is not None and event.key not in fresh:
+                yield upsert, {"key": event.key}
+            if event.key in fresh:
+                fresh.remove(event.key)
+            yield insert, _values(event, now)
+
     def insert(self, conn: Any, events: Sequence[NewEvent], now: datetime | None) -> list[int]:
-        """``enqueue`` on ``conn``, the instant already bound. Keys are locked in sorted order
-        first (R15), so two transactions enqueueing the same keys never deadlock."""
-        dialect = self.dialect
-        (upsert,) = dialect.queries["upsert_key"]
-        (insert,) = dialect.queries["insert_event"]
-        keys = sorted({e.key for e in events if e.key is not None})
+        """``enqueue`` on ``conn``, the instant already bound; the new ids."""
         ids: list[int] = []
         try:
             with conn.cursor() as cur:
-                for key in keys:
-                    cur.execute(upsert, {"key": key})
-                fresh = set(keys)
-                for event in events:
-                    if event.key is not None and event.key not in fresh:
-                        cur.execute(upsert, {"key": event.key})
-                    fresh.discard(event.key)
-                    cur.execute(insert, _values(event, now))
-                    ids.append(int(cur.lastrowid))
+                for sql, params in self.inserts(events, now):
+                    cur.execute(sql, params)
+                    if "message_id" in params:
+                        ids.append(int(cur.lastrowid))
         except pymysql.err.Error as exc:
-            raise map_error(exc, dialect.where, f"enqueue {len(events)} event(s)") from exc
-        except Exception as exc:  # another driver's error (mysqlclient)
-            if type(exc).__name__ in ("OperationalError", "ProgrammingError", "IntegrityError"):
-                raise StoreError(f"{dialect.where}: enqueue failed: {exc}") from exc
+            raise map_error(exc, self.dialect.where, f"enqueue {len(events)} event(s)") from exc
+        except Exception as exc:  # mysqlclient's (Django's MySQL backend)
+            if type(exc).__module__.startswith("MySQLdb"):
+                raise StoreError(f"{self.dialect.where}: enqueue failed: {exc}") from exc
             raise
         return ids
 
     def portable_enqueue(
         self, events: Sequence[NewEvent], now: datetime | None
     ) -> list[tuple[str, dict[str, Any]]]:
-        """The statements that insert ``events`` through a connection another library drives
-        (SQLAlchemy's), as ``(sql, params)`` with ``:name`` parameters; the last one returns
-        the new ids as its rows (by message id). The identifiers are the store's validated
-        table names; every value is a parameter.
+        """``enqueue``'s statements for a connection another library drives (SQLAlchemy's),
+        with ``:name`` parameters; the last returns the new ids (by message id) as its rows.
 
         Raises:
             ConfigurationError: ``now`` is naive.
         """
-        at = self.dialect.instant(now)
-        (upsert,) = self.dialect.queries["upsert_key"]
-        (insert,) = self.dialect.queries["insert_event"]
-        statements: list[tuple[str, dict[str, Any]]] = []
-        for key in sorted({e.key for e in events if e.key is not None}):
-            statements.append((_named(upsert), {"key": key}))
-        fresh = {e.key for e in events}
-        message_ids = []
-        for event in events:
-            if event.key is not None and event.key not in fresh:
-                statements.append((_named(upsert), {"key": event.key}))
-            fresh.discard(event.key)
-            values = _values(event, at)
-            message_ids.append(values["message_id"])
-            statements.append((_named(insert), values))
-        events_table = f"`{self.dialect.connect['database']}`.`{self.options['events_table']}`"
-        names = ", ".join(f":m{i}" for i in range(len(message_ids)))
-        statements.append(
-            (
-                f"SELECT id FROM {events_table} WHERE message_id IN ({names}) ORDER BY id",  # noqa: S608
-                {f"m{i}": m for i, m in enumerate(message_ids)},
-            )
-        )
+        statements = [
+            (_PARAMETER.sub(r":\1", sql), params)
+            for sql, params in self.inserts(events, self.dialect.instant(now))
+        ]
+        drawn = {
+            f"m{i}": params["message_id"]
+            for i, (_, params) in enumerate(statements)
+            if "message_id" in params
+        }
+        table = f"`{self.dialect.connect['database']}`.`{self.options['events_table']}`"
+        names = ", ".join(f":{name}" for name in drawn)
+        where = f"message_id IN ({names}) ORDER BY id"
+        statements.append((f"SELECT id FROM {table} WHERE {where}", drawn))  # noqa: S608
         return statements
 
     # -- deliveries -----------------------------------------------------------------------------
@@ -340,8 +335,3 @@ def _values(event: NewEvent, now: datetime | None) -> dict[str, Any]:
         "message_id": str(uuid.uuid4()),
         "dedupe_key": event.dedupe_key,
     }
-
-
-def _named(sql: str) -> str:
-    """A statement with PyMySQL's ``%(name)s`` parameters in SQLAlchemy's ``:name`` style."""
-    return _PARAMETER.sub(r":\1", sql)
