@@ -23,6 +23,8 @@ The references (one table of events, one of delivery records, no token, no forei
   mark;
 - SQLite (WAL, ``synchronous=NORMAL``, as outboxkit's store): the same, with
   ``BEGIN IMMEDIATE``.
+- MariaDB/MySQL (``mysql-event``, ``mysql-batch``; ``bench/_mysql.py``): the same shapes, each
+  handler writing one row in the delivery's transaction; ``OUTBOXKIT_BENCH_MYSQL_URL``.
 
 ``--ref-handler-us N`` is no reference: the minimal loops' handler then spends N µs of CPU per
 event, which shows how far a poller's own per-event Python moves a ratio. Nor is
@@ -82,7 +84,7 @@ END_MARK = "<!-- compare:end -->"
 class Contender:
     name: str
     label: str
-    backend: str  # "pg" | "sqlite" | "pgqueuer" | "procrastinate"
+    backend: str  # "pg" | "sqlite" | "mysql" | "pgqueuer" | "procrastinate"
     kind: str  # "ref" | "kit" | "async" | "peer"
     mode: str = "tx"  # "tx" | "nontx" | "batch" | "batch-sp" (a minimal loop's savepoints)
     processes: int = 1
@@ -190,6 +192,12 @@ CONTENDERS = {
             "bare-sqlite-batch", "outboxkit's statements, per batch", "sqlite", "bare", "batch"
         ),
         *WRITING,
+        Contender("ref-mysql-tx", "minimal loop, tx per event, 1-row handler", "mysql", "ref"),
+        Contender(
+            "ref-mysql-batch", "minimal loop, tx per batch, 1-row handler", "mysql", "ref", "batch"
+        ),
+        Contender("kit-mysql-tx", "poller, per_event, 1-row handler", "mysql", "kit"),
+        Contender("kit-mysql-batch", "poller, per_batch, 1-row handler", "mysql", "kit", "batch"),
     ]
 }
 
@@ -209,6 +217,8 @@ GROUPS: list[list[str]] = [
     ["ref-w-batch-sp", "ref-w-batch", "kit-w-batch-1"],
     ["ref-w-sqlite-tx", "kit-w-sqlite-tx"],
     ["ref-w-sqlite-batch-sp", "ref-w-sqlite-batch", "kit-w-sqlite-batch"],
+    ["ref-mysql-tx", "kit-mysql-tx"],
+    ["ref-mysql-batch", "kit-mysql-batch"],
 ]
 
 
@@ -293,6 +303,16 @@ WORKLOADS = [
         "ref-w-sqlite-batch",
         ("kit-w-sqlite-batch",),
         0.6,
+    ),
+    Workload(
+        "mysql-event", "MariaDB per event, 1-row handler", "ref-mysql-tx", ("kit-mysql-tx",), 0.8
+    ),
+    Workload(
+        "mysql-batch",
+        "MariaDB per_batch, 1-row handler",
+        "ref-mysql-batch",
+        ("kit-mysql-batch",),
+        0.8,
     ),
 ]
 # --bare: what the database itself gives for outboxkit's statements, against the same references.
@@ -901,6 +921,13 @@ def _procrastinate_worker(job: Job, barrier: Barrier) -> Drained:
 def _worker(job: Job, barrier: Barrier, results: Any) -> None:
     c = job.contender
     run: Callable[[Job, Barrier], Drained]
+    if c.backend == "mysql":
+        import _mysql
+
+        drain = _mysql.ref_worker if c.kind == "ref" else _mysql.kit_worker
+        started, ended, handled = drain(job.target, c.mode, c.batch_size, barrier)
+        results.put(asdict(Drained(started, ended, handled)))
+        return
     if c.backend == "pgqueuer":
         run = _pgqueuer_worker
     elif c.backend == "procrastinate":
@@ -1171,7 +1198,23 @@ def run_procrastinate(contender: Contender, url: str, events: int) -> Outcome:
     return Outcome(contender.name, seconds, handled, done, done)
 
 
+def run_mysql(contender: Contender, events: int) -> Outcome:
+    """A MariaDB/MySQL contender's drain, in a database of its own (``bench/_mysql.py``)."""
+    import _mysql
+
+    with _mysql.fresh_database() as url:
+        _mysql.prepare(url, contender.kind, events)
+        seconds, handled = run_processes(Job(contender, url))
+        settled, records, ledger = _mysql.counts(url, contender.kind)
+    outcome = Outcome(contender.name, seconds, handled, settled, records)
+    if ledger != events:
+        outcome.records = min(records, ledger)  # a handler's row missing shows as a problem
+    return outcome
+
+
 def run_contender(contender: Contender, url: str, events: int) -> Outcome:
+    if contender.backend == "mysql":
+        return run_mysql(contender, events)
     if contender.backend == "pg":
         return run_pg(contender, url, events)
     if contender.backend == "sqlite":

@@ -32,6 +32,7 @@ TESTED_BY: dict[str, list[str]] = {
     ],
     "how-to/sqlite.md": ["tests/integration/sqlite/test_readme_sqlite.py"],
     "how-to/postgresql.md": ["tests/integration/pg/test_readme_pg.py"],
+    "how-to/mysql.md": ["tests/integration/mysql/test_readme_mysql.py"],
     "how-to/testing.md": ["tests/unit/test_project.py", "tests/unit/test_docs.py"],
     "how-to/conformance.md": ["tests/unit/test_docs.py"],
     "how-to/observing.md": ["tests/unit/test_docs.py"],

@@ -45,6 +45,7 @@ def test_py_typed_markers_ship() -> None:
         "outboxkit",
         "outboxkit_pg",
         "outboxkit_sqlite",
+        "outboxkit_mysql",
         "conformance/outboxkit_conformance",
     ):
         assert (ROOT / package / "py.typed").is_file(), package
