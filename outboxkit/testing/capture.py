@@ -25,6 +25,8 @@ class Capture:
         events: every event of the test store, through a connection when one is given.
         asserted: the ids ``assert_enqueued`` matched, for the drain's strict mode.
         now: the test clock's instant (for ``scheduled=`` durations).
+        conn: the app's connection the block's bounds are read through (and its events, by
+            default), when its transaction is open across the block.
     """
 
     def __init__(
@@ -32,30 +34,33 @@ class Capture:
         events: Callable[[Any], list[Event]],
         asserted: set[int],
         now: Callable[[], datetime],
+        conn: Any = None,
     ) -> None:
         self._read = events
         self._asserted = asserted
         self._now = now
-        self._after = _last_id(events(None))
+        self._conn = conn
+        self._after = _last_id(events(conn))
         self._until: int | None = None
 
     def close(self) -> None:
         """The block ended: what is enqueued after it is not the block's."""
-        self._until = _last_id(self._read(None))
+        self._until = _last_id(self._read(self._conn))
 
     def enqueued(self, topic: str | None = None, *, conn: Any = None) -> list[Event]:
         """The block's events (so far, while it is open), optionally of one topic.
 
         Args:
             topic: only events of this topic (all when None).
-            conn: read through the app's connection, inside its open transaction.
+            conn: read through the app's connection, inside its open transaction (default:
+                the one the capture was given).
 
         Returns:
             The events, in enqueue order.
         """
         return [
             e
-            for e in self._read(conn)
+            for e in self._read(conn if conn is not None else self._conn)
             if e.id > self._after
             and (self._until is None or e.id <= self._until)
             and (topic is None or e.topic == topic)

@@ -28,8 +28,10 @@ from .capture import Capture, assert_enqueued, refute_enqueued
 from .left import left_reasons
 from .loops import closing, names, on_a_loop_of_its_own, refuse_running_loop
 from .matching import UNSET, EventFilter, Matcher
+from .relay import TestRelay
 from .report import DrainReport, HandlerErrors, first_failure_line
 from .solo import DeliverOne
+from .statements import HandlerTracker, StatementCount, counting
 from .through import events_through
 
 if TYPE_CHECKING:
@@ -112,8 +114,10 @@ class Drain(DeliverOne):
         self._asserted: set[int] = set()
         self._drained: set[int] = set()
         self._strays = strays or (lambda: [])
-        self._relay: Any = None
+        self._relay: tuple[TestRelay, tuple[str, ...] | None] | None = None
         self._selection = Selection()
+        self._tracker: HandlerTracker | None = None
+        self._counts: list[StatementCount] = []
 
     # -- draining -------------------------------------------------------------------------------
 
@@ -282,7 +286,8 @@ class Drain(DeliverOne):
         crashes = [CrashAt(c) if isinstance(c, str) else c for c in _listed(crash_at)]
         outbox = self.outbox
         if self._relay is not None:
-            outbox = self._relay.bound(outbox)
+            relay, relayed = self._relay
+            outbox = relay.bound(outbox, relayed)
         if topics is not None or handlers is not None or limit is not None or crashes:
             aimed = AimedStore(outbox.store, self._selection, crashes, self._wait_out_lease)
             outbox = outbox.rebind(store=aimed)
@@ -379,6 +384,8 @@ class Drain(DeliverOne):
         report.topics_per_round.append([topics[i] for i in round_report.claimed])
         report.add_round(round_report, topics)
         self._drained.update(round_report.claimed)
+        for count in self._counts:
+            count.deliveries += len(round_report.deliveries)
 
     def _advance_to_next(self, horizon: datetime | None) -> bool:
         """Move the clock to the next instant something falls due; False when the drain is done.
@@ -465,6 +472,42 @@ class Drain(DeliverOne):
                 excs,
                 report,
             )
+
+    def use_relay(self, relay: TestRelay, *names: str) -> TestRelay:
+        """Every later drain publishes through ``relay`` in place of the app's relays (those
+        named, or all), on the same topics and under the same names.
+
+        Returns:
+            ``relay``.
+
+        Raises:
+            ConfigurationError: the bus has no relay (of those names); checked now.
+        """
+        relay.bound(self.outbox, names or None)
+        self._relay = (relay, names or None)
+        return relay
+
+    @contextlib.contextmanager
+    def statements(self) -> Iterator[StatementCount]:
+        """``with outbox_drain.statements() as s:`` - the SQL statements the delivery path ran
+        in the block (``s.statements``, ``s.per_delivery``, ``s.by_handler``,
+        ``s.assert_at_most(...)``); see ``outboxkit.testing.statements``.
+
+        Yields:
+            The ``StatementCount``, filled in as the block runs.
+        """
+        if self._tracker is None:
+            self._tracker = HandlerTracker()
+            self.outbox.add_observer(self._tracker)
+        count = StatementCount()
+        self._tracker.count = count
+        self._counts.append(count)
+        try:
+            with counting(self.outbox.store, count):
+                yield count
+        finally:
+            self._tracker.count = None
+            self._counts.remove(count)
 
     @contextlib.contextmanager
     def expect_failures(self, *what: str | type[BaseException]) -> Iterator[None]:
@@ -577,13 +620,17 @@ class Drain(DeliverOne):
         refute_enqueued(self.enqueued(topic, conn=conn), wanted, "in the test store")
 
     @contextlib.contextmanager
-    def capture(self) -> Iterator[Capture]:
+    def capture(self, *, conn: Any = None) -> Iterator[Capture]:
         """``with drain.capture() as cap:`` - ``cap`` sees only what the block enqueued.
+
+        Args:
+            conn: the app's connection, when the block's enqueues are in a transaction still
+                open on it: the block's bounds and events are read through it.
 
         Yields:
             The ``Capture``; it keeps what the block enqueued after the block ends.
         """
-        cap = Capture(self.enqueued_through, self._asserted, self.clock.now)
+        cap = Capture(self.enqueued_through, self._asserted, self.clock.now, conn)
         try:
             yield cap
         finally:

@@ -28,7 +28,7 @@ from ..errors import ConfigurationError
 from ..store import Store
 from ..storekit.sql import SQLStore
 
-__all__ = ["database_of", "driver_connection", "events_through", "store_database"]
+__all__ = ["StrayWatch", "database_of", "driver_connection", "events_through", "store_database"]
 
 PAGE = 1000
 
@@ -125,3 +125,43 @@ def store_database(store: Store) -> str | None:
         with store.transaction() as conn:
             return database_of(conn)
     return None
+
+
+class StrayWatch:
+    """Notes every enqueue into ``store`` made through a connection to another database than
+    the store's (``strays``: that database's name, once per enqueue).
+
+    The SQL stores insert through whatever connection the app hands them; in a test, a
+    connection the app opened on its real database (a ``shop.db``) puts the events there,
+    where no drain of the test store looks. ``install`` wraps the test store's ``enqueue``
+    (the test's own store object, made for the test) to name them.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.strays: list[str] = []
+        self._own: list[str | None] = []
+
+    def install(self) -> None:
+        if not isinstance(self.store, SQLStore):
+            return  # the memory store refuses another store's transaction itself
+        enqueue = self.store.enqueue
+
+        def watched(conn: Any, events: Any, *, now: Any) -> list[int]:
+            self.check(conn)
+            return enqueue(conn, events, now=now)
+
+        self.store.enqueue = watched  # type: ignore[method-assign]
+
+    def check(self, conn: Any) -> None:
+        theirs = database_of(conn)
+        if theirs is None:
+            return
+        if not self._own:
+            self._own.append(store_database(self.store))
+        own = self._own[0]
+        if own is not None and theirs != own:
+            self.strays.append(theirs.split(":", 1)[1])
+
+    def __call__(self) -> list[str]:
+        return list(self.strays)
