@@ -154,6 +154,7 @@ class AimedStore:
         self.crashes = list(crashes)
         self.seen = _HandlerSeen()
         self.stale: list[Claim] = []
+        self.notes: list[str] = []  # lease_lost strikes, which end no poller
         self._on_lease_lost = on_lease_lost
 
     def __getattr__(self, name: str) -> Any:
@@ -177,11 +178,11 @@ class AimedStore:
         if others:
             self.inner.release(others, now=kwargs.get("now"))
         for claim in kept:
-            if any(
-                c.point == "stale_poller" and c.aims_at(claim.event, c.handler)
-                for c in self.crashes
-            ):
-                self.stale.append(claim)
+            for crash in self.crashes:
+                if crash.point == "stale_poller" and crash.aims_at(claim.event, crash.handler):
+                    crash.struck.append((claim.event.id, crash.handler or "?"))
+                    self.stale.append(claim)
+                    break
         return kept
 
     def async_store(self) -> Any:
@@ -213,6 +214,7 @@ class AimedStore:
             if point is not None and point.point == "before_commit":
                 raise InjectedCrash(f"injected crash before the commit of event {claim.event.id}")
             if point is not None:
+                self.notes.append(f"lease of event {claim.event.id} lost while its handler ran")
                 self._on_lease_lost(claim)
                 raise LeaseLostError(f"event {claim.event.id}: lease lost (injected)")
         point = self._strikes(claim, ("after_commit",))

@@ -208,6 +208,8 @@ class Drain(DeliverOne):
             except InjectedCrash as crash:
                 run.report.crashes.append(str(crash))
                 continue
+            if isinstance(store, AimedStore):
+                run.report.crashes.extend(store.notes)
             if isinstance(store, AimedStore) and store.stale:
                 stale, store.stale = store.stale, []
                 for claim in stale:  # a poller that slept through its lease wakes up
