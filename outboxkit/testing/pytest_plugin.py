@@ -65,6 +65,14 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    # The PostgreSQL test schemas kept for later tests of this process: dropped now. Only if
+    # the kit was loaded (nothing is imported for a session that never used it).
+    stores = sys.modules.get("outboxkit.testing.stores")
+    if stores is not None:
+        stores.close_test_stores()
+
+
 def pytest_assertrepr_compare(config: pytest.Config, op: str, left: Any, right: Any) -> Any:
     # Only once the test kit is loaded: a report cannot exist before, and this hook runs for
     # every failing comparison of every test.
@@ -121,13 +129,18 @@ def _tie(request: pytest.FixtureRequest, kwargs: dict[str, Any], name: str, ini:
 
 
 @pytest.fixture
-def outbox_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+def outbox_store(request: pytest.FixtureRequest) -> Iterator[Store]:
     """A fresh, migrated store per test: a SQLite file under ``tmp_path`` unless
     ``--outbox-store=URL`` or the ``outboxkit_store`` ini option says otherwise."""
     from outboxkit.testing.stores import open_test_store
     from outboxkit.testing.through import StrayWatch
 
     url = request.config.getoption("outbox_store_url") or request.config.getini("outboxkit_store")
+
+    def tmp_path() -> Path:  # made only when a SQLite file needs a folder of the test's
+        folder: Path = request.getfixturevalue("tmp_path")
+        return folder
+
     with open_test_store(url or None, tmp_path, request.node.nodeid) as store:
         watch = StrayWatch(store)
         watch.install()

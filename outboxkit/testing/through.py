@@ -143,15 +143,15 @@ class StrayWatch:
         self._own: list[str | None] = []
 
     def install(self) -> None:
+        """Watch the store's enqueues from now on (a store kept from an earlier test is
+        watched by this watch instead of that test's)."""
         if not isinstance(self.store, SQLStore):
             return  # the memory store refuses another store's transaction itself
-        enqueue = self.store.enqueue
-
-        def watched(conn: Any, events: Any, *, now: Any) -> list[int]:
-            self.check(conn)
-            return enqueue(conn, events, now=now)
-
-        self.store.enqueue = watched  # type: ignore[method-assign]
+        current = vars(self.store).get("enqueue")
+        if isinstance(current, _Watched):
+            current.watch = self
+            return
+        self.store.enqueue = _Watched(self.store.enqueue, self)  # type: ignore[method-assign]
 
     def check(self, conn: Any) -> None:
         theirs = database_of(conn)
@@ -165,3 +165,16 @@ class StrayWatch:
 
     def __call__(self) -> list[str]:
         return list(self.strays)
+
+
+class _Watched:
+    """A store's ``enqueue``, each connection checked by a ``StrayWatch`` first."""
+
+    def __init__(self, enqueue: Any, watch: StrayWatch) -> None:
+        self.enqueue = enqueue
+        self.watch = watch
+
+    def __call__(self, conn: Any, events: Any, *, now: Any) -> list[int]:
+        self.watch.check(conn)
+        ids: list[int] = self.enqueue(conn, events, now=now)
+        return ids
