@@ -73,12 +73,19 @@ class _Run:
     cascade: Callable[[DrainReport, int], str]
     fail_fast: Callable[[DrainReport], None] | None = None
     advance_time: bool = True
+    last_read: Callable[[], list[Event] | None] = lambda: None
+    seen: list[Event] | None = None
     report: DrainReport = field(default_factory=DrainReport)
 
     def on_idle(self) -> bool:
-        return self.advance_time and self.advance(self.horizon)
+        if not self.advance_time:
+            return False
+        more = self.advance(self.horizon)
+        self.seen = None if more else self.last_read()
+        return more
 
     def on_round(self, round_report: PollReport) -> None:
+        self.seen = None
         self.record(self.report, round_report)
         if self.fail_fast is not None:
             self.fail_fast(self.report)
@@ -118,6 +125,7 @@ class Drain(DeliverOne):
         self._selection = Selection()
         self._tracker: HandlerTracker | None = None
         self._counts: list[StatementCount] = []
+        self._seen: list[Event] | None = None
 
     # -- draining -------------------------------------------------------------------------------
 
@@ -306,8 +314,14 @@ class Drain(DeliverOne):
             self._cascade_message,
             self._fail_fast if fail_fast else None,
             advance_time,
+            self._last_read,
         )
+        self._seen = None
         return run, outbox
+
+    def _last_read(self) -> list[Event] | None:
+        """The events the last idle check read (None when it read none)."""
+        return self._seen
 
     def _wait_out_lease(self, claim: Claim) -> None:
         """A ``lease_lost`` crash point: the handler ran past its lease."""
@@ -316,7 +330,8 @@ class Drain(DeliverOne):
     def _end(self, run: _Run, raise_errors: bool) -> DrainReport:
         report = run.report
         report.advanced = self.clock.now() - run.start
-        events = self._events_after(0)
+        # What the last idle check read, when no round ran since (one read less per drain).
+        events = run.seen if run.seen is not None else self._events_after(0)
         report.pending = [e for e in events if e.state is State.PENDING]
         report.keys = {e.id: e.key for e in events}
         report.left = left_reasons(
@@ -418,7 +433,9 @@ class Drain(DeliverOne):
         selection = self._selection
         if selection.exhausted:
             return None
-        for event in self._events_after(0):
+        events = self._events_after(0)
+        self._seen = events
+        for event in events:
             if event.available_at is None or not selection.wants(event):
                 continue
             state = state_of(

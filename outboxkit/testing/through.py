@@ -140,7 +140,7 @@ class StrayWatch:
     def __init__(self, store: Store) -> None:
         self.store = store
         self.strays: list[str] = []
-        self._own: list[str | None] = []
+        self.own: list[str | None] = []  # the store's database, once known
 
     def install(self) -> None:
         """Watch the store's enqueues from now on (a store kept from an earlier test is
@@ -148,7 +148,8 @@ class StrayWatch:
         if not isinstance(self.store, SQLStore):
             return  # the memory store refuses another store's transaction itself
         current = vars(self.store).get("enqueue")
-        if isinstance(current, _Watched):
+        if isinstance(current, _Watched):  # a store kept from an earlier test
+            self.own = current.watch.own
             current.watch = self
             return
         self.store.enqueue = _Watched(self.store.enqueue, self)  # type: ignore[method-assign]
@@ -157,9 +158,9 @@ class StrayWatch:
         theirs = database_of(conn)
         if theirs is None:
             return
-        if not self._own:
-            self._own.append(store_database(self.store))
-        own = self._own[0]
+        if not self.own:
+            self.own.append(store_database(self.store))
+        own = self.own[0]
         if own is not None and theirs != own:
             self.strays.append(theirs.split(":", 1)[1])
 
