@@ -13,6 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+# The conformance suite's checks are plain asserts in its own modules: rewritten like a test's,
+# a failure shows its values (registered before anything imports the suite).
+pytest.register_assert_rewrite("outboxkit_conformance")
+
 if TYPE_CHECKING:
     from outboxkit import FrozenClock, Outbox, Store
     from outboxkit.testing.drain import Drain
