@@ -3,9 +3,10 @@
 The kit's test enqueues one event through the test store, drains it (``outbox_drain()``) and
 asserts it was delivered; the reference test calls the same handler directly on a hand-made
 event and asserts the same thing - what an app would write without the kit. Both run as
-pytest tests, in this process, ``--tests`` of each per round, the two alternating for
-``--rounds`` rounds (the machine's load falls on both); the time of a test is pytest's setup +
-call + teardown of it. Printed per store: the median ms per test of each, the kit's overhead
+pytest tests, each round a pytest session of its own (a subprocess, as a user runs it),
+``--tests`` of each per round, the two alternating for ``--rounds`` rounds (the machine's load
+falls on both); the time of a test is pytest's setup + call + teardown of it, recorded by a
+conftest hook. Printed per store: the median ms per test of each, the kit's overhead
 (the difference) and the ratio.
 
     python bench/testkit_overhead.py                      # memory://, SQLite file, PostgreSQL
@@ -16,15 +17,14 @@ call + teardown of it. Printed per store: the median ms per test of each, the ki
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import textwrap
 from pathlib import Path
-from typing import Any
-
-import pytest
 
 APP = """
 from outboxkit import EventBus
@@ -78,35 +78,41 @@ STORES = {
 }
 
 
-class Timer:
-    """Per test: pytest's setup + call + teardown, in seconds."""
+CONFTEST = """
+import json
+import os
 
-    def __init__(self) -> None:
-        self.durations: list[float] = []
+DURATIONS = []
 
-    @pytest.hookimpl
-    def pytest_runtest_logreport(self, report: Any) -> None:
-        if report.when == "setup":
-            self.durations.append(report.duration)
-        else:
-            self.durations[-1] += report.duration
-        if report.failed:
-            raise SystemExit(f"a benchmark test failed: {report.nodeid}\n{report.longrepr}")
+
+def pytest_runtest_logreport(report):
+    if report.when == "setup":
+        DURATIONS.append(report.duration)
+    else:
+        DURATIONS[-1] += report.duration
+    if report.failed:
+        raise SystemExit(f"a benchmark test failed: {report.nodeid}")
+
+
+def pytest_unconfigure(config):
+    with open(os.environ["BENCH_OUT"], "w") as out:
+        json.dump(DURATIONS, out)
+"""
 
 
 def run(folder: Path, test_file: str, store: str) -> list[float]:
-    timer = Timer()
-    args = [str(folder / test_file), "-q", "-p", "no:cacheprovider", "-p", "no:randomly"]
+    """One pytest session of ``test_file``: each test's setup + call + teardown, in seconds."""
+    out = folder / "durations.json"
+    args = [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider"]
     if store:
         args.append(f"--outbox-store={store}")
-    code = pytest.main(
-        [*args, "--rootdir", str(folder), "-c", str(folder / "pytest.ini")], plugins=[timer]
-    )
-    if code != 0:
-        raise SystemExit(f"pytest exited with {code} for {test_file}")
-    for name in [m for m in sys.modules if m.startswith("test_")]:
-        del sys.modules[name]  # the next round imports it afresh, as a new session does
-    return timer.durations
+    env = {**os.environ, "BENCH_OUT": str(out), "PYTHONPATH": str(folder)}
+    env.pop("PYTEST_ADDOPTS", None)
+    done = subprocess.run(args, cwd=folder, env=env, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise SystemExit(f"pytest exited with {done.returncode} for {test_file}:\n{done.stdout}")
+    durations: list[float] = json.loads(out.read_text())
+    return durations
 
 
 def main() -> None:
@@ -120,10 +126,10 @@ def main() -> None:
         (folder / "benchapp.py").write_text(APP)
         (folder / "test_kit.py").write_text(textwrap.dedent(KIT_TEST.format(tests=args.tests)))
         (folder / "test_direct.py").write_text(DIRECT_TEST.format(tests=args.tests))
+        (folder / "conftest.py").write_text(CONFTEST)
         (folder / "pytest.ini").write_text(
             "[pytest]\nasyncio_default_fixture_loop_scope = function\n"
         )
-        sys.path.insert(0, root)
         lines = []
         for name in args.stores:
             kit: list[float] = []

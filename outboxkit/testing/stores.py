@@ -1,8 +1,10 @@
 """Stores for tests: ``open_test_store`` gives each test a fresh, migrated store.
 
 SQLite tests copy one migrated template file per process instead of running the DDL for each
-test, into memory-backed storage (``/dev/shm``) when the system has it: the same SQLite file,
-WAL and all, without the disk's flushes. PostgreSQL tests get a migrated schema of their own:
+test. In memory-backed storage (``/dev/shm``), when the system has it, the file (the same
+SQLite file, WAL and all, without the disk's flushes) and the store open on it are kept for the
+process's next test, emptied (ids from 1 again); else each test copies its own under
+``tmp_path``. PostgreSQL tests get a migrated schema of their own:
 one a process made earlier and emptied after its last test (its tables truncated, their
 identities restarted), with the store open on it kept for the next test, or a new one. The
 production path is the same (the same store class and statements on a real schema); what a
@@ -32,6 +34,7 @@ from ..store import Store
 
 if TYPE_CHECKING:
     from outboxkit_pg import PostgresStore
+    from outboxkit_sqlite import SQLiteStore
 
 __all__ = ["POSTGRES_SCHEMES", "close_test_stores", "open_test_store"]
 
@@ -70,17 +73,13 @@ def open_test_store(
     if url is None:
         folder = _ram_folder()
         if folder is not None:
-            path = folder / f"{uuid.uuid4().hex}.db"
-        else:
-            path = (tmp_path() if callable(tmp_path) else tmp_path) / "outbox.db"
+            with _kept_sqlite_store(folder) as kept:
+                yield kept
+            return
+        path = (tmp_path() if callable(tmp_path) else tmp_path) / "outbox.db"
         shutil.copyfile(_sqlite_template(), path)  # a migrated empty file: no DDL per test
-        try:
-            with _opened(f"sqlite:///{path}") as store:
-                yield store
-        finally:
-            if folder is not None:
-                for leftover in folder.glob(f"{path.name}*"):
-                    leftover.unlink(missing_ok=True)
+        with _opened(f"sqlite:///{path}") as store:
+            yield store
         return
     if url.split("://", 1)[0].lower() in POSTGRES_SCHEMES:
         with _postgres_test_store(url, name) as store:
@@ -98,6 +97,55 @@ def _opened(url: str) -> Iterator[Store]:
         yield opened
     finally:
         opened.close()
+
+
+_IDLE_SQLITE: list[SQLiteStore] = []
+"""The stores on emptied SQLite files in memory-backed storage, waiting for their next test."""
+
+
+@contextlib.contextmanager
+def _kept_sqlite_store(folder: Path) -> Iterator[Store]:
+    """A store on a migrated SQLite file in ``folder``: an emptied one kept from an earlier
+    test, or a copy of the template; emptied and kept for the next test afterwards."""
+    from outboxkit_sqlite import SQLiteStore
+
+    if _IDLE_SQLITE:
+        store = _IDLE_SQLITE.pop()
+    else:
+        path = folder / f"{uuid.uuid4().hex}.db"
+        shutil.copyfile(_sqlite_template(), path)  # a migrated empty file: no DDL per test
+        made = _open(f"sqlite:///{path}")
+        assert isinstance(made, SQLiteStore)
+        store = made
+    kept = False
+    try:
+        yield store
+        kept = _emptied_sqlite(store)
+    finally:
+        if kept:
+            _IDLE_SQLITE.append(store)
+        else:
+            store.close()
+            file = store.path
+            if file is not None:
+                for leftover in file.parent.glob(f"{file.name}*"):
+                    leftover.unlink(missing_ok=True)
+
+
+def _emptied_sqlite(store: SQLiteStore) -> bool:
+    """Empty the store's tables for the next test (ids from 1 again); False when it cannot be
+    kept (the test closed it, or SQLite refused)."""
+    if store.dialect.connections.closed:
+        return False
+    tables = store.tables  # validated identifiers (TableNames); the values are bound
+    try:
+        with store.transaction() as conn:
+            conn.execute(f'DELETE FROM "{tables.deliveries}"')  # noqa: S608
+            conn.execute(f'DELETE FROM "{tables.events}"')  # noqa: S608
+            conn.execute("DELETE FROM sqlite_sequence WHERE name = ?", (tables.events,))
+    except Exception:
+        return False
+    return True
 
 
 _IDLE: dict[str, list[PostgresStore]] = {}
@@ -124,7 +172,7 @@ def _postgres_test_store(url: str, name: str) -> Iterator[Store]:
 def _new_postgres_store(url: str, name: str) -> PostgresStore:
     # Imported here, not at the top: only a PostgreSQL URL needs the driver, and a missing one
     # is reported by open_store as MissingDependency.
-    store: Store = _open(_without_commit_flush(url), schema=_schema_name(name))
+    store: Store = open_store(_without_commit_flush(url), schema=_schema_name(name))
     from outboxkit_pg import PostgresStore
 
     if not isinstance(store, PostgresStore):
@@ -205,7 +253,10 @@ def _reopened(store: PostgresStore, url: str) -> PostgresStore:
 
 
 def close_test_stores() -> None:
-    """Drop every kept PostgreSQL test schema and close its store (at the session's end)."""
+    """Close every kept test store, dropping the PostgreSQL schemas (at the session's end)."""
+    while _IDLE_SQLITE:
+        with contextlib.suppress(Exception):
+            _IDLE_SQLITE.pop().close()
     for url, idle in list(_IDLE.items()):
         while idle:
             store = idle.pop()
