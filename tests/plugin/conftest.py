@@ -6,7 +6,6 @@ import pytest
 
 from tests.plugin.sample import HELPERS, SAMPLE_APP, STORE_ARGS, STORE_CLASS, store_args
 
-
 SQLITE_AND_PG = [
     pytest.param("sqlite", id="sqlite"),
     pytest.param("pg", id="pg", marks=pytest.mark.pg),

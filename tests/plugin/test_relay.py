@@ -3,7 +3,6 @@ timeouts and a lost connection for chosen events. On memory, SQLite and PostgreS
 
 from __future__ import annotations
 
-
 import pytest
 
 from outboxkit import EventBus

@@ -88,5 +88,7 @@ def test_memory_store_counts_nothing(pytester: pytest.Pytester) -> None:
         """
     )
     pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
-    result = pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider", "--outbox-store=memory://")
+    result = pytester.runpytest_inprocess(
+        "-q", "-p", "no:cacheprovider", "--outbox-store=memory://"
+    )
     result.assert_outcomes(passed=1)
