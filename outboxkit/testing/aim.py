@@ -28,7 +28,7 @@ from ..errors import ConfigurationError, LeaseLostError
 from ..hookspecs import hookimpl
 from ..store import Store
 
-__all__ = ["CRASH_POINTS", "AimedStore", "CrashAt", "InjectedCrash", "Selection"]
+__all__ = ["CRASH_POINTS", "AimedStore", "CrashAt", "InjectedCrash", "Selection", "crash_points"]
 
 CRASH_POINTS = ("before_commit", "after_commit", "lease_lost", "stale_poller")
 """Where ``CrashAt`` strikes (see ``CrashAt``)."""
@@ -267,3 +267,9 @@ class _AimedAsync:
         if others:
             await self.inner.release(others, now=kwargs.get("now"))
         return kept
+
+
+def crash_points(crash_at: str | CrashAt | Sequence[str | CrashAt]) -> list[CrashAt]:
+    """``crash_at=`` as ``CrashAt``s (a point's name strikes the first delivery)."""
+    given = [crash_at] if isinstance(crash_at, str | CrashAt) else list(crash_at)
+    return [CrashAt(c) if isinstance(c, str) else c for c in given]

@@ -23,7 +23,7 @@ from ..core.model import Claim, Delivery, Event, PollReport, State, state_of
 from ..errors import ConfigurationError, DrainError
 from ..outbox import Outbox
 from ..waiter import LoopWaiter
-from .aim import AimedStore, CrashAt, InjectedCrash, Selection
+from .aim import AimedStore, CrashAt, InjectedCrash, Selection, crash_points
 from .capture import Capture, assert_enqueued, refute_enqueued
 from .left import left_reasons
 from .loops import closing, names, on_a_loop_of_its_own, refuse_running_loop
@@ -32,7 +32,7 @@ from .relay import TestRelay
 from .report import DrainReport, HandlerErrors, first_failure_line
 from .solo import DeliverOne
 from .statements import HandlerTracker, StatementCount, counting
-from .through import events_through
+from .through import events_through, stray_message
 
 if TYPE_CHECKING:
     from ..aio import AsyncPoller
@@ -114,6 +114,7 @@ class Drain(DeliverOne):
         clock: FrozenClock,
         *,
         strays: Callable[[], list[str]] | None = None,
+        since: int = 0,
     ) -> None:
         self.outbox = outbox
         self.clock = clock
@@ -121,6 +122,7 @@ class Drain(DeliverOne):
         self._asserted: set[int] = set()
         self._drained: set[int] = set()
         self._strays = strays or (lambda: [])
+        self._since = since
         self._relay: tuple[TestRelay, tuple[str, ...] | None] | None = None
         self._selection = Selection()
         self._tracker: HandlerTracker | None = None
@@ -293,7 +295,7 @@ class Drain(DeliverOne):
             names,
             self.outbox.bus.names_for,
         )
-        crashes = [CrashAt(c) if isinstance(c, str) else c for c in _listed(crash_at)]
+        crashes = crash_points(crash_at)
         outbox = self.outbox
         if self._relay is not None:
             relay, relayed = self._relay
@@ -570,7 +572,17 @@ class Drain(DeliverOne):
             ConfigurationError: ``conn`` cannot be read through on this store.
         """
         events = self._events_after(0) if conn is None else events_through(self.outbox.store, conn)
-        return [e for e in events if topic is None or e.topic == topic]
+        return [e for e in events if e.id > self._since and (topic is None or e.topic == topic)]
+
+    @property
+    def window(self) -> str:
+        """Which events the assertions look at, as their messages say it."""
+        if not self._since:
+            return "in the test store"
+        return (
+            f"enqueued since outbox_drain was set up (after event {self._since}: the outbox's "
+            "store is not the outbox_store fixture's, so it may hold other tests' events)"
+        )
 
     def assert_enqueued(
         self,
@@ -608,7 +620,7 @@ class Drain(DeliverOne):
         """
         __tracebackhide__ = True
         wanted = EventFilter(topic, payload, key, headers, scheduled, self.clock.now())
-        window = "in the test store" + (" (read through conn)" if conn is not None else "")
+        window = self.window + (" (read through conn)" if conn is not None else "")
         strays = self._strays()
         return assert_enqueued(
             self.enqueued(topic, conn=conn),
@@ -636,7 +648,7 @@ class Drain(DeliverOne):
         """
         __tracebackhide__ = True
         wanted = EventFilter(topic, payload, key, headers, scheduled, self.clock.now())
-        refute_enqueued(self.enqueued(topic, conn=conn), wanted, "in the test store")
+        refute_enqueued(self.enqueued(topic, conn=conn), wanted, self.window)
 
     @contextlib.contextmanager
     def capture(self, *, conn: Any = None) -> Iterator[Capture]:
@@ -679,23 +691,6 @@ class Drain(DeliverOne):
         """
         return [
             e
-            for e in self._events_after(0)
+            for e in self._events_after(self._since)
             if e.id not in self._drained and e.id not in self._asserted
         ]
-
-
-def _listed(crash_at: str | CrashAt | Sequence[str | CrashAt]) -> list[str | CrashAt]:
-    if isinstance(crash_at, str | CrashAt):
-        return [crash_at]
-    return list(crash_at)
-
-
-def stray_message(strays: Sequence[str]) -> str:
-    """What an enqueue into another database than the test store's is told."""
-    where = ", ".join(dict.fromkeys(strays))
-    return (
-        f"{len(strays)} enqueue(s) of this test went through a connection to another database "
-        f"({where}) than the test store's: the drain and the assertions never see them. "
-        "Override the outbox_store fixture to open the store on the database your app's "
-        "connection uses (see the README's testing chapter)"
-    )

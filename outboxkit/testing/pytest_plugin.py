@@ -178,7 +178,13 @@ def outbox_drain(
     from outboxkit.testing.drain import Drain
 
     watch = request.node.stash.get(STRAYS, None)
-    drain = Drain(outbox, outbox_clock, strays=watch)
+    # Every event of the store, when it is the test's own (outbox_store's, whoever provides
+    # it); else (the app's own store, which may outlive the test) those enqueued from now on.
+    own = "outbox_store" in request.fixturenames and (
+        request.getfixturevalue("outbox_store") is outbox.store
+    )
+    since = 0 if own else _last_id(outbox)
+    drain = Drain(outbox, outbox_clock, strays=watch, since=since)
     yield drain
     if request.config.getini("outboxkit_strict"):
         left = drain.unaccounted()
@@ -189,6 +195,18 @@ def outbox_drain(
                 f"asserted:\n{listing}",
                 pytrace=False,
             )
+
+
+def _last_id(outbox: Outbox) -> int:
+    """The id of the newest event of ``outbox``'s store (0 when it has none)."""
+    from outboxkit.testing.drain import PAGE
+
+    last = 0
+    while page := outbox.store.events(after_id=last, limit=PAGE):
+        last = page[-1].id
+        if len(page) < PAGE:
+            break
+    return last
 
 
 def _load_app(spec: str) -> Outbox:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+from collections.abc import Sequence
 from typing import Any
 
 from ..core.model import Event
@@ -28,7 +29,14 @@ from ..errors import ConfigurationError
 from ..store import Store
 from ..storekit.sql import SQLStore
 
-__all__ = ["StrayWatch", "database_of", "driver_connection", "events_through", "store_database"]
+__all__ = [
+    "StrayWatch",
+    "stray_message",
+    "database_of",
+    "driver_connection",
+    "events_through",
+    "store_database",
+]
 
 PAGE = 1000
 
@@ -179,3 +187,14 @@ class _Watched:
         self.watch.check(conn)
         ids: list[int] = self.enqueue(conn, events, now=now)
         return ids
+
+
+def stray_message(strays: Sequence[str]) -> str:
+    """What an enqueue into another database than the test store's is told."""
+    where = ", ".join(dict.fromkeys(strays))
+    return (
+        f"{len(strays)} enqueue(s) of this test went through a connection to another database "
+        f"({where}) than the test store's: the drain and the assertions never see them. "
+        "Override the outbox_store fixture to open the store on the database your app's "
+        "connection uses (see the README's testing chapter)"
+    )

@@ -63,7 +63,7 @@ def test_assertions_read_inside_the_apps_open_transaction(any_app: pytest.Pytest
 
 def test_an_enqueue_into_another_sqlite_file_is_named(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
-        test_shop="""
+        test_shop_stray="""
         import sqlite3
         import pytest
         from outboxkit import DrainError, EventBus, Outbox, open_store
@@ -93,3 +93,41 @@ def test_an_enqueue_into_another_sqlite_file_is_named(pytester: pytest.Pytester)
     pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
     result = pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
+
+
+def test_on_the_apps_own_store_the_window_starts_at_the_drain_and_says_so(
+    pytester: pytest.Pytester,
+) -> None:
+    # An outbox on the app's own store (not outbox_store's, fresh per test) may hold other
+    # tests' events: the assertions look at what was enqueued since outbox_drain was set up,
+    # and their messages say so.
+    pytester.makepyfile(
+        test_app_store="""
+        import pytest
+        from outboxkit import EventBus, MemoryStore, Outbox
+
+        STORE = MemoryStore()  # the app's, shared by its tests
+        bus = EventBus()
+
+        @pytest.fixture
+        def outbox(outbox_clock):
+            return Outbox(STORE, bus, clock=outbox_clock)
+
+        def enqueue(outbox, n):
+            with outbox.store.transaction() as conn:
+                outbox.enqueue(conn, "t", {"n": n})
+
+        def test_first(outbox, outbox_drain):
+            enqueue(outbox, 1)
+            outbox_drain.assert_enqueued("t", {"n": 1}, count=1)
+
+        def test_second(outbox, outbox_drain):
+            enqueue(outbox, 2)
+            outbox_drain.assert_enqueued("t", count=1)   # not the first test's
+            with pytest.raises(AssertionError, match="since outbox_drain was set up .after event 1"):
+                outbox_drain.assert_enqueued("t", {"n": 1})
+        """
+    )
+    pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
+    result = pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
