@@ -11,6 +11,7 @@ from .testing.pytest_plugin import (
     pytest_addoption,
     pytest_assertrepr_compare,
     pytest_configure,
+    pytest_unconfigure,
 )
 
 __all__ = [
@@ -21,4 +22,5 @@ __all__ = [
     "pytest_addoption",
     "pytest_assertrepr_compare",
     "pytest_configure",
+    "pytest_unconfigure",
 ]

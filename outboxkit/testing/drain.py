@@ -1,5 +1,5 @@
 """``Drain``: deliver everything due, on the production path, under a virtual clock; and the
-enqueue assertions on what was enqueued since the drain was made.
+enqueue assertions on every event of the test store.
 
 One drain, two pollers: an app whose bus has ``async def`` handlers is drained by the asyncio
 poller (``Outbox.async_poller``), any other by the blocking one (``Outbox.poller``). Both run
@@ -9,23 +9,30 @@ and the report are written once, here, for both.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from .. import calls
-from ..bus import EventBus, HandlerSpec
+from ..bus import HandlerSpec
 from ..clock import FrozenClock, as_timedelta
 from ..core.machine import blocks_key
 from ..core.model import Claim, Delivery, Event, PollReport, State, state_of
 from ..errors import ConfigurationError, DrainError
 from ..outbox import Outbox
 from ..waiter import LoopWaiter
+from .aim import AimedStore, CrashAt, InjectedCrash, Selection, crash_points
 from .capture import Capture, assert_enqueued, refute_enqueued
-from .report import DrainReport, HandlerErrors
+from .left import left_reasons
+from .loops import closing, names, on_a_loop_of_its_own, refuse_running_loop
+from .matching import UNSET, EventFilter, Matcher
+from .relay import TestRelay
+from .report import DrainReport, HandlerErrors, first_failure_line
+from .solo import DeliverOne
+from .statements import HandlerTracker, StatementCount, counting
+from .through import events_through, stray_message
 
 if TYPE_CHECKING:
     from ..aio import AsyncPoller
@@ -64,19 +71,30 @@ class _Run:
     record: Callable[[DrainReport, PollReport], None]
     next_due: Callable[[datetime | None], datetime | None]
     cascade: Callable[[DrainReport, int], str]
+    fail_fast: Callable[[DrainReport], None] | None = None
+    advance_time: bool = True
+    last_read: Callable[[], list[Event] | None] = lambda: None
+    seen: list[Event] | None = None
     report: DrainReport = field(default_factory=DrainReport)
 
     def on_idle(self) -> bool:
-        return self.advance(self.horizon)
+        if not self.advance_time:
+            return False
+        more = self.advance(self.horizon)
+        self.seen = None if more else self.last_read()
+        return more
 
     def on_round(self, round_report: PollReport) -> None:
+        self.seen = None
         self.record(self.report, round_report)
+        if self.fail_fast is not None:
+            self.fail_fast(self.report)
         # The cascade guard: a drain whose rounds keep making work ends, naming the chain.
         if self.report.rounds >= self.max_rounds and self.next_due(self.horizon) is not None:
             raise DrainError(self.cascade(self.report, self.max_rounds))
 
 
-class Drain:
+class Drain(DeliverOne):
     """Deliver everything due, on the production path, under a ``FrozenClock``: ``drain()``
     from a test, or ``await drain.async_()`` from an ``async def`` test.
 
@@ -90,13 +108,26 @@ class Drain:
             retries and leases.
     """
 
-    def __init__(self, outbox: Outbox, clock: FrozenClock) -> None:
+    def __init__(
+        self,
+        outbox: Outbox,
+        clock: FrozenClock,
+        *,
+        strays: Callable[[], list[str]] | None = None,
+        since: int = 0,
+    ) -> None:
         self.outbox = outbox
         self.clock = clock
         self._expected: list[_Expected] = []
         self._asserted: set[int] = set()
         self._drained: set[int] = set()
-        self._baseline = self._last_id()
+        self._strays = strays or (lambda: [])
+        self._since = since
+        self._relay: tuple[TestRelay, tuple[str, ...] | None] | None = None
+        self._selection = Selection()
+        self._tracker: HandlerTracker | None = None
+        self._counts: list[StatementCount] = []
+        self._seen: list[Event] | None = None
 
     # -- draining -------------------------------------------------------------------------------
 
@@ -106,6 +137,12 @@ class Drain:
         until: datetime | timedelta | None = None,
         max_rounds: int = 50,
         raise_errors: bool = True,
+        topics: Sequence[str] | None = None,
+        handlers: Sequence[str] | None = None,
+        limit: int | None = None,
+        advance_time: bool = True,
+        fail_fast: bool = False,
+        crash_at: str | CrashAt | Sequence[str | CrashAt] = (),
     ) -> DrainReport:
         """Run rounds until nothing is due; deliver follow-ups in later rounds.
 
@@ -122,6 +159,17 @@ class Drain:
                 without it, events due after the last retry (or lease) stay pending.
             max_rounds: the most rounds that may claim something (a cascade guard).
             raise_errors: raise unexpected handler exceptions together at the end.
+            topics: deliver only events of these topics (the others stay, said in
+                ``report.left``).
+            handlers: deliver only events one of these handlers takes (their other handlers
+                run too: an event is published once all of its handlers ran).
+            limit: claim at most this many events (each retry counts).
+            advance_time: False never moves the clock: what is due now is delivered, and a
+                retry stays scheduled, to be asserted on (``report.left``).
+            fail_fast: stop at the first unexpected handler failure and raise it
+                (``HandlerErrors`` whose first line names the handler, the event and the error).
+            crash_at: crash points (``CrashAt``, or a point's name for the first delivery):
+                see ``outboxkit.testing.CrashAt``.
 
         Returns:
             The ``DrainReport``.
@@ -129,31 +177,60 @@ class Drain:
         Raises:
             DrainError: more than ``max_rounds`` rounds (the message names the topic chain);
                 or async handlers to run while an event loop is running in this thread (the
-                message names ``await outbox_drain.async_()``).
+                message names ``await outbox_drain.async_()``); or an enqueue of this test
+                went to another database than the test store's (naming it).
             HandlerErrors: handler exceptions not covered by ``expect_failures`` (an
-                ``ExceptionGroup`` carrying ``.report``), after every outcome was recorded.
-            ConfigurationError: async handlers on a store without an asyncio side.
+                ``ExceptionGroup`` carrying ``.report``, its first line naming the first
+                failure), after every outcome was recorded.
+            ConfigurationError: async handlers on a store without an asyncio side; a bad
+                option (naming it).
         """
-        run = self._begin(until, max_rounds)
-        coroutines = calls.async_handlers(self.outbox.bus.specs())
+        self._refuse_strays()
+        run, outbox = self._begin(
+            until, max_rounds, topics, handlers, limit, advance_time, fail_fast, crash_at
+        )
+        coroutines = calls.async_handlers(outbox.bus.specs())
         if coroutines:
-            _refuse_running_loop(
-                f"outbox_drain() drains async def handlers ({_names(coroutines)}) on an event "
+            refuse_running_loop(
+                f"outbox_drain() drains async def handlers ({names(coroutines)}) on an event "
                 "loop of its own, and one is running here: in an async def test, use "
                 "`report = await outbox_drain.async_()`"
             )
-            poller = self._async_poller(coroutines)
-            _on_a_loop_of_its_own(
-                _closing(poller, poller.run_until_idle(on_idle=run.on_idle, on_round=run.on_round))
+            poller = self._async_poller(coroutines, outbox)
+            on_a_loop_of_its_own(
+                closing(poller, poller.run_until_idle(on_idle=run.on_idle, on_round=run.on_round))
             )
         else:
-            # The poller's own drain loop, as ``outboxkit run --until-idle`` runs it; the drain
-            # only adds the virtual clock (on_idle) and the report (on_round).
-            # No prefetch (an app-wide default): a drain's batches are the same on every run.
-            self.outbox.poller(prefetch=False).run_until_idle(
-                on_idle=run.on_idle, on_round=run.on_round
-            )
+            self._run_blocking(run, outbox)
         return self._end(run, raise_errors)
+
+    def _run_blocking(self, run: _Run, outbox: Outbox) -> None:
+        """The poller's own drain loop, as ``outboxkit run --until-idle`` runs it; the drain
+        only adds the virtual clock (on_idle) and the report (on_round). An injected crash
+        ends a poller; a new one (a restarted process) goes on."""
+        store = outbox.store
+        while True:
+            # No prefetch (an app-wide default): a drain's batches are the same on every run.
+            try:
+                outbox.poller(prefetch=False).run_until_idle(
+                    on_idle=run.on_idle, on_round=run.on_round
+                )
+            except InjectedCrash as crash:
+                run.report.crashes.append(str(crash))
+                continue
+            if isinstance(store, AimedStore):
+                run.report.crashes.extend(store.notes)
+            if isinstance(store, AimedStore) and store.stale:
+                stale, store.stale = store.stale, []
+                for claim in stale:  # a poller that slept through its lease wakes up
+                    round_report = outbox.poller(prefetch=False).process(
+                        [claim], claimed_at=self.clock.now()
+                    )
+                    run.record(run.report, round_report)
+                    run.report.crashes.append(
+                        f"stale poller ran event {claim.event.id} again after its lease"
+                    )
+            return
 
     async def async_(
         self,
@@ -183,16 +260,53 @@ class Drain:
             ConfigurationError: a store without an asyncio side, or a handler the asyncio
                 poller refuses (a blocking transactional one).
         """
-        run = self._begin(until, max_rounds)
-        poller = self._async_poller(calls.async_handlers(self.outbox.bus.specs()))
+        self._refuse_strays()
+        run, outbox = self._begin(until, max_rounds, None, None, None, True, False, ())
+        poller = self._async_poller(calls.async_handlers(outbox.bus.specs()), outbox)
         await poller.run_until_idle(on_idle=run.on_idle, on_round=run.on_round)
         return self._end(run, raise_errors)
 
-    def _begin(self, until: datetime | timedelta | None, max_rounds: int) -> _Run:
+    def _begin(
+        self,
+        until: datetime | timedelta | None,
+        max_rounds: int,
+        topics: Sequence[str] | None,
+        handlers: Sequence[str] | None,
+        limit: int | None,
+        advance_time: bool,
+        fail_fast: bool,
+        crash_at: str | CrashAt | Sequence[str | CrashAt],
+    ) -> tuple[_Run, Outbox]:
         if not isinstance(max_rounds, int) or isinstance(max_rounds, bool) or max_rounds < 1:
             raise ConfigurationError(f"max_rounds must be an integer >= 1, got {max_rounds!r}")
+        if limit is not None and (
+            isinstance(limit, bool) or not isinstance(limit, int) or limit < 1
+        ):
+            raise ConfigurationError(f"limit must be an integer >= 1, got {limit!r}")
+        for what, given in (("topics", topics), ("handlers", handlers)):
+            if isinstance(given, str):
+                raise ConfigurationError(f"{what} must be a list, got the string {given!r:.80}")
+        names = frozenset(handlers) if handlers is not None else None
+        for name in names or ():
+            self.outbox.bus.find(name)  # ConfigurationError naming an unknown handler
+        self._selection = Selection(
+            frozenset(topics) if topics is not None else None,
+            limit,
+            names,
+            self.outbox.bus.names_for,
+        )
+        crashes = crash_points(crash_at)
+        outbox = self.outbox
+        if self._relay is not None:
+            relay, relayed = self._relay
+            outbox = relay.bound(outbox, relayed)
+        if topics is not None or handlers is not None or limit is not None or crashes:
+            aimed = AimedStore(outbox.store, self._selection, crashes, self._wait_out_lease)
+            outbox = outbox.rebind(store=aimed)
+            if crashes:
+                outbox.add_observer(aimed.seen)
         start = self.clock.now()
-        return _Run(
+        run = _Run(
             start,
             self._horizon(start, until),
             max_rounds,
@@ -200,15 +314,55 @@ class Drain:
             self._record,
             self._next_due,
             self._cascade_message,
+            self._fail_fast if fail_fast else None,
+            advance_time,
+            self._last_read,
         )
+        self._seen = None
+        return run, outbox
+
+    def _last_read(self) -> list[Event] | None:
+        """The events the last idle check read (None when it read none)."""
+        return self._seen
+
+    def _wait_out_lease(self, claim: Claim) -> None:
+        """A ``lease_lost`` crash point: the handler ran past its lease."""
+        self.clock.set(max(self.clock.now(), claim.locked_until))
 
     def _end(self, run: _Run, raise_errors: bool) -> DrainReport:
         report = run.report
         report.advanced = self.clock.now() - run.start
-        report.pending = [e for e in self._events_after(0) if e.state is State.PENDING]
+        # What the last idle check read, when no round ran since (one read less per drain).
+        events = run.seen if run.seen is not None else self._events_after(0)
+        report.pending = [e for e in events if e.state is State.PENDING]
+        report.keys = {e.id: e.key for e in events}
+        report.left = left_reasons(
+            events,
+            now=self.clock.now(),
+            horizon=run.horizon,
+            advance_time=run.advance_time,
+            why_not=self._selection.why_not,
+            dead_key=self.outbox.dead_key,
+        )
         if raise_errors:
             self._raise_unexpected(report)
         return report
+
+    def _fail_fast(self, report: DrainReport) -> None:
+        unexpected = self._unexpected(report)
+        if unexpected:
+            first = unexpected[0]
+            raise HandlerErrors(
+                f"{first_failure_line(first)} (fail_fast: the drain stopped there)\n"
+                + report.summary(),
+                [first.exception],  # type: ignore[list-item]
+                report,
+            )
+
+    def _refuse_strays(self) -> None:
+        strays = self._strays()
+        if strays:
+            raise DrainError(stray_message(strays))
 
     def _async_poller(
         self, coroutines: Sequence[HandlerSpec], outbox: Outbox | None = None
@@ -219,7 +373,7 @@ class Drain:
         store = outbox.store
         if not store.capabilities.asyncio:
             why = (
-                f"async def handlers ({_names(coroutines)}) run on the asyncio poller"
+                f"async def handlers ({names(coroutines)}) run on the asyncio poller"
                 if coroutines
                 else "async_() drains with the asyncio poller"
             )
@@ -249,6 +403,8 @@ class Drain:
         report.topics_per_round.append([topics[i] for i in round_report.claimed])
         report.add_round(round_report, topics)
         self._drained.update(round_report.claimed)
+        for count in self._counts:
+            count.deliveries += len(round_report.deliveries)
 
     def _advance_to_next(self, horizon: datetime | None) -> bool:
         """Move the clock to the next instant something falls due; False when the drain is done.
@@ -276,8 +432,13 @@ class Drain:
         waits: list[datetime] = []  # retries and leases: a poller waits them out
         first: list[datetime] = []  # first attempts: due now, or scheduled by the app
         held: set[str] = set()  # keys an earlier event holds up
-        for event in self._events_after(0):
-            if event.available_at is None:
+        selection = self._selection
+        if selection.exhausted:
+            return None
+        events = self._events_after(0)
+        self._seen = events
+        for event in events:
+            if event.available_at is None or not selection.wants(event):
                 continue
             state = state_of(
                 published_at=event.published_at,
@@ -313,21 +474,61 @@ class Drain:
             f"that never ends? topics per round (last 10): {chain}"
         )
 
-    def _raise_unexpected(self, report: DrainReport) -> None:
-        unexpected = [
+    def _unexpected(self, report: DrainReport) -> list[Delivery]:
+        return [
             d
             for d in report.failed
             if isinstance(d.exception, Exception) and not any(x.covers(d) for x in self._expected)
         ]
+
+    def _raise_unexpected(self, report: DrainReport) -> None:
+        unexpected = self._unexpected(report)
         if unexpected:
             excs: list[Exception] = [d.exception for d in unexpected]  # type: ignore[misc]
+            more = f"; {len(unexpected)} unexpected failure(s) in all" if len(excs) > 1 else ""
             raise HandlerErrors(
-                f"{len(unexpected)} unexpected handler failure(s) during the drain "
-                f"(use raise_errors=False or expect_failures() for retry tests)\n"
+                f"{first_failure_line(unexpected[0])}{more} (fail_fast=True stops at the "
+                "first; raise_errors=False or expect_failures() for retry tests)\n"
                 + report.summary(),
                 excs,
                 report,
             )
+
+    def use_relay(self, relay: TestRelay, *names: str) -> TestRelay:
+        """Every later drain publishes through ``relay`` in place of the app's relays (those
+        named, or all), on the same topics and under the same names.
+
+        Returns:
+            ``relay``.
+
+        Raises:
+            ConfigurationError: the bus has no relay (of those names); checked now.
+        """
+        relay.bound(self.outbox, names or None)
+        self._relay = (relay, names or None)
+        return relay
+
+    @contextlib.contextmanager
+    def statements(self) -> Iterator[StatementCount]:
+        """``with outbox_drain.statements() as s:`` - the SQL statements the delivery path ran
+        in the block (``s.statements``, ``s.per_delivery``, ``s.by_handler``,
+        ``s.assert_at_most(...)``); see ``outboxkit.testing.statements``.
+
+        Yields:
+            The ``StatementCount``, filled in as the block runs.
+        """
+        if self._tracker is None:
+            self._tracker = HandlerTracker()
+            self.outbox.add_observer(self._tracker)
+        count = StatementCount()
+        self._tracker.count = count
+        self._counts.append(count)
+        try:
+            with counting(self.outbox.store, count):
+                yield count
+        finally:
+            self._tracker.count = None
+            self._counts.remove(count)
 
     @contextlib.contextmanager
     def expect_failures(self, *what: str | type[BaseException]) -> Iterator[None]:
@@ -355,185 +556,120 @@ class Drain:
 
     # -- enqueue assertions ---------------------------------------------------------------------
 
-    def enqueued(self, topic: str | None = None) -> list[Event]:
-        """Events enqueued since the drain was made (any state), optionally of one topic.
+    def enqueued(self, topic: str | None = None, *, conn: Any = None) -> list[Event]:
+        """Every event of the test store (any state, enqueued before or after the drain was
+        made), optionally of one topic.
 
         Args:
             topic: only events of this topic (all when None).
+            conn: read through the app's own connection, inside its open transaction: an
+                event it enqueued and has not committed yet is there.
 
         Returns:
             The events, in enqueue order.
+
+        Raises:
+            ConfigurationError: ``conn`` cannot be read through on this store.
         """
-        return [e for e in self._events_after(self._baseline) if topic is None or e.topic == topic]
+        events = self._events_after(0) if conn is None else events_through(self.outbox.store, conn)
+        return [e for e in events if e.id > self._since and (topic is None or e.topic == topic)]
+
+    @property
+    def window(self) -> str:
+        """Which events the assertions look at, as their messages say it."""
+        if not self._since:
+            return "in the test store"
+        return (
+            f"enqueued since outbox_drain was set up (after event {self._since}: the outbox's "
+            "store is not the outbox_store fixture's, so it may hold other tests' events)"
+        )
 
     def assert_enqueued(
-        self, topic: str, payload: Mapping[str, Any] | None = None, count: int | None = None
+        self,
+        topic: str,
+        payload: Any = None,
+        count: int | None = None,
+        *,
+        key: Any = UNSET,
+        headers: Mapping[str, Any] | None = None,
+        scheduled: datetime | timedelta | Matcher | None = None,
+        conn: Any = None,
     ) -> list[Event]:
-        """Some (or exactly ``count``) ``topic`` events whose payload contains ``payload``'s items.
+        """Some (or exactly ``count``) ``topic`` events of the test store that match.
 
-        What matches counts as asserted: ``outboxkit_strict`` does not report it.
+        Looks at every event of the test store, whatever enqueued it and when (a fixture
+        before the drain was made included). What matches counts as asserted:
+        ``outboxkit_strict`` does not report it.
 
         Args:
             topic: the event topic.
-            payload: a partial payload every match contains (any payload when None).
+            payload: a payload pattern: partial to any depth, with wildcards (``ANY``, a
+                type, a regular expression, a ``Matcher``; see ``outboxkit.testing.matching``).
             count: exactly this many matches (at least one when None).
+            key: the event's key (a value, None for no key, or a pattern).
+            headers: a partial headers pattern.
+            scheduled: when it falls due (``available_at``): an instant, a duration from the
+                test clock's now, or a pattern.
+            conn: read through the app's open transaction (see ``enqueued``).
 
         Returns:
             The matching events.
 
         Raises:
-            AssertionError: listing the events of that topic that were enqueued.
+            AssertionError: listing the events of that topic, each with where it first differs.
         """
-        return assert_enqueued(self.enqueued(topic), topic, payload, count, asserted=self._asserted)
+        __tracebackhide__ = True
+        wanted = EventFilter(topic, payload, key, headers, scheduled, self.clock.now())
+        window = self.window + (" (read through conn)" if conn is not None else "")
+        strays = self._strays()
+        return assert_enqueued(
+            self.enqueued(topic, conn=conn),
+            wanted,
+            count,
+            window,
+            asserted=self._asserted,
+            note=stray_message(strays) if strays else "",
+        )
 
-    def refute_enqueued(self, topic: str, payload: Mapping[str, Any] | None = None) -> None:
-        """No ``topic`` event (whose payload contains ``payload``'s items) was enqueued.
-
-        Args:
-            topic: the event topic.
-            payload: a partial payload (any payload when None).
+    def refute_enqueued(
+        self,
+        topic: str,
+        payload: Any = None,
+        *,
+        key: Any = UNSET,
+        headers: Mapping[str, Any] | None = None,
+        scheduled: datetime | timedelta | Matcher | None = None,
+        conn: Any = None,
+    ) -> None:
+        """No ``topic`` event of the test store matches (arguments as ``assert_enqueued``).
 
         Raises:
             AssertionError: listing the events that match.
         """
-        refute_enqueued(self.enqueued(topic), topic, payload)
+        __tracebackhide__ = True
+        wanted = EventFilter(topic, payload, key, headers, scheduled, self.clock.now())
+        refute_enqueued(self.enqueued(topic, conn=conn), wanted, self.window)
 
     @contextlib.contextmanager
-    def capture(self) -> Iterator[Capture]:
+    def capture(self, *, conn: Any = None) -> Iterator[Capture]:
         """``with drain.capture() as cap:`` - ``cap`` sees only what the block enqueued.
+
+        Args:
+            conn: the app's connection, when the block's enqueues are in a transaction still
+                open on it: the block's bounds and events are read through it.
 
         Yields:
             The ``Capture``; it keeps what the block enqueued after the block ends.
         """
-        cap = Capture(self._last_id, self._events_after, self._asserted)
+        cap = Capture(self.enqueued_through, self._asserted, self.clock.now, conn)
         try:
             yield cap
         finally:
             cap.close()
 
-    # -- one handler --------------------------------------------------------------------------
-
-    def deliver_one(
-        self,
-        handler: str,
-        payload: Any,
-        *,
-        headers: Mapping[str, str] | None = None,
-        raise_errors: bool = True,
-    ) -> DrainReport:
-        """Run one handler alone on a new event, through the real delivery path.
-
-        The event is enqueued on the handler's topic and drained by an outbox whose bus holds
-        only that handler; events already waiting are left untouched (their leases are not
-        taken: the event is delivered before them by being claimed alone). An ``async def``
-        handler is run by the asyncio poller on an event loop of the drain's own; in an
-        ``async def`` test, await :meth:`deliver_one_async` instead.
-
-        Args:
-            handler: the handler's name on the outbox's bus.
-            payload: the new event's payload.
-            headers: the new event's headers.
-            raise_errors: raise the handler's exception (as ``HandlerErrors``) unless expected.
-
-        Returns:
-            A one-round ``DrainReport``.
-
-        Raises:
-            ConfigurationError: no handler (or several) of that name; an async handler on a
-                store without an asyncio side.
-            DrainError: an async handler while an event loop is running in this thread.
-            HandlerErrors: the handler failed and ``raise_errors`` is true.
-        """
-        spec = self.outbox.bus.find(handler)
-        if calls.is_coroutine_function(spec.fn):
-            _refuse_running_loop(
-                f"outbox_drain.deliver_one() runs the async def handler {spec.name!r} on an "
-                "event loop of its own, and one is running here: in an async def test, use "
-                "`report = await outbox_drain.deliver_one_async(...)`"
-            )
-        solo = self._solo(spec)
-        if calls.is_coroutine_function(spec.fn):
-            poller = self._async_poller([spec], solo)  # refusals before anything is written
-            event_id, ours, claimed_at = self._claim_alone(solo, spec, payload, headers)
-            round_report = _on_a_loop_of_its_own(
-                _closing(poller, poller.process(ours, claimed_at=claimed_at))
-            )
-        else:
-            event_id, ours, claimed_at = self._claim_alone(solo, spec, payload, headers)
-            round_report = solo.poller().process(ours, claimed_at=claimed_at)
-        return self._one(round_report, event_id, spec, raise_errors)
-
-    async def deliver_one_async(
-        self,
-        handler: str,
-        payload: Any,
-        *,
-        headers: Mapping[str, str] | None = None,
-        raise_errors: bool = True,
-    ) -> DrainReport:
-        """:meth:`deliver_one` from an ``async def`` test: the handler is run by the asyncio
-        poller on the running event loop.
-
-        Args:
-            handler: as for :meth:`deliver_one`.
-            payload: as for :meth:`deliver_one`.
-            headers: as for :meth:`deliver_one`.
-            raise_errors: as for :meth:`deliver_one`.
-
-        Returns:
-            A one-round ``DrainReport``.
-
-        Raises:
-            ConfigurationError: no handler (or several) of that name; a store without an
-                asyncio side; a blocking transactional handler (the asyncio poller refuses it).
-            HandlerErrors: the handler failed and ``raise_errors`` is true.
-        """
-        spec = self.outbox.bus.find(handler)
-        solo = self._solo(spec)
-        coroutine = [spec] if calls.is_coroutine_function(spec.fn) else []
-        poller = self._async_poller(coroutine, solo)  # refusals before anything is written
-        event_id, ours, claimed_at = self._claim_alone(solo, spec, payload, headers)
-        round_report = await poller.process(ours, claimed_at=claimed_at)
-        return self._one(round_report, event_id, spec, raise_errors)
-
-    def _solo(self, spec: HandlerSpec) -> Outbox:
-        """A copy of the outbox whose bus holds only ``spec``."""
-        solo_bus = EventBus()
-        solo_bus.subscribe(spec.topic, spec.fn, name=spec.name, transactional=spec.transactional)
-        solo = self.outbox.rebind()
-        solo.bus = solo_bus
-        return solo
-
-    def _claim_alone(
-        self, solo: Outbox, spec: HandlerSpec, payload: Any, headers: Mapping[str, str] | None
-    ) -> tuple[int, list[Claim], datetime]:
-        """A new event on ``spec``'s topic, and the claim of that event alone (the others
-        claimed with it are handed back untouched)."""
-        with solo.store.transaction() as conn:
-            event_id = solo.enqueue(conn, spec.topic, payload, headers=headers)
-        # Claim what is due, keep our event, and hand the others back untouched (their
-        # attempts refunded), so only the new event is delivered.
-        claimed_at = self.clock.now()
-        claims = solo.store.claim(
-            batch_size=100_000,
-            lease=solo.options.lease,
-            now=solo.store_now(),
-            dead_key=solo.dead_key,
-        )
-        ours = [c for c in claims if c.event.id == event_id]
-        solo.store.release([c for c in claims if c.event.id != event_id], now=solo.store_now())
-        return event_id, ours, claimed_at
-
-    def _one(
-        self, round_report: PollReport, event_id: int, spec: HandlerSpec, raise_errors: bool
-    ) -> DrainReport:
-        report = DrainReport()
-        report.add_round(round_report, {event_id: spec.topic})
-        report.rounds = 1
-        self._drained.add(event_id)
-        if raise_errors:
-            self._raise_unexpected(report)
-        return report
+    def enqueued_through(self, conn: Any) -> list[Event]:
+        """Every event of the test store, through ``conn`` when it is not None."""
+        return self.enqueued(conn=conn)
 
     # -- bookkeeping --------------------------------------------------------------------------
 
@@ -547,53 +683,14 @@ class Drain:
                 break
         return events
 
-    def _last_id(self) -> int:
-        events = self._events_after(0)
-        return events[-1].id if events else 0
-
     def unaccounted(self) -> list[Event]:
-        """Events enqueued since the drain was made that were neither drained nor asserted.
+        """Events of the test store that were neither drained nor asserted.
 
         Returns:
             The events, in enqueue order (what ``outboxkit_strict`` fails a test for).
         """
         return [
             e
-            for e in self._events_after(self._baseline)
+            for e in self._events_after(self._since)
             if e.id not in self._drained and e.id not in self._asserted
         ]
-
-
-# -- event loops ----------------------------------------------------------------------------------
-
-
-def _names(specs: Sequence[HandlerSpec]) -> str:
-    shown = ", ".join(repr(spec.name) for spec in specs[:5])
-    return shown + (f" and {len(specs) - 5} more" if len(specs) > 5 else "")
-
-
-def _refuse_running_loop(message: str) -> None:
-    """Raise ``DrainError(message)`` when an event loop runs in this thread: a drain cannot run
-    a loop of its own inside it (checked before any coroutine is made, so none is left
-    unawaited)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return
-    raise DrainError(message)
-
-
-def _on_a_loop_of_its_own(coroutine: Coroutine[Any, Any, T]) -> T:
-    """Run ``coroutine`` on a fresh event loop, closed before this returns. With a loop factory
-    the runner sets no event loop for the thread: a loop the test set up stays its own."""
-    with asyncio.Runner(loop_factory=asyncio.new_event_loop) as runner:
-        return runner.run(coroutine)
-
-
-async def _closing(poller: AsyncPoller, work: Coroutine[Any, Any, T]) -> T:
-    """Await ``work``, then close the store's asyncio side: its connections belong to the loop
-    they were opened on, which ends with this drain."""
-    try:
-        return await work
-    finally:
-        await poller.store.close()

@@ -13,9 +13,17 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+# The conformance suite's checks are plain asserts in its own modules: rewritten like a test's,
+# a failure shows its values (registered before anything imports the suite).
+pytest.register_assert_rewrite("outboxkit_conformance")
+
 if TYPE_CHECKING:
     from outboxkit import FrozenClock, Outbox, Store
     from outboxkit.testing.drain import Drain
+    from outboxkit.testing.through import StrayWatch
+
+STRAYS: pytest.StashKey[StrayWatch] = pytest.StashKey()
+"""The test's ``StrayWatch`` (set by ``outbox_store``; an overridden one sets none)."""
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -40,6 +48,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "outboxkit_freezegun", "tie freezegun to the outbox clock", type="bool", default=False
     )
     parser.addini(
+        "outboxkit_time_machine",
+        "tie time-machine to the outbox clock",
+        type="bool",
+        default=False,
+    )
+    parser.addini(
         "outboxkit_strict",
         "fail a test that leaves enqueued events neither drained nor asserted",
         type="bool",
@@ -50,9 +64,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "outbox(now=None, freezegun=None): start time of outbox_clock, and whether freezegun "
-        "follows it",
+        "outbox(now=None, freezegun=None, time_machine=None): start time of outbox_clock, and "
+        "whether freezegun or time-machine follows it",
     )
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    # The PostgreSQL test schemas kept for later tests of this process: dropped now. Only if
+    # the kit was loaded (nothing is imported for a session that never used it).
+    stores = sys.modules.get("outboxkit.testing.stores")
+    if stores is not None:
+        stores.close_test_stores()
 
 
 def pytest_assertrepr_compare(config: pytest.Config, op: str, left: Any, right: Any) -> Any:
@@ -75,28 +97,58 @@ def outbox_clock(request: pytest.FixtureRequest) -> Iterator[FrozenClock]:
     marker = request.node.get_closest_marker("outbox")
     kwargs = marker.kwargs if marker is not None else {}
     clock = FrozenClock(kwargs["now"]) if kwargs.get("now") else FrozenClock()
-    tie = kwargs.get("freezegun")
-    if tie is None:
-        tie = bool(request.config.getini("outboxkit_freezegun"))
-    if not tie:
-        yield clock
+    freezegun_tie = _tie(request, kwargs, "freezegun", "outboxkit_freezegun")
+    time_machine_tie = _tie(request, kwargs, "time_machine", "outboxkit_time_machine")
+    if freezegun_tie and time_machine_tie:
+        raise pytest.UsageError(
+            "outboxkit: tie either freezegun or time-machine to outbox_clock, not both "
+            f"({request.node.nodeid})"
+        )
+    if freezegun_tie:
+        import freezegun
+
+        from outboxkit.testing.clocks import FreezegunClock
+
+        # real_asyncio: asyncio's loop keeps its real monotonic clock, so an async def handler
+        # awaiting a timer (asyncio.sleep, wait_for) is not frozen forever.
+        with freezegun.freeze_time(clock.now(), real_asyncio=True) as frozen:
+            yield FreezegunClock(frozen)
         return
-    import freezegun
+    if time_machine_tie:
+        import time_machine
 
-    from outboxkit.testing.clocks import FreezegunClock
+        from outboxkit.testing.clocks import TimeMachineClock
 
-    with freezegun.freeze_time(clock.now()) as frozen:
-        yield FreezegunClock(frozen)
+        with time_machine.travel(clock.now(), tick=False) as traveller:
+            yield TimeMachineClock(traveller)
+        return
+    yield clock
+
+
+def _tie(request: pytest.FixtureRequest, kwargs: dict[str, Any], name: str, ini: str) -> bool:
+    tie = kwargs.get(name)
+    if tie is None:
+        tie = bool(request.config.getini(ini))
+    return bool(tie)
 
 
 @pytest.fixture
-def outbox_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+def outbox_store(request: pytest.FixtureRequest) -> Iterator[Store]:
     """A fresh, migrated store per test: a SQLite file under ``tmp_path`` unless
     ``--outbox-store=URL`` or the ``outboxkit_store`` ini option says otherwise."""
     from outboxkit.testing.stores import open_test_store
+    from outboxkit.testing.through import StrayWatch
 
     url = request.config.getoption("outbox_store_url") or request.config.getini("outboxkit_store")
+
+    def tmp_path() -> Path:  # made only when a SQLite file needs a folder of the test's
+        folder: Path = request.getfixturevalue("tmp_path")
+        return folder
+
     with open_test_store(url or None, tmp_path, request.node.nodeid) as store:
+        watch = StrayWatch(store)
+        watch.install()
+        request.node.stash[STRAYS] = watch
         yield store
 
 
@@ -125,7 +177,14 @@ def outbox_drain(
     own), any other by the blocking poller."""
     from outboxkit.testing.drain import Drain
 
-    drain = Drain(outbox, outbox_clock)
+    watch = request.node.stash.get(STRAYS, None)
+    # Every event of the store, when it is the test's own (outbox_store's, whoever provides
+    # it); else (the app's own store, which may outlive the test) those enqueued from now on.
+    own = "outbox_store" in request.fixturenames and (
+        request.getfixturevalue("outbox_store") is outbox.store
+    )
+    since = 0 if own else _last_id(outbox)
+    drain = Drain(outbox, outbox_clock, strays=watch, since=since)
     yield drain
     if request.config.getini("outboxkit_strict"):
         left = drain.unaccounted()
@@ -136,6 +195,18 @@ def outbox_drain(
                 f"asserted:\n{listing}",
                 pytrace=False,
             )
+
+
+def _last_id(outbox: Outbox) -> int:
+    """The id of the newest event of ``outbox``'s store (0 when it has none)."""
+    from outboxkit.testing.drain import PAGE
+
+    last = 0
+    while page := outbox.store.events(after_id=last, limit=PAGE):
+        last = page[-1].id
+        if len(page) < PAGE:
+            break
+    return last
 
 
 def _load_app(spec: str) -> Outbox:

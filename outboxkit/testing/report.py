@@ -9,8 +9,19 @@ from datetime import timedelta
 
 from ..core.model import Delivery, Event, Outcome, PollReport
 from ..errors import DrainError
+from .left import Left
 
-__all__ = ["DrainReport", "HandlerErrors"]
+__all__ = ["DrainReport", "HandlerErrors", "first_failure_line"]
+
+
+def first_failure_line(delivery: Delivery) -> str:
+    """One line naming a failed delivery: handler, event, attempt and error."""
+    error = delivery.exception
+    what = f"{type(error).__name__}: {error}" if error is not None else (delivery.error or "?")
+    return (
+        f"handler {delivery.handler!r} failed on event {delivery.event_id} "
+        f"{delivery.topic!r} (attempt {delivery.attempt}): {what:.300}"
+    )
 
 
 @dataclass
@@ -27,6 +38,9 @@ class DrainReport:
             drain waited out, and past ``until``).
         advanced: how far the drain moved the clock.
         topics_per_round: the topics claimed in each round (the cascade, round by round).
+        left: every event neither published nor dead-lettered at the end, with the reason it
+            is still there (another topic, ``limit``, a retry not waited out, a key held ...).
+        crashes: the crash points that struck (``crash_at=``), in order.
     """
 
     deliveries: list[Delivery] = field(default_factory=list)
@@ -38,7 +52,11 @@ class DrainReport:
     pending: list[Event] = field(default_factory=list)
     advanced: timedelta = timedelta(0)
     topics_per_round: list[list[str]] = field(default_factory=list)
+    left: list[Left] = field(default_factory=list)
+    crashes: list[str] = field(default_factory=list)
     _topics: dict[int, str] = field(default_factory=dict, repr=False)
+    keys: dict[int, str | None] = field(default_factory=dict, repr=False)
+    """Each event's key, by id (for ``assert_key_order``)."""
 
     @property
     def rejected(self) -> list[Delivery]:
@@ -91,6 +109,7 @@ class DrainReport:
         Raises:
             AssertionError: with the report's summary.
         """
+        __tracebackhide__ = True
         hits = [d for d in self.deliveries_to(topic, handler) if d.outcome is Outcome.SUCCEEDED]
         self._check(hits, count, f"delivered {topic!r}" + (f" to {handler!r}" if handler else ""))
 
@@ -107,6 +126,7 @@ class DrainReport:
         Raises:
             AssertionError: with the report's summary.
         """
+        __tracebackhide__ = True
         hits = [d for d in self.deliveries_to(topic, handler) if d.outcome is Outcome.REJECTED]
         self._check(hits, count, f"rejected {topic!r}" + (f" by {handler!r}" if handler else ""))
 
@@ -120,10 +140,53 @@ class DrainReport:
         Raises:
             AssertionError: with the report's summary.
         """
+        __tracebackhide__ = True
         hits = [i for i in self.dead_lettered if self._topics.get(i) == topic]
         self._check(hits, count, f"dead-lettered {topic!r}")
 
+    def assert_key_order(self) -> None:
+        """Each key's events were delivered with success in the order they were enqueued
+        (their ids), each one's first success after the one before it had settled.
+
+        Raises:
+            AssertionError: naming the key and the two events out of order.
+        """
+        __tracebackhide__ = True
+        keys = self.keys
+        last: dict[str, int] = {}
+        for d in self.deliveries:
+            key = keys.get(d.event_id)
+            if key is None or d.outcome is not Outcome.SUCCEEDED:
+                continue
+            before = last.get(key)
+            if before is not None and d.event_id < before:
+                raise AssertionError(
+                    f"key {key!r}: event {d.event_id} was delivered after event {before}, "
+                    f"which was enqueued later\n{self.summary()}"
+                )
+            last[key] = max(d.event_id, before or 0)
+
+    def assert_no_duplicates(self, *, handler: str | None = None) -> None:
+        """No handler (or ``handler``) succeeded twice for one event in this drain (a crash
+        point or a stale poller makes a handler run again: its effect must not count twice).
+
+        Raises:
+            AssertionError: naming the handler, the event and how many times.
+        """
+        __tracebackhide__ = True
+        seen: dict[tuple[str, int], int] = {}
+        for d in self.deliveries_to(handler=handler):
+            if d.outcome is Outcome.SUCCEEDED:
+                seen[(d.handler, d.event_id)] = seen.get((d.handler, d.event_id), 0) + 1
+        twice = [(h, e, n) for (h, e), n in seen.items() if n > 1]
+        if twice:
+            h, e, n = twice[0]
+            raise AssertionError(
+                f"handler {h!r} succeeded {n} times for event {e}\n{self.summary()}"
+            )
+
     def _check(self, hits: Sequence[object], count: int | None, what: str) -> None:
+        __tracebackhide__ = True
         if (count is None and not hits) or (count is not None and len(hits) != count):
             expected = "at least once" if count is None else f"{count} time(s)"
             raise AssertionError(f"expected {what} {expected}, found {len(hits)}\n{self.summary()}")
@@ -137,7 +200,7 @@ class DrainReport:
         lines = [
             f"DrainReport: {self.rounds} round(s), {len(self.deliveries)} deliveries, "
             f"{len(self.published)} published, {len(self.retried)} retried, "
-            f"{len(self.dead_lettered)} dead-lettered, {len(self.pending)} still pending, "
+            f"{len(self.dead_lettered)} dead-lettered, {len(self.left)} left, "
             f"clock advanced {self.advanced.total_seconds():g}s"
         ]
         for d in self.deliveries[:50]:
@@ -148,8 +211,10 @@ class DrainReport:
             )
         if len(self.deliveries) > 50:
             lines.append(f"  ... {len(self.deliveries) - 50} more")
-        for e in self.pending[:20]:
-            lines.append(f"  pending: event {e.id} {e.topic!r} available at {e.available_at}")
+        for left in self.left[:20]:
+            lines.append(f"  left: {left}")
+        for crash in self.crashes[:20]:
+            lines.append(f"  crash point: {crash}")
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -1,7 +1,15 @@
 """Stores for tests: ``open_test_store`` gives each test a fresh, migrated store.
 
 SQLite tests copy one migrated template file per process instead of running the DDL for each
-test; PostgreSQL tests get a schema of their own, dropped afterwards.
+test. In memory-backed storage (``/dev/shm``), when the system has it, the file (the same
+SQLite file, WAL and all, without the disk's flushes) and the store open on it are kept for the
+process's next test, emptied (ids from 1 again); else each test copies its own under
+``tmp_path``. PostgreSQL tests get a migrated schema of their own:
+one a process made earlier and emptied after its last test (its tables truncated, their
+identities restarted), with the store open on it kept for the next test, or a new one. The
+production path is the same (the same store class and statements on a real schema); what a
+test no longer pays is the schema's DDL and the store's connections. The schemas are dropped
+when the test session ends (or the process exits).
 """
 
 from __future__ import annotations
@@ -12,38 +20,50 @@ import functools
 import hashlib
 import os
 import shutil
+import sqlite3
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 from ..core.text import redact_url
 from ..errors import ConfigurationError
-from ..plugins import open_store
+from ..plugins import make_plugin_manager, open_store, registered_stores
 from ..store import Store
 
-__all__ = ["POSTGRES_SCHEMES", "open_test_store"]
+if TYPE_CHECKING:
+    from outboxkit_pg import PostgresStore
+    from outboxkit_sqlite import SQLiteStore
+
+__all__ = ["POSTGRES_SCHEMES", "close_test_stores", "open_test_store"]
 
 POSTGRES_SCHEMES = frozenset({"postgresql", "postgres"})
 """The URL schemes that get a schema of their own per test."""
 
 
 @contextlib.contextmanager
-def open_test_store(url: str | None, tmp_path: Path, name: str = "test") -> Iterator[Store]:
+def open_test_store(
+    url: str | None, tmp_path: Path | Callable[[], Path], name: str = "test"
+) -> Iterator[Store]:
     """A fresh, migrated store for one test; removed afterwards.
 
-    ``None`` gives a SQLite file under ``tmp_path``; ``memory://`` an in-memory store; a
-    ``postgresql://`` URL a schema of its own (named after ``name`` and the xdist worker),
-    dropped at the end.
+    ``None`` gives a SQLite file (in ``/dev/shm`` when there is one, else under ``tmp_path``);
+    ``memory://`` an in-memory store; a ``postgresql://`` URL a migrated schema of its own
+    (named after ``name`` and the xdist worker the first time; emptied after the test and
+    kept for the process's next one, dropped at the session's end).
 
     Args:
         url: the store URL, or None for a SQLite file.
-        tmp_path: the test's own folder (the SQLite file goes there).
+        tmp_path: the test's own folder, or what makes it (the SQLite file goes there when
+            the system has no memory-backed storage).
         name: what the store is for (the test's node id); a PostgreSQL schema name derives
             from it.
 
     Yields:
-        The migrated store; closed (its schema dropped, on PostgreSQL) when the block ends.
+        The migrated store; closed when the block ends (on PostgreSQL, its schema emptied and
+        kept for the next test with the store open on it).
 
     Raises:
         UnknownStore: no store handles the URL's scheme.
@@ -52,14 +72,27 @@ def open_test_store(url: str | None, tmp_path: Path, name: str = "test") -> Iter
             (its schema could not be dropped).
     """
     if url is None:
-        path = tmp_path / "outbox.db"
+        folder = _ram_folder()
+        if folder is not None:
+            with _kept_sqlite_store(folder) as kept:
+                yield kept
+            return
+        path = (tmp_path() if callable(tmp_path) else tmp_path) / "outbox.db"
         shutil.copyfile(_sqlite_template(), path)  # a migrated empty file: no DDL per test
-        url = f"sqlite:///{path}"
+        with _opened(f"sqlite:///{path}") as store:
+            yield store
+        return
     if url.split("://", 1)[0].lower() in POSTGRES_SCHEMES:
         with _postgres_test_store(url, name) as store:
             yield store
         return
-    opened: Store = open_store(url)
+    with _opened(url) as store:
+        yield store
+
+
+@contextlib.contextmanager
+def _opened(url: str) -> Iterator[Store]:
+    opened: Store = _open(url)
     try:
         opened.migrate()
         yield opened
@@ -67,12 +100,84 @@ def open_test_store(url: str | None, tmp_path: Path, name: str = "test") -> Iter
         opened.close()
 
 
+_IDLE_SQLITE: list[SQLiteStore] = []
+"""The stores on emptied SQLite files in memory-backed storage, waiting for their next test."""
+
+
+@contextlib.contextmanager
+def _kept_sqlite_store(folder: Path) -> Iterator[Store]:
+    """A store on a migrated SQLite file in ``folder``: an emptied one kept from an earlier
+    test, or a copy of the template; emptied and kept for the next test afterwards."""
+    from outboxkit_sqlite import SQLiteStore
+
+    if _IDLE_SQLITE:
+        store = _IDLE_SQLITE.pop()
+    else:
+        path = folder / f"{uuid.uuid4().hex}.db"
+        shutil.copyfile(_sqlite_template(), path)  # a migrated empty file: no DDL per test
+        made = _open(f"sqlite:///{path}")
+        assert isinstance(made, SQLiteStore)
+        store = made
+    kept = False
+    try:
+        yield store
+        kept = _emptied_sqlite(store)
+    finally:
+        if kept:
+            _IDLE_SQLITE.append(store)
+        else:
+            store.close()
+            file = store.path
+            if file is not None:
+                for leftover in file.parent.glob(f"{file.name}*"):
+                    leftover.unlink(missing_ok=True)
+
+
+def _emptied_sqlite(store: SQLiteStore) -> bool:
+    """Empty the store's tables for the next test (ids from 1 again); False when it cannot be
+    kept: the test closed it, SQLite refused, or the test made tables of its own in it (the
+    app's tables: the next test gets a fresh file, as it would without keeping)."""
+    if store.dialect.connections.closed:
+        return False
+    tables = store.tables  # validated identifiers (TableNames); the values are bound
+    try:
+        with store.transaction() as conn:
+            made = {row[0] for row in conn.execute(_SQLITE_OBJECTS)}
+            if made != _template_objects():
+                return False
+            conn.execute(f'DELETE FROM "{tables.deliveries}"')  # noqa: S608
+            conn.execute(f'DELETE FROM "{tables.events}"')  # noqa: S608
+            conn.execute("DELETE FROM sqlite_sequence WHERE name = ?", (tables.events,))
+    except Exception:
+        return False
+    return True
+
+
+_IDLE: dict[str, list[PostgresStore]] = {}
+"""Per URL, the stores on emptied test schemas waiting for their next test."""
+
+
 @contextlib.contextmanager
 def _postgres_test_store(url: str, name: str) -> Iterator[Store]:
-    """A PostgreSQL store on a schema of its own, dropped at the end."""
-    store: Store = open_store(url, schema=_schema_name(name))
+    """A PostgreSQL store on a migrated schema of its own: an emptied one kept from an earlier
+    test, or a new one; emptied and kept for the next test afterwards."""
+    idle = _IDLE.setdefault(url, [])
+    store = idle.pop() if idle else _new_postgres_store(url, name)
+    kept = False
+    try:
+        yield store
+        kept = _emptied(store)
+    finally:
+        if kept:
+            idle.append(store)
+        else:
+            _drop(store, url)
+
+
+def _new_postgres_store(url: str, name: str) -> PostgresStore:
     # Imported here, not at the top: only a PostgreSQL URL needs the driver, and a missing one
-    # was just reported by open_store as MissingDependency.
+    # is reported by open_store as MissingDependency.
+    store: Store = open_store(_without_commit_flush(url), schema=_schema_name(name))
     from outboxkit_pg import PostgresStore
 
     if not isinstance(store, PostgresStore):
@@ -83,12 +188,139 @@ def _postgres_test_store(url: str, name: str) -> Iterator[Store]:
         )
     try:
         store.migrate()
-        yield store
+    except BaseException:
+        _drop(store, url)
+        raise
+    return store
+
+
+def _emptied(store: PostgresStore) -> bool:
+    """Empty the store's tables for the next test (ids from 1 again); False when it cannot be
+    kept: the test closed it, the database refused, or the test made tables of its own in the
+    schema (the app's: the next test gets a new schema, as it would without keeping)."""
+    from psycopg import sql
+
+    if store.dialect.pool.closed:
+        return False
+    names = store.names
+    ours = [names.events, names.deliveries, names.keys, names.versions]
+    try:
+        with store.transaction() as conn:
+            row = conn.execute(
+                "SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+                " WHERE n.nspname = %s AND c.relkind IN ('r', 'p', 'v', 'm', 'f')"
+                " AND c.relname <> ALL(%s)",
+                (names.schema, ours),
+            ).fetchone()
+    except Exception:
+        return False
+    if row is None or row[0]:
+        return False
+    events, deliveries, keys = (
+        sql.Identifier(names.schema, table)
+        for table in (names.events, names.deliveries, names.keys)
+    )
+    # DELETE, not TRUNCATE: a few rows go at once, where TRUNCATE makes new files (tens of ms).
+    statement = sql.SQL(
+        "DELETE FROM {deliveries}; DELETE FROM {keys}; DELETE FROM {events}; "
+        "SELECT setval(pg_get_serial_sequence({events_name}, 'id'), 1, false), "
+        "setval(pg_get_serial_sequence({deliveries_name}, 'seq'), 1, false)"
+    ).format(
+        deliveries=deliveries,
+        keys=keys,
+        events=events,
+        events_name=sql.Literal(events.as_string()),
+        deliveries_name=sql.Literal(deliveries.as_string()),
+    )
+    try:
+        with store.transaction() as conn:
+            conn.execute(statement)
+    except Exception:
+        return False
+    return True
+
+
+def _drop(store: PostgresStore, url: str) -> None:
+    """Drop the store's schema (on a new store when the test closed this one) and close it."""
+    try:
+        if store.dialect.pool.closed:
+            store = _reopened(store, url)
+        store.drop_schema()
     finally:
-        try:
-            store.drop_schema()
-        finally:
-            store.close()
+        store.close()
+
+
+def _without_commit_flush(url: str) -> str:
+    """``url`` whose sessions commit without waiting for the WAL flush (``synchronous_commit
+    = off``, unless the URL sets ``options`` itself): a commit is then the same transaction,
+    seen by every other session at once, only not yet on disk should the server crash - which
+    a test store never needs, and which costs each commit a disk flush (milliseconds)."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    if any(key == "options" for key, _ in query):
+        return url
+    query.append(("options", "-c synchronous_commit=off"))
+    return urlunsplit(parts._replace(query=urlencode(query, quote_via=quote)))
+
+
+def _reopened(store: PostgresStore, url: str) -> PostgresStore:
+    from outboxkit_pg import PostgresStore
+
+    fresh = open_store(_without_commit_flush(url), schema=store.names.schema)
+    assert isinstance(fresh, PostgresStore)
+    return fresh
+
+
+def close_test_stores() -> None:
+    """Close every kept test store, dropping the PostgreSQL schemas (at the session's end)."""
+    while _IDLE_SQLITE:
+        with contextlib.suppress(Exception):
+            _IDLE_SQLITE.pop().close()
+    for url, idle in list(_IDLE.items()):
+        while idle:
+            store = idle.pop()
+            with contextlib.suppress(Exception):
+                _drop(store, url)
+
+
+atexit.register(close_test_stores)
+
+
+def _open(url: str, **options: Any) -> Store:
+    """``open_store(url, **options)``, the stores' registry read once per process (building
+    it per test was most of a memory store's test)."""
+    entry = _registry().get(url.split("://", 1)[0].lower())
+    if entry is None:
+        opened: Store = open_store(url, **options)  # its own errors, and SQLAlchemy URLs
+        return opened
+    made: Store = entry.factory(url, **options)
+    return made
+
+
+@functools.cache
+def _registry() -> dict[str, Any]:
+    return dict(registered_stores(make_plugin_manager()))
+
+
+@functools.cache
+def _ram_folder() -> Path | None:
+    """A folder of this process's in memory-backed storage (``/dev/shm``), or None."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not os.access(shm, os.W_OK):
+        return None
+    folder = Path(tempfile.mkdtemp(prefix="outboxkit-tests-", dir=shm))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
+
+
+_SQLITE_OBJECTS = "SELECT type || ' ' || name FROM sqlite_master"
+
+
+@functools.cache
+def _template_objects() -> frozenset[str]:
+    """The schema objects of a migrated, empty outbox file (the template's)."""
+    with contextlib.closing(sqlite3.connect(_sqlite_template())) as conn:
+        return frozenset(row[0] for row in conn.execute(_SQLITE_OBJECTS))
 
 
 @functools.cache

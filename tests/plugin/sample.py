@@ -117,6 +117,8 @@ STORE_CLASS: dict[int, str] = {}
 def store_args(backend: str) -> list[str]:
     if backend == "sqlite":
         return []
+    if backend == "memory":
+        return ["--outbox-store=memory://"]
     url = pg_url_from_env()
     require_server(url)
     return [f"--outbox-store={pg_test_url(url)}"]

@@ -14,7 +14,15 @@ import outboxkit.testing
 
 PACKAGE = Path(outboxkit.__file__).parent
 ROLES = {
+    "ANY": "matching",
     "Capture": "capture",
+    "CrashAt": "aim",
+    "InjectedCrash": "aim",
+    "Left": "left",
+    "Matcher": "matching",
+    "StatementCount": "statements",
+    "TestRelay": "relay",
+    "TimeMachineClock": "clocks",
     "Drain": "drain",
     "DrainReport": "report",
     "FreezegunClock": "clocks",

@@ -29,10 +29,18 @@ def test_without_a_url_each_test_gets_a_migrated_sqlite_file_of_its_own(tmp_path
     (tmp_path / "b").mkdir()
     with open_test_store(None, tmp_path / "a") as a, open_test_store(None, tmp_path / "b") as b:
         assert isinstance(a, SQLiteStore) and isinstance(b, SQLiteStore)
-        assert (tmp_path / "a" / "outbox.db").is_file()
+        assert a.path is not None and b.path is not None and a.path != b.path
+        assert a.path.is_file()
+        if Path("/dev/shm").is_dir():  # memory-backed storage: no disk flushes
+            assert a.path.parent.parent == Path("/dev/shm")
         enqueue_one(a)  # migrated: the tables are there
         assert a.stats(now=None).total == 1
         assert b.stats(now=None).total == 0  # copies of the template, not one file
+    # The next test gets a store emptied of the last one's events, ids from 1 again.
+    with open_test_store(None, tmp_path / "a") as again:
+        assert again.stats(now=None).total == 0
+        enqueue_one(again)
+        assert [e.id for e in again.events()] == [1]
 
 
 def test_a_memory_url_gives_a_fresh_memory_store(tmp_path: Path) -> None:
@@ -51,7 +59,9 @@ def schema_exists(schema: str) -> bool:
 
 
 @pytest.mark.pg
-def test_a_postgres_url_gets_a_schema_of_its_own_dropped_afterwards(tmp_path: Path) -> None:
+def test_a_postgres_url_gets_a_schema_of_its_own_emptied_kept_then_dropped(
+    tmp_path: Path,
+) -> None:
     require_server(pg_url_from_env())
     url = pg_test_url(pg_url_from_env())
     with open_test_store(url, tmp_path, "tests/x.py::test_a") as store:
@@ -59,9 +69,20 @@ def test_a_postgres_url_gets_a_schema_of_its_own_dropped_afterwards(tmp_path: Pa
         schema = store.names.schema
         assert schema.startswith("outboxkit_test_")
         assert schema_exists(schema)
+        with open_test_store(url, tmp_path, "tests/x.py::test_b") as other:
+            assert other.names.schema != schema  # one schema per test at a time
+            other_schema = other.names.schema
         enqueue_one(store)
-        assert store.stats(now=None).total == 1
-    assert not schema_exists(schema)
+        enqueue_one(store)
+        assert store.stats(now=None).total == 2
+    # Kept for the next test, emptied: ids from 1 again, on the same open store.
+    with open_test_store(url, tmp_path, "tests/x.py::test_c") as again:
+        assert again.names.schema in (schema, other_schema)
+        assert again.stats(now=None).total == 0
+        enqueue_one(again)
+        assert [e.id for e in again.events()] == [1]
+    stores.close_test_stores()  # the session's end
+    assert not schema_exists(schema) and not schema_exists(other_schema)
 
 
 @pytest.mark.pg
@@ -73,8 +94,23 @@ def test_the_schema_is_dropped_when_the_test_fails(tmp_path: Path) -> None:
     with failing, open_test_store(url, tmp_path) as store:
         assert isinstance(store, PostgresStore)
         schema = store.names.schema
+        enqueue_one(store)
         raise RuntimeError("the test failed")
+    with open_test_store(url, tmp_path) as again:
+        assert again.stats(now=None).total == 0  # emptied all the same
+    stores.close_test_stores()
     assert schema and not schema_exists(schema)
+
+
+@pytest.mark.pg
+def test_a_store_the_test_closed_is_dropped_not_kept(tmp_path: Path) -> None:
+    require_server(pg_url_from_env())
+    url = pg_test_url(pg_url_from_env())
+    with open_test_store(url, tmp_path) as store:
+        assert isinstance(store, PostgresStore)
+        schema = store.names.schema
+        store.close()
+    assert not schema_exists(schema)
 
 
 def test_a_postgres_url_that_opens_another_store_is_refused(
@@ -125,10 +161,12 @@ def test_postgres_schema_per_test_under_xdist(pytester: pytest.Pytester) -> None
     )
     result.assert_outcomes(passed=6)
     # The run's own schemas, by name: this suite's other workers make schemas of the same
-    # prefix at the same time (a count by prefix raced with them).
+    # prefix at the same time (a count by prefix raced with them). Each worker keeps its
+    # schema for its next test; no two workers share one; all are dropped at the end.
     schemas = used.read_text().split()
-    assert len(set(schemas)) == 6
-    assert not any(schema_exists(schema) for schema in schemas)
+    by_worker = {name.split("_")[2] for name in schemas}
+    assert len(set(schemas)) == len(by_worker) == 2
+    assert not any(schema_exists(schema) for schema in set(schemas))
 
 
 def test_no_store_is_probed_for_its_methods() -> None:

@@ -33,7 +33,11 @@ TESTED_BY: dict[str, list[str]] = {
     "how-to/sqlite.md": ["tests/integration/sqlite/test_readme_sqlite.py"],
     "how-to/postgresql.md": ["tests/integration/pg/test_readme_pg.py"],
     "how-to/mysql.md": ["tests/integration/mysql/test_readme_mysql.py"],
-    "how-to/testing.md": ["tests/unit/test_project.py", "tests/unit/test_docs.py"],
+    "how-to/testing.md": [
+        "tests/unit/test_project.py",
+        "tests/unit/test_readme_testing.py",
+        "tests/unit/test_docs.py",
+    ],
     "how-to/conformance.md": ["tests/unit/test_docs.py"],
     "how-to/observing.md": ["tests/unit/test_docs.py"],
     "how-to/relays.md": ["tests/unit/test_docs.py", "tests/relay/test_docs_relays.py"],
@@ -176,7 +180,7 @@ def test_relay_setup_block_builds_the_outbox_it_shows() -> None:
 
 
 def test_testing_store_fixture_block(tmp_path: Path) -> None:
-    (_, fixture) = python_blocks(page("how-to/testing.md"))
+    fixture = python_blocks(page("how-to/testing.md"))[1]
     namespace = run(fixture, "how-to/testing.md", pytest=pytest, open_store=open_store)
     made = namespace["outbox_store"].__wrapped__(tmp_path)  # the fixture's function
     store = next(made)

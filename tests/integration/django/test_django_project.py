@@ -16,7 +16,7 @@ PROJECT = Path(__file__).resolve().parent
 TIMEOUT = 600
 
 
-def run_suite(backend, name):
+def run_suite(backend, name, *args):
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "project.settings",
@@ -27,7 +27,7 @@ def run_suite(backend, name):
     env.pop("PYTEST_XDIST_WORKER", None)
     env.pop("PYTEST_ADDOPTS", None)
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "suite"],
+        [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "suite", *args],
         cwd=PROJECT,
         env=env,
         capture_output=True,
@@ -43,6 +43,14 @@ def run_suite(backend, name):
 
 def test_django_suite_on_a_sqlite_file(tmp_path):
     run_suite("sqlite", str(tmp_path / "django.db"))
+
+
+def test_django_suite_on_pytest_djangos_default_in_memory_sqlite(tmp_path):
+    # Django's default test database for SQLite is in memory: the test kit runs on it as on a
+    # file. The process tests are left out: another process cannot reach an in-memory database.
+    run_suite(
+        "sqlite-memory", str(tmp_path / "django.db"), "--ignore=suite/test_django_processes.py"
+    )
 
 
 @pytest.mark.pg

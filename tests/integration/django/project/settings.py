@@ -1,6 +1,7 @@
 """Settings of the tests' Django project, from the environment:
 
-- ``OUTBOXKIT_DJANGO_BACKEND``: ``sqlite`` (default) or ``postgresql``;
+- ``OUTBOXKIT_DJANGO_BACKEND``: ``sqlite`` (default), ``sqlite-memory`` (the same, with Django's
+  default test database: SQLite in memory) or ``postgresql``;
 - ``OUTBOXKIT_DJANGO_NAME``: the SQLite file, or the PostgreSQL database's name (pytest-django
   creates ``test_<name>`` and drops it afterwards);
 - ``OUTBOXKIT_TEST_PG``: the PostgreSQL server, as for the other PostgreSQL tests.
@@ -17,13 +18,14 @@ USE_TZ = True
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 INSTALLED_APPS = ["outboxkit.contrib.django", "shop"]
 
-if BACKEND == "sqlite":
+if BACKEND in ("sqlite", "sqlite-memory"):
     DATABASES = {
         "default": {
             "ENGINE": "django.db.backends.sqlite3",
             "NAME": NAME,
             "OPTIONS": {"timeout": 30},  # seconds to wait for SQLite's write lock
-            "TEST": {"NAME": NAME},  # a real file, not pytest-django's in-memory database
+            # A real file, or (sqlite-memory) Django's default test database: in memory.
+            "TEST": {"NAME": NAME} if BACKEND == "sqlite" else {},
         }
     }
 elif BACKEND == "postgresql":
@@ -43,6 +45,8 @@ elif BACKEND == "postgresql":
         }
     }
 else:
-    raise RuntimeError(f"OUTBOXKIT_DJANGO_BACKEND must be sqlite or postgresql, got {BACKEND!r}")
+    raise RuntimeError(
+        f"OUTBOXKIT_DJANGO_BACKEND must be sqlite, sqlite-memory or postgresql, got {BACKEND!r}"
+    )
 
 OUTBOXKIT = {"DATABASE": "default", "OUTBOX": "shop.events:outbox"}
