@@ -48,7 +48,7 @@ from outboxkit.errors import (
 from outboxkit.storekit.rows import record_params
 
 from .errors import session_ended_by_handler
-from .pool import AnyConnection, hold_transaction, release_transaction
+from .pool import SET_UTC, AnyConnection, hold_transaction, release_transaction
 
 if TYPE_CHECKING:
     from .dialect import PostgresDialect
@@ -402,7 +402,13 @@ class Flow(Generic[C]):
         statements = [Statement(RESET_ROLE)]
         for i, params in enumerate(self.records):
             statements.append(Statement(insert, {**params, "last": i == last}))
-        statements += [Statement(RESET_SESSION), Statement(self.frame.end)]
+        statements.append(Statement(RESET_SESSION))
+        if self.dialect.pool.utc:
+            # RESET ALL took the session's zone back to the server's default: the store's own
+            # sessions are in UTC (``Pool.utc``), set again in this sync, not by the pool's
+            # reset in a round trip of its own when the connection comes back.
+            statements.append(Statement(SET_UTC))
+        statements.append(Statement(self.frame.end))
         return statements
 
     def closed(self, results: Sequence[Result]) -> None:

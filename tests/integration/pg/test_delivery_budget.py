@@ -33,21 +33,22 @@ N = 10
 # (statements, round trips) per event, a handler subscribed to its topic.
 BUDGET = {
     # A handler that writes one row through ctx.connection: BEGIN and the row lock (one sync),
-    # the handler's INSERT, then RESET ROLE, the record, RESET ALL and COMMIT (one sync).
-    ("per_event", "writes"): (7, 3),
+    # the handler's INSERT, then RESET ROLE, the record, RESET ALL, the session's zone set back
+    # to UTC and COMMIT (one sync).
+    ("per_event", "writes"): (8, 3),
     # A handler that never takes the connection: its record, fenced by the token, alone.
     ("per_event", "noop"): (1, 1),
     # In a batch: SAVEPOINT and the row lock (one sync), the INSERT, RESET ROLE, the record,
-    # RESET ALL and RELEASE (one sync).
-    ("per_batch", "writes"): (7, 3),
+    # RESET ALL, the zone set back to UTC and RELEASE (one sync).
+    ("per_batch", "writes"): (8, 3),
     # In a batch, a handler that never takes the connection: its record is kept for the
     # batch's settlement (one statement for all).
     ("per_batch", "noop"): (0, 0),
 }
 ASYNC_BUDGET = {
     # The asyncio poller opens the delivery before the handler runs (``await tx.open()``).
-    ("per_event", "writes"): (7, 3),
-    ("per_batch", "writes"): (7, 3),
+    ("per_event", "writes"): (8, 3),
+    ("per_batch", "writes"): (8, 3),
 }
 
 
@@ -233,7 +234,12 @@ def test_a_delivery_whose_prepared_row_lock_is_gone_prepares_it_again(
             )
         ).fetchone()
     assert records == (5,)
-    assert len(reopened) == 4  # every delivery after the first found it gone
+    if asyncio and transaction == "per_event":
+        # Each delivery takes a connection of the async pool: one never used before has no
+        # prepared row lock to lose. At least one found its own gone and prepared it again.
+        assert 1 <= len(reopened) <= 4
+    else:
+        assert len(reopened) == 4  # every delivery after the first found it gone
 
 
 def test_per_event_and_batch_row_locks_on_one_connection_a_handler_deallocates(
