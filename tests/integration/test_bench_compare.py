@@ -28,8 +28,25 @@ PG_CONTENDERS = [
     "kit-async-4",
     "bare-tx-1",
     "bare-batch-1",
+    # a handler that writes one row (each drain also checks one row per event was written)
+    "ref-w-tx-1",
+    "kit-w-tx-1",
+    "ref-w-batch-sp",
+    "ref-w-batch",
+    "kit-w-batch-1",
+    "kit-w-async-4",
 ]
-SQLITE_CONTENDERS = ["ref-sqlite-tx", "kit-sqlite-tx", "ref-sqlite-batch", "kit-sqlite-batch"]
+SQLITE_CONTENDERS = [
+    "ref-sqlite-tx",
+    "kit-sqlite-tx",
+    "ref-sqlite-batch",
+    "kit-sqlite-batch",
+    "ref-w-sqlite-tx",
+    "kit-w-sqlite-tx",
+    "ref-w-sqlite-batch-sp",
+    "ref-w-sqlite-batch",
+    "kit-w-sqlite-batch",
+]
 
 
 @pytest.fixture(scope="module")
