@@ -172,8 +172,10 @@ def test_a_summary_line_is_logged_periodically(
     # The line after the drain may still show 0.0 published/s: a summary logged while the
     # round was settling counts the events in the next line's rate.
     wait_for(
-        lambda: (summary.search(proc.stderr()) and rate.search(proc.stderr()))
-        or proc.popen.poll() is not None,
+        lambda: (
+            (summary.search(proc.stderr()) and rate.search(proc.stderr()))
+            or proc.popen.poll() is not None
+        ),
         "a summary line once all is published",
     )
     assert summary.search(proc.stderr()), proc.report()
