@@ -1,10 +1,23 @@
 """The MariaDB/MySQL store for outboxkit (``mysql://user:pass@host:3306/db``), on PyMySQL.
 
-Built only on the public store seam, ``outboxkit.storekit``. See ``MySQLStore``.
+Built only on the public store seam, ``outboxkit.storekit``. See ``MySQLStore``, imported on
+first use: the entry point (``plugin``) loads this package in every process, with or without
+PyMySQL installed.
 """
 
 from __future__ import annotations
 
-from .store import MySQLStore
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .store import MySQLStore
 
 __all__ = ["MySQLStore"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "MySQLStore":
+        from .store import MySQLStore
+
+        return MySQLStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
