@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -71,8 +71,14 @@ class Outbox:
         bus: the handler subscriptions; a fresh empty ``EventBus`` if omitted.
         clock: the clock; ``None`` means the store's production clock (the database clock on
             Postgres). Tests pass a ``FrozenClock``.
-        max_retries, backoff, interval, batch_size, lease, transaction, prefetch: app-wide poller
-            defaults (R14, see ``PollerOptions``); an option given to :meth:`poller` wins.
+        max_retries: app-wide poller default (R14, see ``PollerOptions``), as are the next
+            six; an option given to :meth:`poller` wins.
+        backoff: app-wide poller default: the retry delays.
+        interval: app-wide poller default: the wait between idle polls.
+        batch_size: app-wide poller default: events per claim.
+        lease: app-wide poller default: how long a claim is held.
+        transaction: app-wide poller default: ``"per_event"`` or ``"per_batch"``.
+        prefetch: app-wide poller default: claim the next batch while one is delivered.
         max_payload_bytes: the largest encoded payload ``enqueue`` accepts (default 1 MiB).
         dead_key: what a dead-lettered event does to the events after it of the same ``key``:
             ``"release"`` (default) lets them go on; ``"hold"`` keeps the key waiting until the
@@ -608,8 +614,14 @@ class Outbox:
         return self.store.migrate()
 
     def stats(self) -> Stats:
-        """Counts by state and topic, and the oldest due instant."""
-        return self.store.stats(now=self.store_now())
+        """Counts by state and topic, the oldest due instant, the keys with a dead event
+        (``dead_keys``) and those of them this outbox holds (``held_keys``: all of them under
+        ``dead_key="hold"``, none under ``"release"``)."""
+        stats = self.store.stats(now=self.store_now())
+        # A store that fills only held_keys (the keys a hold would hold) says the same.
+        dead_keys = max(stats.dead_keys, stats.held_keys)
+        held = dead_keys if self.dead_key == "hold" else 0
+        return replace(stats, dead_keys=dead_keys, held_keys=held)
 
     def dead_letters(
         self,

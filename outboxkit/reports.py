@@ -164,6 +164,16 @@ class Reporter:
     def succeeded(
         self, claim: Claim, spec: HandlerSpec, at: datetime, began: datetime | None = None
     ) -> Delivery:
+        # Per event at DEBUG (a drain of 10,000 events is not 10,000 lines at INFO); the
+        # runner logs a count per period at INFO.
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "event %d (%s): %s succeeded",
+                claim.event.id,
+                claim.event.topic,
+                spec.name,
+                extra=_fields(claim, spec),
+            )
         if self.observed:
             event = claim.event
             self.emit(
@@ -187,7 +197,7 @@ class Reporter:
         began: datetime | None = None,
     ) -> Delivery:
         event = claim.event
-        log.info(
+        log.debug(
             "event %d (%s): %s rejected it: %s",
             event.id,
             event.topic,

@@ -17,6 +17,7 @@ own:
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import weakref
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -25,16 +26,20 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import psycopg
+from psycopg import errors as pg_errors
+from psycopg.pq import PipelineStatus
 from psycopg.rows import tuple_row
 
 from outboxkit.core.model import Claim, NewEvent, Outcome
 from outboxkit.errors import StoreError
+from outboxkit.storekit.aiosql import AsyncSQLBatch, AsyncSQLStore
 from outboxkit.storekit.rows import inserted_ids, resolve_ids
-from outboxkit.storekit.sql import AsyncSQLBatch, AsyncSQLStore, Row
+from outboxkit.storekit.sql import Row
 
 from .flow import BatchGuard, Flow, Result, Statement, Transaction, check_usable, has_rows
 from .listen import AsyncNotifyWaiter
 from .names import prepared
+from .pipeline import Flight, flight_result, implicit_begin
 from .pool import AsyncConnection, AsyncPool
 
 if TYPE_CHECKING:
@@ -66,7 +71,7 @@ class AsyncPostgresStore(AsyncSQLStore):
     def __repr__(self) -> str:
         return f"AsyncPostgresStore({self.dialect.where}, schema={self.dialect.names.schema!r})"
 
-    # -- the async seam (outboxkit.storekit.sql.AsyncSQLStore) ------------------------------------
+    # -- the async seam (outboxkit.storekit.aiosql.AsyncSQLStore) ------------------------------------
 
     @asynccontextmanager
     async def write(self, doing: str) -> AsyncIterator[AsyncConnection]:
@@ -273,7 +278,13 @@ class AsyncDelivery(Transaction[AsyncConnection]):
         if flow.is_open:
             return
         try:
-            flow.opened(await _sync(flow.conn, flow.opening()))
+            try:
+                results = await _sync(flow.conn, flow.opening())
+            except pg_errors.InvalidSqlStatementName:  # gone: see ``Flow.reopening``
+                if not await abort_quietly(flow.conn, flow.reopening()):
+                    raise
+                results = await _sync(flow.conn, flow.opening())
+            flow.opened(results)
         except BaseException as exc:
             error = flow.open_failed(exc)
             if error is exc:
@@ -405,8 +416,12 @@ async def restart(
 
 
 async def _sync(conn: AsyncConnection, statements: Sequence[Statement]) -> list[Result]:
-    """Send ``statements`` in one pipeline sync (one alone: without the pipeline, whose entry
-    and exit cost more than the statement); what each returned."""
+    """Send ``statements`` in one pipeline sync (``pipeline.Flight``; through psycopg one
+    alone, without a pipeline, whose entry and exit cost more than the statement, and all of
+    them on a connection psycopg is to begin a transaction on: ``implicit_begin``); what each
+    returned."""
+    if len(statements) > 1 and not implicit_begin(conn):
+        return await _fly(conn, statements)
     if len(statements) == 1:
         (statement,) = statements
         cursor = await conn.cursor(row_factory=tuple_row).execute(statement.query, statement.params)
@@ -419,6 +434,54 @@ async def _sync(conn: AsyncConnection, statements: Sequence[Statement]) -> list[
     return [Result(c.rowcount, await c.fetchall() if has_rows(c) else []) for c in cursors]
 
 
+async def _fly(conn: AsyncConnection, statements: Sequence[Statement]) -> list[Result]:
+    """``pipeline.fly`` on an async connection: the flight's waiting on the event loop.
+
+    Raises:
+        psycopg.Error: a statement failed, or the connection did.
+    """
+    flight = Flight(conn)
+    try:
+        async with conn.lock:
+            writing = flight.send(statements)
+            fd = conn.pgconn.socket
+            while writing:
+                await _ready(fd, write=True)
+                writing = flight.flush()
+            while (got := flight.read()) is None:
+                await _ready(fd)
+            return [flight_result(r) for r in got]
+    except psycopg.Error:
+        if conn.pgconn.pipeline_status != _PIPELINE_OFF:
+            await conn.close()
+        raise
+    except BaseException:
+        await conn.close()  # results pending: it can be neither read back nor reused
+        raise
+
+
+async def _ready(fd: int, *, write: bool = False) -> None:
+    """Wait until ``fd`` is readable (or writable)."""
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    if write:
+        loop.add_writer(fd, wake)
+    else:
+        loop.add_reader(fd, wake)
+    try:
+        await ready
+    finally:
+        if write:
+            loop.remove_writer(fd)
+        else:
+            loop.remove_reader(fd)
+
+
 async def abort_quietly(conn: AsyncConnection, statements: Sequence[bytes]) -> bool:
     """Roll a delivery back, quietly (see ``delivery.abort_quietly``); whether every
     statement ran."""
@@ -429,3 +492,6 @@ async def abort_quietly(conn: AsyncConnection, statements: Sequence[bytes]) -> b
         log.debug("rollback of a delivery failed: %s", exc)
         return False
     return True
+
+
+_PIPELINE_OFF = int(PipelineStatus.OFF)

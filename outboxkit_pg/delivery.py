@@ -14,6 +14,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import psycopg
+from psycopg import errors as pg_errors
 from psycopg.pq import PipelineStatus, TransactionStatus
 from psycopg.rows import tuple_row
 
@@ -24,7 +25,7 @@ from outboxkit.storekit.rows import record_params
 from outboxkit.storekit.sql import SQLBatch
 
 from .flow import BatchGuard, Flow, Result, Statement, has_rows
-from .pipeline import RecordPipeline, drain
+from .pipeline import RecordPipeline, drain, fly, implicit_begin
 from .pool import Connection
 
 if TYPE_CHECKING:
@@ -261,7 +262,13 @@ def open_flow(flow: Flow[Connection], round_: Round | None = None) -> None:
     try:
         if round_ is not None:
             round_.before_use()
-        flow.opened(_sync(flow.conn, flow.opening()))
+        try:
+            results = _sync(flow.conn, flow.opening())
+        except pg_errors.InvalidSqlStatementName:  # gone: see ``Flow.reopening``
+            if not abort_quietly(flow.conn, flow.reopening()):
+                raise
+            results = _sync(flow.conn, flow.opening())
+        flow.opened(results)
     except BaseException as exc:
         error = flow.open_failed(exc)
         if error is exc:
@@ -270,8 +277,12 @@ def open_flow(flow: Flow[Connection], round_: Round | None = None) -> None:
 
 
 def _sync(conn: Connection, statements: Sequence[Statement]) -> list[Result]:
-    """Send ``statements`` in one pipeline sync (one alone: without the pipeline, whose
-    entry and exit cost more than the statement); what each returned."""
+    """Send ``statements`` in one pipeline sync (``pipeline.fly``; through psycopg one alone,
+    without a pipeline, whose entry and exit cost more than the statement, and all of them on
+    a connection psycopg is to begin a transaction on: ``implicit_begin``); what each
+    returned."""
+    if len(statements) > 1 and not implicit_begin(conn):
+        return fly(conn, statements)
     if len(statements) == 1:
         (statement,) = statements
         cursor = conn.cursor(row_factory=tuple_row).execute(statement.query, statement.params)

@@ -305,12 +305,12 @@ class PostgresDialect(Dialect):
     def listening(self, *, asyncio: bool) -> dict[str, Any]:
         """A ``LISTEN`` waiter's arguments (either side's)."""
         pool = self.pool
-        assert pool.conninfo is not None
+        assert pool.listening_to is not None
         return {
-            "conninfo": pool.conninfo,
+            "conninfo": pool.listening_to,
             "kwargs": pool.connect_kwargs(asyncio=asyncio),
             "listen": self.queries["listen"],
-            "where": self.where,
+            "where": pool.listening_where,
             "scrub": pool.scrub,
         }
 

@@ -10,8 +10,11 @@ changes the state that decision reads - then rolls back with ``flow.aborting()``
 waiting is the shell's own.
 
 Round trips: the transaction (or savepoint) opens in the same pipeline sync as the row lock,
-and the record and the COMMIT go in one more sync at the end (psycopg's pipeline mode,
-prepared statements): a one-handler event costs the handler's own statements plus two.
+and the record and the COMMIT go in one more sync at the end: a one-handler event costs the
+handler's own statements plus two (``tests/integration/pg/test_delivery_budget.py`` pins the
+counts per path). A sync of several statements is sent on libpq directly (``pipeline.Flight``,
+the row lock prepared under a name of outboxkit's own): psycopg's own pipeline costs more
+Python per statement than a round trip on one host.
 
 The commit guard (``migration_2`` in ``queries.sql``): ``lock_for_delivery`` marks the
 transaction as holding an open delivery and touches the event row, which queues a deferred
@@ -105,10 +108,12 @@ SAVEPOINT = Frame(
 
 @dataclass(frozen=True, slots=True)
 class Statement:
-    """One statement of a pipeline sync, with its bound values (None: no parameters)."""
+    """One statement of a pipeline sync, with its bound values (None: no parameters).
+    ``prepare``: one a delivery sends every time, run prepared (``pipeline.Flight``)."""
 
     query: bytes
     params: Mapping[str, Any] | None = None
+    prepare: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -299,8 +304,21 @@ class Flow(Generic[C]):
             statements.append(Statement(self.dialect.queries["lock_for_delivery"], self._params))
         if self.frame.begin:
             statements.append(Statement(self.frame.begin))
-        statements.append(Statement(self._lock, self._params))
+        statements.append(Statement(self._lock, self._params, prepare=True))
         return statements
+
+    def reopening(self) -> list[bytes]:
+        """The opening failed because the row lock's prepared statement was gone (psycopg
+        sends ``DEALLOCATE ALL`` after it saw a handler's ``ROLLBACK``, ``DROP`` or
+        ``ALTER``; a handler may ``DISCARD ALL``): what undoes that opening, before
+        ``opening`` is sent again (it prepares the statement anew). Nothing else ran in it."""
+        batch = self._batch
+        if batch is None:
+            return [self.frame.abort[0]]
+        if self._begins_batch:  # its own BEGIN: nothing of the batch's is in there yet
+            batch.begun = self._begins_batch = False
+            return [b"ROLLBACK"]
+        return list(SAVEPOINT.abort)
 
     def opened(self, results: Sequence[Result]) -> None:
         """Read the first sync's results; from now on the handler runs.

@@ -118,6 +118,26 @@ class Names:
 _PARAMETER = re.compile(rb"%\((\w+)\)([sb])")
 
 
+def numbered(query: bytes) -> tuple[bytes, tuple[str, ...]]:
+    """``query`` with ``$1``, ``$2``... in place of its ``%(name)s`` parameters, and the
+    names in that order (``Queries.positional``).
+
+    Raises:
+        ValueError: the statement has a binary parameter (``%(name)b``).
+    """
+    order: list[str] = []
+
+    def number(match: re.Match[bytes]) -> bytes:
+        if match.group(2) != b"s":
+            raise ValueError(f"{match.group(1).decode()}: only text parameters can be numbered")
+        key = match.group(1).decode()
+        if key not in order:
+            order.append(key)
+        return b"$%d" % (order.index(key) + 1)
+
+    return _PARAMETER.sub(number, query), tuple(order)
+
+
 class Queries:
     """Every statement, rendered once for one set of names (bytes, ready to execute)."""
 
@@ -138,18 +158,7 @@ class Queries:
         Raises:
             ValueError: the statement has a binary parameter (``%(name)b``).
         """
-        order: list[str] = []
-
-        def number(match: re.Match[bytes]) -> bytes:
-            if match.group(2) != b"s":
-                raise ValueError(f"{name}: only text parameters can be numbered")
-            key = match.group(1).decode()
-            if key not in order:
-                order.append(key)
-            return b"$%d" % (order.index(key) + 1)
-
-        query = _PARAMETER.sub(number, self._rendered[name])
-        return query, tuple(order)
+        return numbered(self._rendered[name])
 
     def text(self, name: str) -> str:
         """A statement as text (for EXPLAIN in tests, and for reading)."""

@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import hashlib
 import select
+import weakref
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -43,12 +44,14 @@ from psycopg.postgres import types as pg_types
 from outboxkit.core.model import Claim
 from outboxkit.errors import StoreError
 
+from .flow import Result, Statement
+from .names import numbered
 from .pool import AnyConnection
 
 if TYPE_CHECKING:
     from .dialect import PostgresDialect
 
-__all__ = ["RecordPipeline", "drain"]
+__all__ = ["Flight", "RecordPipeline", "drain", "flight_result", "fly", "implicit_begin"]
 
 _STATEMENT = "outboxkit_record_{}"
 """The prepared statement's name, with a digest of its text: stores of other schemas or tables
@@ -283,3 +286,216 @@ def drain(pipeline: RecordPipeline | None) -> None:
         else:
             pipeline.take_results()
     pipeline.finish()
+
+
+# -- a delivery's pipeline syncs, on libpq directly ------------------------------------------------
+
+_FLIGHT_TYPES = {
+    **_TYPES,
+    "id": pg_types["int8"].oid,
+    "mark": pg_types["bool"].oid,
+    "last": pg_types["bool"].oid,
+}
+_FATAL = pq.ExecStatus.FATAL_ERROR
+_ABORTED = pq.ExecStatus.PIPELINE_ABORTED
+
+
+class _Form:
+    """A statement as libpq takes it: numbered parameters, their names in that order and
+    their types, and the name it is prepared under."""
+
+    __slots__ = ("name", "order", "query", "types")
+
+    def __init__(self, query: bytes) -> None:
+        self.query, self.order = numbered(query)
+        self.types = [_FLIGHT_TYPES.get(name, 0) for name in self.order]
+        digest = hashlib.blake2b(self.query, digest_size=12).hexdigest()
+        self.name = f"outboxkit_{digest}".encode()
+
+
+_FORMS: dict[bytes, _Form] = {}
+"""Each statement's ``_Form``, made at its first flight (a handful: the deliveries')."""
+
+_PREPARED: weakref.WeakKeyDictionary[AnyConnection, set[bytes]] = weakref.WeakKeyDictionary()
+"""The statements prepared on each connection by its flights (``Statement.prepare``). One
+the server says is gone (psycopg sends ``DEALLOCATE ALL`` after it saw a handler's
+``ROLLBACK``, ``DROP`` or ``ALTER``; a handler may run it) is forgotten, and only that one:
+preparing a statement that still exists would fail, and abort the transaction it is sent in."""
+
+
+class Flight:
+    """One pipeline sync of a delivery's statements (``flow.Statement``: its opening, or its
+    records and commit), sent on libpq directly: psycopg's pipeline costs more Python per
+    statement (~20 µs) than a round trip on one host, which the sync exists to save. A
+    statement with ``prepare`` runs under a name of outboxkit's own, prepared in the same
+    sync the first time a connection sends it; the others run unnamed (statements without
+    parameters, and those sent once a batch). Values go in PostgreSQL's text format.
+
+    The waiting is the callers' (``fly`` here; ``outboxkit_pg.aio`` for an async connection):
+    ``send``, then ``read`` each time the socket is readable until it returns the results.
+    """
+
+    __slots__ = ("_conn", "_got", "_kinds", "_new", "_pg", "_used")
+
+    def __init__(self, conn: AnyConnection) -> None:
+        self._conn = conn
+        self._pg = conn.pgconn
+        self._kinds: list[
+            bool
+        ] = []  # per result expected: True for a statement's, False a prepare's
+        self._got: list[pq.abc.PGresult] = []
+        self._new: list[bytes] = []  # prepared in this flight (known once it succeeded)
+        self._used: list[bytes] = []  # run under a name prepared by an earlier flight
+
+    def send(self, statements: Sequence[Statement]) -> bool:
+        """Send ``statements`` and their sync; whether some is still to be flushed.
+
+        Raises:
+            psycopg.Error: libpq refused (the connection is gone).
+        """
+        pg, conn = self._pg, self._conn
+        kinds = self._kinds
+        prepares = conn.prepare_threshold is not None
+        prepared = _PREPARED.get(conn) if prepares else None
+        encoding = ""
+        pg.enter_pipeline_mode()
+        for statement in statements:
+            params = statement.params
+            if params is None:
+                pg.send_query_params(statement.query, None)
+                kinds.append(True)
+                continue
+            form = _FORMS.get(statement.query)
+            if form is None:
+                form = _FORMS[statement.query] = _Form(statement.query)
+            if not encoding:
+                encoding = conn.info.encoding
+            values = [_flight_text(params[name], encoding) for name in form.order]
+            if statement.prepare and prepares:
+                if (prepared is None or form.name not in prepared) and form.name not in self._new:
+                    pg.send_prepare(form.name, form.query, form.types)
+                    kinds.append(False)
+                    self._new.append(form.name)
+                elif form.name not in self._new:
+                    self._used.append(form.name)
+                pg.send_query_prepared(form.name, values)
+            else:
+                pg.send_query_params(form.query, values, form.types)
+            kinds.append(True)
+        pg.pipeline_sync()
+        return bool(pg.flush())
+
+    def flush(self) -> bool:
+        """Send what is left; whether some still is."""
+        return bool(self._pg.flush())
+
+    def read(self) -> list[pq.abc.PGresult] | None:
+        """Take in what arrived; every statement's result once the sync's end came (None:
+        wait until the socket is readable, and read again).
+
+        Raises:
+            psycopg.Error: a statement failed (the first failure: the rest did not run), or
+                the connection was lost.
+        """
+        pg = self._pg
+        pg.consume_input()
+        while not pg.is_busy():
+            result = pg.get_result()
+            if result is None:
+                if pg.status == _BAD:
+                    raise psycopg.OperationalError(
+                        pg.get_error_message(self._conn.info.encoding) or "connection lost"
+                    )
+                continue
+            if result.status != _PIPELINE_SYNC:
+                self._got.append(result)
+                continue
+            pg.exit_pipeline_mode()
+            return self._done()
+        if pg.status == _BAD:
+            raise psycopg.OperationalError(
+                pg.get_error_message(self._conn.info.encoding) or "connection lost"
+            )
+        return None
+
+    def _done(self) -> list[pq.abc.PGresult]:
+        results: list[pq.abc.PGresult] = []
+        failed: pq.abc.PGresult | None = None
+        for kind, result in zip(self._kinds, self._got, strict=True):
+            if result.status in (_FATAL, _ABORTED) and failed is None:
+                failed = result
+            if kind:
+                results.append(result)
+        if failed is not None:
+            if failed.status == _ABORTED:  # a prepare failed before it: its error came first
+                raise psycopg.OperationalError("a delivery's pipeline was aborted")
+            error = pg_errors.error_from_result(failed, encoding=self._conn.info.encoding)
+            if isinstance(error, pg_errors.InvalidSqlStatementName):
+                _PREPARED.get(self._conn, set()).difference_update(self._used)
+            raise error
+        if self._new:
+            _PREPARED.setdefault(self._conn, set()).update(self._new)
+        return results
+
+
+def implicit_begin(conn: AnyConnection) -> bool:
+    """Whether psycopg would begin a transaction before the next statement on ``conn`` (a
+    connection without autocommit, idle: an app's own, Django's), with the isolation level
+    and access mode the app set on it: a flight, which psycopg does not see, must not be sent
+    there (the delivery's syncs go through psycopg's own pipeline instead)."""
+    return not conn.autocommit and conn.pgconn.transaction_status == _IDLE
+
+
+def _flight_text(value: Any, encoding: str) -> bytes | None:
+    """A parameter in PostgreSQL's text format."""
+    if value is None:
+        return None
+    if value is True:
+        return b"t"
+    if value is False:
+        return b"f"
+    if isinstance(value, datetime):
+        return value.isoformat().encode()
+    return str(value).encode(encoding)
+
+
+def fly(conn: psycopg.Connection[Any], statements: Sequence[Statement]) -> list[Result]:
+    """Send ``statements`` in one pipeline sync (``Flight``) on a blocking connection and wait
+    for what each returned. A failure or an interruption while results are pending leaves
+    the connection unusable: it is closed (its pool discards it).
+
+    Raises:
+        psycopg.Error: a statement failed, or the connection did.
+    """
+    flight = Flight(conn)
+    try:
+        with conn.lock:
+            writing = flight.send(statements)
+            fd = conn.pgconn.socket
+            while True:
+                readable, _, _ = select.select([fd], [fd] if writing else [], [])
+                if writing:
+                    writing = flight.flush()
+                if readable:
+                    got = flight.read()
+                    if got is not None:
+                        return [flight_result(r) for r in got]
+    except psycopg.Error:
+        if conn.pgconn.pipeline_status != _PIPELINE_OFF:
+            conn.close()
+        raise
+    except BaseException:
+        conn.close()  # results pending: it can be neither read back nor reused
+        raise
+
+
+def flight_result(result: pq.abc.PGresult) -> Result:
+    """A flight's statement result as a delivery reads it: its row count (rows returned, or
+    the rows its command changed) and as many placeholder rows as it returned (a delivery
+    only asks whether there were any)."""
+    if result.status == _TUPLES_OK:
+        count = result.ntuples
+        return Result(count, [()] * count)
+    status = result.command_status
+    tail = status.rsplit(b" ", 1)[-1] if status else b""
+    return Result(int(tail) if tail.isdigit() else -1, [])

@@ -66,18 +66,23 @@ _PROBE_TIMEOUT = 5  # seconds libpq may spend finding out why the pool cannot co
 _SETS_TIMEZONE = re.compile(r"timezone\s*=", re.IGNORECASE)
 
 
-def utc_options(options: str | None) -> str:
-    """Connection ``options`` (libpq's) that also set the session's ``TimeZone`` to UTC, unless
-    they set one already.
+SET_UTC = b"SET TimeZone TO 'UTC'"
+_UTC = b"UTC"
 
-    The store's own connections load ``timestamptz`` columns as datetimes in ``datetime.UTC``
-    then, whatever the server's default zone: psycopg converts each one to a named zone
-    otherwise (a server's default of ``Etc/UTC`` too), at three times the cost (a row of three
-    ``timestamptz``: 0.93 against 0.30 µs, measured), on every row a claim returns.
-    """
-    if options and _SETS_TIMEZONE.search(options):
-        return options
-    return f"{options} -c TimeZone=UTC" if options else "-c TimeZone=UTC"
+
+def zone_given(options: str | None, environ: Mapping[str, str]) -> bool:
+    """Whether the connection settings name a session time zone: ``TimeZone`` in the
+    ``options`` given (or, without them, in ``PGOPTIONS``), or ``PGTZ``. The store's own
+    connections are put in UTC only when they do not."""
+    if "PGTZ" in environ:
+        return True
+    given = options if options else environ.get("PGOPTIONS")
+    return bool(given and _SETS_TIMEZONE.search(given))
+
+
+def needs_utc(conn: AnyConnection) -> bool:
+    """The session's zone, as the server last reported it, is not UTC (no round trip)."""
+    return conn.pgconn.parameter_status(b"TimeZone") != _UTC
 
 
 def is_url(conninfo: object) -> bool:
@@ -149,6 +154,8 @@ class Pool:
         kwargs: connection keyword arguments (``prepare_threshold``...).
         min_size, max_size, timeout: the store's own pool (and the asyncio side's).
         name: the pool's name (in psycopg_pool's logs).
+        listen_conninfo: where the ``LISTEN`` connection goes, if not where ``conninfo`` does
+            (the server itself, behind a transaction pooler).
     """
 
     def __init__(
@@ -160,12 +167,24 @@ class Pool:
         max_size: int,
         timeout: float,
         name: str,
+        listen_conninfo: str | None = None,
     ) -> None:
         self._lock = threading.Lock()
         self._closed = False
         self.min_size, self.max_size, self.timeout, self.name = min_size, max_size, timeout, name
         self.secrets: tuple[str, ...] = ()
         self.where = "the pool's server"
+        self._connect_errors_seen = 0
+        self.utc = False
+        """Put the store's own sessions in UTC: ``SET TimeZone`` when a connection is made,
+        and again when one comes back to the pool in another zone (a delivery's ``RESET
+        ALL``). psycopg then loads ``timestamptz`` values as datetimes in ``datetime.UTC``,
+        its cheapest conversion (a named zone, the server's ``Etc/UTC`` default too, costs
+        three times as much: 0.93 against 0.30 µs for a row of three, on every row a claim
+        returns). A ``SET`` and not libpq's ``options`` startup parameter: a transaction
+        pooler refuses that one ("unsupported startup parameter: options"), while PgBouncer
+        keeps a ``TimeZone`` a client ``SET`` for that client, on whichever server connection
+        runs its transactions."""
         if isinstance(conninfo, ConnectionPool | Lender):
             self._pool: ConnectionPool[Any] | Lender | None = conninfo
             self.owned = False
@@ -182,11 +201,16 @@ class Pool:
             self.where, self.secrets, params = describe(self.conninfo)
             if "application_name" not in params and "application_name" not in self.kwargs:
                 self.kwargs["application_name"] = "outboxkit"
-            # The store's own connections in UTC (``utc_options``), unless PGTZ asks otherwise;
-            # given options (or PGOPTIONS, which given ones replace) are kept.
-            if self.owned and "PGTZ" not in os.environ:
-                given = self.kwargs.get("options", params.get("options"))
-                self.kwargs["options"] = utc_options(given or os.environ.get("PGOPTIONS"))
+            # The store's own connections in UTC, unless the settings name a zone (see
+            # ``utc``); given options are passed on as they are, none added.
+            given = self.kwargs.get("options", params.get("options"))
+            self.utc = self.owned and not zone_given(given, os.environ)
+        self.listening_to: str | None = listen_conninfo or self.conninfo
+        """The conninfo of the ``LISTEN`` connection (None: there can be none)."""
+        self.listening_where = self.where
+        if listen_conninfo is not None:
+            self.listening_where, secrets, _ = describe(listen_conninfo)
+            self.secrets = tuple(sorted({*self.secrets, *secrets}, key=len, reverse=True))
 
     @property
     def closed(self) -> bool:
@@ -200,7 +224,11 @@ class Pool:
         """The arguments of a pool of the store's own, besides the conninfo: autocommit
         connections (every write is one statement; a delivery begins its own transaction)."""
         kwargs = {**self.connect_kwargs(asyncio=asyncio), "autocommit": True}
+        in_utc: dict[str, Any] = {}
+        if self.utc and not asyncio:  # the asyncio side passes its own (``AsyncPool``)
+            in_utc = {"configure": _put_in_utc, "reset": _put_in_utc}
         return {
+            **in_utc,
             "kwargs": kwargs,
             "min_size": self.min_size,
             "max_size": self.max_size,
@@ -330,11 +358,29 @@ class Pool:
         return CannotConnect(f"cannot connect to PostgreSQL at {self.where} ({doing}): {reason}")
 
     def exhausted(self, doing: str) -> StoreUnavailable:
-        """The direct attempt connected: the pool is full."""
+        """The direct attempt connected: the pool is full, or (the true cause after an outage)
+        its own connection attempts failed and it is waiting to try again."""
+        failed = self._connect_failures()
+        if failed:
+            return StoreUnavailable(
+                f"PostgreSQL at {self.where} ({doing}): the pool had no connection within "
+                f"{self.timeout:g} s: {failed} of its connection attempts failed (the server "
+                "was unreachable or refused them; a direct connection now succeeds, so the "
+                "pool is reconnecting)"
+            )
         return StoreUnavailable(
             f"PostgreSQL at {self.where} ({doing}): no free connection in the pool within "
             f"{self.timeout:g} s (pool_max_size={self.max_size})"
         )
+
+    def _connect_failures(self) -> int:
+        """The store's own pool's failed connection attempts since the last call."""
+        pool = self._pool
+        if not isinstance(pool, ConnectionPool) or not self.owned:
+            return 0
+        errors = pool.get_stats().get("connections_errors", 0)
+        failed, self._connect_errors_seen = errors - self._connect_errors_seen, errors
+        return max(failed, 0)
 
     def close(self) -> None:
         """Close the store's own pool (a pool passed in is left open)."""
@@ -384,7 +430,10 @@ class AsyncPool:
                 assert self.sync.conninfo is not None
                 await self.probe(doing)
                 pool = AsyncConnectionPool(
-                    self.sync.conninfo, configure=self._made_one, **self.sync.options(asyncio=True)
+                    self.sync.conninfo,
+                    configure=self._made_one,
+                    reset=_put_in_utc_async if self.sync.utc else None,
+                    **self.sync.options(asyncio=True),
                 )
                 closer = asyncio.create_task(_close_at_loop_end(pool), name=pool.name)
                 # Wait for the first connections (``pool_min_size``): none is left half made
@@ -413,6 +462,8 @@ class AsyncPool:
 
     async def _made_one(self, conn: AsyncConnection) -> None:
         self._made.add(conn)
+        if self.sync.utc:
+            await _put_in_utc_async(conn)
 
     @asynccontextmanager
     async def connection(self, doing: str) -> AsyncIterator[AsyncConnection]:
@@ -532,6 +583,17 @@ async def _close_at_loop_end(pool: AsyncConnectionPool[Any]) -> None:
     except asyncio.CancelledError:
         await pool.close()
         raise
+
+
+def _put_in_utc(conn: Connection) -> None:
+    """``Pool.utc``: a connection made, or back in the pool (autocommit, idle)."""
+    if needs_utc(conn):
+        conn.execute(SET_UTC, prepare=False)
+
+
+async def _put_in_utc_async(conn: AsyncConnection) -> None:
+    if needs_utc(conn):
+        await conn.execute(SET_UTC, prepare=False)
 
 
 def hold_transaction(conn: AnyConnection) -> None:

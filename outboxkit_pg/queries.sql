@@ -586,7 +586,8 @@ SELECT id, topic, payload::text, headers::text, key, created_at, available_at, a
   FROM {events}
  WHERE failed_at IS NOT NULL
    AND (%(topic)s::text IS NULL OR topic = %(topic)s::text)
-   AND (%(since)s::timestamptz IS NULL OR failed_at >= %(since)s::timestamptz)
+   -- A bound the index can seek to, even in a generic plan (see the SQLite store's query).
+   AND failed_at >= coalesce(%(since)s::timestamptz, '-infinity'::timestamptz)
  ORDER BY failed_at, id
  LIMIT %(limit)s
 

@@ -29,7 +29,7 @@ import threading
 import warnings
 import weakref
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
@@ -81,6 +81,7 @@ _LOCK_SPACE = 0x6F62  # first key of the migration advisory lock: "ob"
 _OPTIONS = frozenset(
     {
         "schema",
+        "listen_conninfo",
         "table_prefix",
         "events_table",
         "deliveries_table",
@@ -110,16 +111,28 @@ class PostgresStore(SQLStore):
             ``migrate()`` when missing).
         table_prefix: prefix of the three table names: ``{prefix}events``,
             ``{prefix}deliveries``, ``{prefix}schema`` (default ``outbox_``).
-        events_table, deliveries_table, schema_table: override one table name each.
+        events_table: the events table's name, instead of the prefix's.
+        deliveries_table: the delivery records table's name, instead of the prefix's.
+        schema_table: the schema version table's name, instead of the prefix's.
         channel: the ``LISTEN``/``NOTIFY`` channel (default: the events table's name).
-        notify: ``NOTIFY`` at enqueue and let pollers ``LISTEN`` (default True). Turn it off
-            behind PgBouncer in transaction pooling mode, together with ``prepare_threshold=None``.
+        notify: ``NOTIFY`` at enqueue and let pollers ``LISTEN`` (default True). Behind
+            PgBouncer in transaction pooling mode a ``LISTEN`` through the pooler hears nothing
+            (notifications belong to a server session): give ``listen_conninfo``, or turn
+            ``notify`` off (the pollers then poll every ``interval``).
+        listen_conninfo: where the pollers' ``LISTEN`` connection goes, when not where
+            ``conninfo`` does: the server's own address behind a transaction pooler (a URL or
+            libpq string). Everything else goes through ``conninfo``.
         prepare_threshold: psycopg's server-side prepared statements (``None`` disables them).
-        pool_min_size, pool_max_size, pool_timeout: the store's own connection pool and its
-            asyncio side's (when a pool is given, the asyncio side's only): connections kept
-            open, at most, and how long (seconds) to wait for one before the store reports the
-            database unavailable. An asyncio poller delivering ``concurrency`` events at once
-            holds up to ``concurrency + 1`` connections.
+        pool_min_size: connections the store's own pool keeps open (and its asyncio side's;
+            when a pool is given, the asyncio side's only).
+        pool_max_size: connections the pools open at most. An asyncio poller delivering
+            ``concurrency`` events at once holds up to ``concurrency + 1`` connections.
+        pool_timeout: seconds to wait for a pool's connection before the store reports the
+            database unavailable.
+        make_dialect: the store's dialect class, or a factory called as it is (the ``Pool``,
+            the ``Names``, ``notify=``, ``schema_version=``): a dialect of the caller's, for a
+            store on connections someone else holds (the Django store's runs on Django's
+            connection and never opens the pool). Default: ``PostgresDialect``.
 
     Raises:
         ConfigurationError: a bad name (schema, table, channel: ``^[A-Za-z_][A-Za-z0-9_]{0,62}$``),
@@ -147,6 +160,8 @@ class PostgresStore(SQLStore):
         pool_min_size: int = 1,
         pool_max_size: int = 4,
         pool_timeout: float = 10.0,
+        listen_conninfo: str | None = None,
+        make_dialect: Callable[..., PostgresDialect] = PostgresDialect,
     ) -> None:
         # Names first: a hostile name is refused before anything else happens.
         validate_schema(schema)
@@ -170,6 +185,11 @@ class PostgresStore(SQLStore):
                 f"pool_max_size ({pool_max_size}) must be >= pool_min_size ({pool_min_size})"
             )
         timeout = check_seconds("pool_timeout", pool_timeout, allow_zero=False)
+        if listen_conninfo is not None and not isinstance(listen_conninfo, str):
+            raise ConfigurationError(
+                "listen_conninfo must be a postgresql:// URL or a libpq conninfo string, got "
+                f"{type(listen_conninfo).__name__}"
+            )
         if not isinstance(conninfo, str | ConnectionPool | Lender):
             raise ConfigurationError(
                 "PostgresStore takes a postgresql:// URL, a libpq conninfo string, a "
@@ -183,8 +203,9 @@ class PostgresStore(SQLStore):
             max_size=pool_max_size,
             timeout=timeout,
             name=f"outboxkit-{schema}",
+            listen_conninfo=listen_conninfo,
         )
-        dialect = self._make_dialect(pool, names, notify=notifies)
+        dialect = make_dialect(pool, names, notify=notifies, schema_version=SCHEMA_VERSION)
         super().__init__(dialect, PostgresStatements(dialect))
         self.names = names
         self.where = pool.where
@@ -207,10 +228,12 @@ class PostgresStore(SQLStore):
             "pool_max_size": pool_max_size,
             "pool_timeout": timeout,
         }
+        if listen_conninfo is not None:
+            self.options["listen_conninfo"] = listen_conninfo
         """The options that reproduce this store (with ``url``), for other processes."""
         self.capabilities = Capabilities(
             batches=True,
-            waiter=notifies and pool.conninfo is not None,
+            waiter=notifies and pool.listening_to is not None,
             transactional_handlers=True,
             concurrent_claimers=True,
             multiprocess=self.url is not None,
@@ -237,10 +260,6 @@ class PostgresStore(SQLStore):
             )
         check_options(options, _OPTIONS, store="PostgreSQL")
         return cls(url, **options)
-
-    def _make_dialect(self, pool: Pool, names: Names, *, notify: bool) -> PostgresDialect:
-        """The store's dialect, on ``pool`` (the Django store's runs on Django's connection)."""
-        return PostgresDialect(pool, names, notify=notify, schema_version=SCHEMA_VERSION)
 
     def __repr__(self) -> str:
         return f"PostgresStore({self.where}, schema={self.names.schema!r})"

@@ -42,7 +42,8 @@ from aiosqlite import core as aiosqlite_core
 
 from outboxkit.core.model import Claim, DeadKey, NewEvent, Outcome
 from outboxkit.errors import ConfigurationError, StoreError, StoreUnavailable
-from outboxkit.storekit.sql import AsyncSQLBatch, AsyncSQLStore, Row
+from outboxkit.storekit.aiosql import AsyncSQLBatch, AsyncSQLStore
+from outboxkit.storekit.sql import Row
 from outboxkit.waiter import AsyncClosingWaiter
 
 from .caller import writable

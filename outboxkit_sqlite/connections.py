@@ -101,10 +101,18 @@ class StoreConnection(sqlite3.Connection):
 
     delivery: Any = None
     _controlling = False
-    # R18: a handler had the connection (a delivery opened on it) since its session settings
-    # were last reset; ``Connections`` resets them before anyone else gets it.
+    # R18: a handler may have changed the connection's settings since they were last reset;
+    # ``Connections`` resets them before anyone else gets it.
     dirty = False
+    # Whether a handler ever set a PRAGMA on it (other than to the store's own value): the
+    # authorizer sees each statement when it is prepared, and sqlite3 caches prepared
+    # statements by their text, so a handler's PRAGMA may run again later, unseen. From the
+    # first one on, every delivery on the connection counts as having changed its settings
+    # (``dirty``); until then a delivery costs no reset and no ``query_only`` before its record.
+    tainted = False
     session: tuple[str, ...] = ()  # the settings it is opened with (``connect``)
+    # ``session`` as the authorizer sees each: (pragma name, value).
+    own_settings: frozenset[tuple[str, str]] = frozenset()
 
     def reset_session(self) -> None:
         """R18: the settings a handler may have changed (``PRAGMA query_only``,
@@ -145,11 +153,18 @@ class StoreConnection(sqlite3.Connection):
             with suppress(sqlite3.Error):
                 self.control(ROLLBACK)
 
-    def _authorize(self, action: int, *_: object) -> int:
+    def _authorize(self, action: int, name: object = None, value: object = None, *_: object) -> int:
         if action == sqlite3.SQLITE_TRANSACTION and not self._controlling:
             if self.delivery is not None:
                 self.delivery.ended_by_handler = True
             return sqlite3.SQLITE_DENY
+        if (
+            action == sqlite3.SQLITE_PRAGMA
+            and value is not None
+            and self.delivery is not None
+            and (str(name).lower(), str(value)) not in self.own_settings
+        ):
+            self.tainted = self.dirty = True  # R18: see ``tainted``
         return sqlite3.SQLITE_OK
 
 
@@ -172,6 +187,12 @@ def connect(path: str, *, busy_timeout: float) -> StoreConnection:
             "PRAGMA query_only=0",
             "PRAGMA foreign_keys=0",
             "PRAGMA recursive_triggers=0",
+        )
+        conn.own_settings = frozenset(
+            (name.lower(), value)
+            for name, value in (
+                statement.removeprefix("PRAGMA ").split("=", 1) for statement in conn.session
+            )
         )
         conn.reset_session()
     except BaseException:

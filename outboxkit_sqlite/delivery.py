@@ -137,9 +137,12 @@ class Delivery:
         dialect = self._dialect
         with dialect.mapped(f"record {handler!r} for event {self._claim.event.id}"):
             # The record is outboxkit's write, not the handler's: a handler that made its
-            # connection read-only does not make the store fail (R18).
-            self.conn.execute(WRITABLE)
-            self.conn.execute(dialect.queries["insert_record"], params)
+            # connection read-only does not make the store fail (R18). Of the store's own
+            # connections, only one a handler set a PRAGMA on can be (``tainted``).
+            conn = self.conn
+            if not isinstance(conn, StoreConnection) or conn.tainted:
+                conn.execute(WRITABLE)
+            conn.execute(dialect.queries["insert_record"], params)
 
     def write_fenced(self) -> bool:
         """A delivery never opened, ending with one record: that record, inserted only if the
@@ -444,7 +447,8 @@ def delivering(
     if tx is None:
         tx = Delivery(dialect, conn, claim, at)
     conn.delivery = tx
-    conn.dirty = True  # the handler gets it: its settings are reset before its next user
+    if conn.tainted:  # a handler set a PRAGMA on it once: reset its settings after each (R18)
+        conn.dirty = True
     try:
         yield tx
         tx.check_kept()

@@ -220,7 +220,7 @@ class SQLiteDialect(Dialect):
         self.wal.after_commit(conn)
 
     @contextmanager
-    def write(self, doing: str) -> Iterator[StoreConnection]:
+    def write(self, doing: str) -> Iterator[sqlite3.Connection]:
         """A short write transaction on a store connection: BEGIN IMMEDIATE ... COMMIT."""
         with self.connections.acquire() as conn, self.write_on(conn, doing):
             yield conn
@@ -239,7 +239,7 @@ class SQLiteDialect(Dialect):
             raise
 
     @contextmanager
-    def read(self, doing: str) -> Iterator[StoreConnection]:
+    def read(self, doing: str) -> Iterator[sqlite3.Connection]:
         """A read transaction (one consistent snapshot across several statements)."""
         with self.connections.acquire() as conn:
             if in_transaction(conn):  # :memory:, inside the same thread's transaction()

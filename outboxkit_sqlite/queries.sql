@@ -175,10 +175,13 @@ UPDATE {events}
 RETURNING id
 
 -- name: dead_letters
+-- `failed_at >= coalesce(...)`, not `(:since IS NULL OR failed_at >= :since)`: SQLite seeks the
+-- index to a bound it can compute, where the OR made it walk the index from its start (a read
+-- paging through 300,000 dead letters by `since` went quadratic: 75 ms a page at the end).
 SELECT {event_columns} FROM {events}
  WHERE failed_at IS NOT NULL
    AND (:topic IS NULL OR topic = :topic)
-   AND (:since IS NULL OR failed_at >= :since)
+   AND failed_at >= coalesce(:since, -9223372036854775808)
  ORDER BY failed_at, id
  LIMIT :limit
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -83,7 +83,9 @@ class SQLiteStore(SQLStore):
         path: the database file (created if missing; its directory must exist), or ``":memory:"``.
         table_prefix: prefix of the three table names (``outbox_`` gives ``outbox_events``,
             ``outbox_deliveries``, ``outbox_schema``).
-        events_table, deliveries_table, schema_table: override one table name each.
+        events_table: the events table's name, instead of the prefix's.
+        deliveries_table: the delivery records table's name, instead of the prefix's.
+        schema_table: the schema version table's name, instead of the prefix's.
         busy_timeout: seconds a connection waits for SQLite's write lock before giving up.
         wal_warn_bytes: a write-ahead log larger than this (default 64 MiB) gets a passive
             checkpoint; if a read transaction held open elsewhere keeps it from getting through,
@@ -95,6 +97,10 @@ class SQLiteStore(SQLStore):
             refused (``ConfigurationError`` naming the path and ``outboxkit migrate``): what
             ``outboxkit``'s commands other than ``migrate`` use, so that a mistyped path is an
             error, not a new empty database.
+        make_dialect: the store's dialect class, or a factory called as it is (``path`` or
+            None for ``:memory:``, the ``TableNames``, ``busy_timeout=``, ``wal_warn_bytes=``):
+            a dialect of the caller's, for a store on connections someone else holds (the
+            Django store's runs on Django's connection). Default: ``SQLiteDialect``.
 
     Attributes:
         dialect: the store's ``SQLiteDialect``: its connections, transactions, statements and
@@ -124,6 +130,7 @@ class SQLiteStore(SQLStore):
         wal_warn_bytes: int = DEFAULT_WAL_WARN_BYTES,
         migrate: bool = True,
         create: bool = True,
+        make_dialect: Callable[..., SQLiteDialect] = SQLiteDialect,
     ) -> None:
         tables = TableNames.from_options(table_prefix, events_table, deliveries_table, schema_table)
         busy_timeout = check_seconds("busy_timeout", busy_timeout, allow_zero=True)
@@ -158,12 +165,10 @@ class SQLiteStore(SQLStore):
         }
         self._async: AsyncSQLiteStore | None = None
         self._async_lock = threading.Lock()
-        super().__init__(
-            self._open_dialect(
-                file, tables, busy_timeout=busy_timeout, wal_warn_bytes=wal_warn_bytes
-            )
+        dialect = make_dialect(
+            file, tables, busy_timeout=busy_timeout, wal_warn_bytes=wal_warn_bytes
         )
-        dialect = self.dialect
+        super().__init__(dialect)
         try:
             if migrate:
                 self.migrate()
@@ -177,12 +182,6 @@ class SQLiteStore(SQLStore):
         except BaseException:
             dialect.close()
             raise
-
-    def _open_dialect(
-        self, path: Path | None, tables: TableNames, *, busy_timeout: float, wal_warn_bytes: int
-    ) -> SQLiteDialect:
-        """The store's dialect (the Django store's runs on Django's connection instead)."""
-        return SQLiteDialect(path, tables, busy_timeout=busy_timeout, wal_warn_bytes=wal_warn_bytes)
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> Self:

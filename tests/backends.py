@@ -4,7 +4,9 @@ A target is a store URL plus options, so it can be opened here and handed to the
 command or to a subprocess. PostgreSQL comes from the Postgres tests' own helpers
 (``tests/integration/pg/conftest.py``): the server named by ``OUTBOXKIT_TEST_PG``, a fresh schema
 per test (dropped afterwards), skipped when the server cannot be reached unless
-``OUTBOXKIT_REQUIRE_PG=1`` (then the test fails).
+``OUTBOXKIT_REQUIRE_PG=1`` (then the test fails). MariaDB/MySQL likewise from
+``tests/integration/mysql/server.py`` (``OUTBOXKIT_TEST_MYSQL``, a database per test,
+``OUTBOXKIT_REQUIRE_MYSQL=1``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from outboxkit import Store, open_store
 SQL_BACKENDS = [
     pytest.param("sqlite", id="sqlite"),
     pytest.param("pg", id="pg", marks=pytest.mark.pg),
+    pytest.param("mysql", id="mysql", marks=pytest.mark.mysql),
 ]
 ALL_BACKENDS = [pytest.param("memory", id="memory"), *SQL_BACKENDS]
 
@@ -74,6 +77,11 @@ def open_target(backend: str, tmp_path: Path) -> Iterator[Target]:
         pg.require_server(url)
         with pg.fresh_schema(url, "okcli") as schema:
             yield Target("pg", url, {"schema": schema})
+    elif backend == "mysql":
+        from tests.integration.mysql import server as mysql
+
+        with mysql.fresh_database(prefix="okcli") as url:
+            yield Target("mysql", url, {"pool_size": 4})
     else:  # pragma: no cover
         raise ValueError(backend)
 

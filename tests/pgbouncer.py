@@ -14,11 +14,10 @@ PgBouncer refuses to run as root: as root it is started with ``-u`` and a user o
 Without ``pgbouncer`` the test is skipped, naming what is missing, unless
 ``OUTBOXKIT_REQUIRE_PG=1`` (as in CI, whose ``.ci/run`` installs it): then it fails.
 
-PgBouncer refuses the ``options`` startup parameter, which the store's own connections send
-(``-c TimeZone=UTC``, see ``outboxkit_pg.pool.utc_options``) unless ``PGTZ`` is set: the tests
-set ``PGTZ=UTC`` (libpq sends it as the ``TimeZone`` parameter, which PgBouncer passes on), and
-no ``options`` in their URLs. ``ignore_startup_parameters`` stays empty, so that a test would
-see a session setting silently dropped.
+PgBouncer refuses the ``options`` startup parameter; the store's own connections send none
+(they set their time zone with ``SET TimeZone``, which PgBouncer keeps per client), and the
+tests' URLs have no ``options``. ``ignore_startup_parameters`` stays empty, so that a test would
+see a startup parameter refused, or a session setting silently dropped.
 """
 
 from __future__ import annotations

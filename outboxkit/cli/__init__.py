@@ -5,6 +5,7 @@ The group (``group``) is built from the commands of its modules, each with one r
 - ``runner``: ``run``, pollers in this process or N supervised poller processes;
 - ``ops``: ``migrate``, ``status``, ``dead list|show|requeue|purge``, ``purge`` (the same
   ``Outbox`` methods an app calls in Python);
+- ``doctor``: ``doctor``, the store's and its server's findings, each with its fix;
 - ``web``: ``web``, the dashboard (``outboxkit.contrib.web``);
 - ``demo``: ``demo``, the example shop;
 - ``conformance``: ``conformance``, the store conformance suite;
@@ -12,6 +13,7 @@ The group (``group``) is built from the commands of its modules, each with one r
 - ``apps``: the one loader of ``module:attribute`` specs;
 - ``params``: durations, instants and ``KEY=VALUE`` store options;
 - ``output``: ``echo``, which every printed line goes through, tables and JSON;
+- ``logs`` and ``progress``: ``run``'s log (one format, the drivers' too) and drain progress;
 - ``errors``: exit codes, and every error as one line on stderr.
 
 Errors are one line on stderr, never a traceback: wrong input (an APP that does not import, an

@@ -2,6 +2,10 @@
 plugin's ``outboxkit_app`` and the conformance runner's store factory all name their object so.
 
 Light on purpose (no click, nothing of the CLI): the pytest plugin imports it.
+
+A Django project loads too: with ``DJANGO_SETTINGS_MODULE`` set, Django is set up
+(``django.setup()``) before the module is imported, so ``outboxkit run myapp.events:outbox``
+works on the app's models as ``manage.py outboxkit run`` does.
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ from typing import Any
 
 from ..errors import ConfigurationError
 
-__all__ = ["LoadError", "load_object"]
+__all__ = ["DJANGO_SETTINGS_ENV", "LoadError", "load_object"]
+
+DJANGO_SETTINGS_ENV = "DJANGO_SETTINGS_MODULE"
 
 
 class LoadError(ConfigurationError):
@@ -47,12 +53,12 @@ def load_object(
     cwd = os.getcwd()
     if cwd not in sys.path and "" not in sys.path:
         sys.path.insert(0, cwd)
+    _setup_django(what)
     try:
         target: Any = importlib.import_module(module_name)
     except Exception as exc:
-        raise LoadError(
-            f"cannot import {module_name!r} for {what} {spec!r}: {type(exc).__name__}: {exc}"
-        ) from None
+        problem = f"{type(exc).__name__}: {exc}{_django_hint(exc)}"
+        raise LoadError(f"cannot import {module_name!r} for {what} {spec!r}: {problem}") from None
     try:
         for part in attribute.split("."):
             target = getattr(target, part)
@@ -67,6 +73,41 @@ def load_object(
             f"{what} {spec!r} is {_a(type(target).__name__)}, not {_a(_public_name(kind))}"
         )
     return target
+
+
+def _setup_django(what: str) -> None:
+    """A Django project's modules import only once Django is set up: with
+    ``DJANGO_SETTINGS_MODULE`` set, set it up first (a no-op when it already is: under
+    ``manage.py`` or pytest-django)."""
+    if not os.environ.get(DJANGO_SETTINGS_ENV):
+        return
+    try:
+        import django
+        from django.apps import apps
+    except ImportError:
+        return  # not a Django project after all: the import says what is missing
+    if apps.ready:
+        return
+    try:
+        django.setup()
+    except Exception as exc:
+        raise LoadError(
+            f"{DJANGO_SETTINGS_ENV}={os.environ[DJANGO_SETTINGS_ENV]!r:.200} is set, and Django "
+            f"could not be set up with it (for {what}): {type(exc).__name__}: {exc}"
+        ) from None
+
+
+def _django_hint(exc: Exception) -> str:
+    """What to do when a module failed to import because Django is not set up."""
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    if names & {"AppRegistryNotReady", "ImproperlyConfigured"} and not os.environ.get(
+        DJANGO_SETTINGS_ENV
+    ):
+        return (
+            f" (a Django project: set {DJANGO_SETTINGS_ENV}, e.g. "
+            f"{DJANGO_SETTINGS_ENV}=mysite.settings, or run `manage.py outboxkit`)"
+        )
+    return ""
 
 
 def _public_name(kind: type) -> str:

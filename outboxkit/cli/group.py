@@ -7,6 +7,7 @@ import click
 from .. import __version__
 from .conformance import conformance_command
 from .demo.command import demo_command
+from .doctor import doctor
 from .errors import OneLineErrors
 from .ops import dead, migrate, purge, status
 from .runner import run_command
@@ -31,6 +32,7 @@ for _command in (
     status,
     dead,
     purge,
+    doctor,
     web_command,
     demo_command,
     conformance_command,

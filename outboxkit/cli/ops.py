@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
 import click
 
-from ..core.model import DeadLetter, DeliveryRecord, Event, Stats, UndecodablePayload
+from ..core.model import DeadKey, DeadLetter, DeliveryRecord, Event, Stats, UndecodablePayload
+from ..core.text import printable_json
 from ..outbox import Outbox
+from ..reading import DEFAULT_PAGE_SIZE, DeadEventKey, dead_keys, iter_dead_letters
 from .errors import InputError
-from .output import age, clip, echo, print_json, table
+from .output import age, clip, echo, one_line, print_json, table
 from .params import DURATION, EVENT_ID, Since, Whole, format_duration
 from .stores import open_outbox, with_store_options
 
@@ -66,7 +68,19 @@ def _dead_json(dead: DeadLetter) -> dict[str, Any]:
     return {**_event_json(dead.event), "records": [_record_json(r) for r in dead.records]}
 
 
-def _status_json(outbox: Outbox, stats: Stats, now: datetime) -> dict[str, Any]:
+def _dead_key_json(entry: DeadEventKey) -> dict[str, Any]:
+    event = entry.dead.event
+    return {
+        "key": entry.key,
+        "event_id": event.id,
+        "topic": event.topic,
+        "failed_at": _iso(entry.dead.failed_at),
+    }
+
+
+def _status_json(
+    outbox: Outbox, stats: Stats, now: datetime, policy: DeadKey | None, keys: list[DeadEventKey]
+) -> dict[str, Any]:
     oldest_age = (
         None if stats.oldest_due_at is None else (now - stats.oldest_due_at).total_seconds()
     )
@@ -80,8 +94,10 @@ def _status_json(outbox: Outbox, stats: Stats, now: datetime) -> dict[str, Any]:
         "total": stats.total,
         "oldest_due_at": _iso(stats.oldest_due_at),
         "oldest_due_age_seconds": oldest_age,
-        "held_keys": stats.held_keys,
-        "dead_key": outbox.dead_key,
+        "dead_key": policy,
+        "dead_keys": stats.dead_keys,
+        "held_keys": None if policy is None else stats.held_keys,
+        "keys_with_a_dead_event": [_dead_key_json(entry) for entry in keys],
         "by_topic": {
             topic: {
                 "pending": counts.get("pending", 0),
@@ -151,8 +167,10 @@ def status(
     with open_outbox(
         app=app, store_url=store_url, store_options=store_options, existing=True
     ) as outbox:
+        policy = dead_key_policy(outbox, app)
         stats = outbox.stats()
-        data = _status_json(outbox, stats, outbox.now())
+        keys = dead_keys(outbox, limit=KEYS_SHOWN) if stats.dead_keys else []
+        data = _status_json(outbox, stats, outbox.now(), policy, keys)
     if as_json:
         print_json(data)
         return
@@ -168,10 +186,12 @@ def status(
         echo(f"oldest due: {oldest} ago ({stats.oldest_due_at.isoformat()})")
     echo(f"dead letters: {stats.dead}" + ("  (outboxkit dead list)" if stats.dead else ""))
     echo(f"in-flight leases: {stats.claimed}")
-    echo(
-        f"keys with a dead event: {stats.held_keys} "
-        f"({'held' if outbox.dead_key == 'hold' else 'released'}: dead_key={outbox.dead_key!r})"
-    )
+    echo(f"dead-key policy: {_describe_policy(policy)}")
+    echo(f"keys with a dead event: {stats.dead_keys} ({_held_or_not(policy)})")
+    for entry in keys:
+        echo(f"  {_describe_dead_key(entry)}")
+    if stats.dead_keys > len(keys):
+        echo(f"  ... and {stats.dead_keys - len(keys)} more (outboxkit dead list)")
     if data["by_topic"]:
         rows = [
             [topic, c["pending"], c["in_flight"], c["published"], c["dead"]]
@@ -179,6 +199,40 @@ def status(
         ]
         echo("")
         echo(table(["TOPIC", "PENDING", "IN FLIGHT", "PUBLISHED", "DEAD"], rows))
+
+
+KEYS_SHOWN = 20  # keys with a dead event named by `status` (all are counted)
+
+
+def dead_key_policy(outbox: Outbox, app: str | None) -> DeadKey | None:
+    """The app's ``dead_key``, or None (unknown) without ``--app``: the store does not record
+    the policy, and an outbox made on a bare store URL has only the default, not the app's."""
+    return outbox.dead_key if app is not None else None
+
+
+def _describe_policy(policy: DeadKey | None) -> str:
+    if policy is None:
+        return (
+            "unknown (the store does not record the app's dead_key; "
+            "pass --app module:attribute to read it)"
+        )
+    return f"dead_key={policy!r} (the app's)"
+
+
+def _held_or_not(policy: DeadKey | None) -> str:
+    if policy == "hold":
+        return "held: their later events wait until the dead event is requeued or purged"
+    if policy == "release":
+        return "not held: dead_key='release', their later events go on"
+    return "held only if the app's dead_key is 'hold'"
+
+
+def _describe_dead_key(entry: DeadEventKey) -> str:
+    event = entry.dead.event
+    return (
+        f"key {clip(entry.key, 60)!r}: dead event {event.id} ({clip(event.topic, 60)}, "
+        f"failed {entry.dead.failed_at.isoformat(timespec='seconds')})"
+    )
 
 
 # -- dead letters -------------------------------------------------------------------------------
@@ -208,29 +262,89 @@ def dead_list(
     limit: int,
     as_json: bool,
 ) -> None:
-    """Dead letters, oldest failure first."""
+    """Dead letters, oldest failure first, printed as they are read (a page at a time, so
+    memory stays bounded however many there are), with the key each holds."""
     with open_outbox(
         app=app, store_url=store_url, store_options=store_options, existing=True
     ) as outbox:
-        letters = outbox.dead_letters(topic=topic, since=since, limit=limit)
-    if as_json:
-        print_json([_dead_json(d) for d in letters])
-        return
-    if not letters:
-        echo("no dead letters")
-        return
-    rows = [
-        [
-            d.event.id,
-            d.event.topic,
-            d.event.attempts,
-            d.failed_at.isoformat(timespec="seconds"),
-            clip(d.last_error or "", 60),
-        ]
-        for d in letters
-    ]
-    echo(table(["ID", "TOPIC", "ATTEMPTS", "FAILED AT", "LAST ERROR"], rows))
-    echo(f"{len(letters)} dead letter(s)" + (f" (--limit {limit})" if len(rows) == limit else ""))
+        policy = dead_key_policy(outbox, app)
+        letters = iter_dead_letters(outbox, topic=topic, since=since, limit=limit)
+        if as_json:
+            _print_json_list(letters, policy)
+            return
+        keyed: list[bool] = []
+        count = _print_rows(letters, policy, keyed)
+        if count == 0:
+            echo("no dead letters")
+            return
+        echo(f"{count} dead letter(s)" + (f" (--limit {limit})" if count == limit else ""))
+        # The count of keys costs a read of the counts: only when a listed letter had a key.
+        dead_key_count = outbox.stats().dead_keys if keyed else 0
+    if dead_key_count:
+        echo(f"dead-key policy: {_describe_policy(policy)}")
+        echo(f"keys with a dead event: {dead_key_count} ({_held_or_not(policy)})")
+
+
+_LIST_COLUMNS = (("ID", 10, ">"), ("TOPIC", 28, "<"), ("ATTEMPTS", 8, ">"))
+_LIST_TAIL = (("FAILED AT", 25, "<"), ("KEY", 30, "<"), ("LAST ERROR", 0, "<"))
+
+
+def _print_rows(letters: Iterator[DeadLetter], policy: DeadKey | None, keyed: list[bool]) -> int:
+    """One line per dead letter, in fixed columns (the rows are not all known up front),
+    printed a page at a time; ``keyed`` gets an entry when one has a key."""
+    count = 0
+    lines: list[str] = []
+    for letter in letters:
+        if count == 0:
+            lines.append(_row([title for title, _, _ in _LIST_COLUMNS + _LIST_TAIL]))
+        event = letter.event
+        key = "" if event.key is None else clip(event.key, 60)
+        if key and not keyed:
+            keyed.append(True)
+        if key and policy == "hold":
+            key += " (held)"
+        lines.append(
+            _row(
+                [
+                    str(event.id),
+                    one_line(event.topic),  # whole: a wider one pushes the row on
+                    str(event.attempts),
+                    letter.failed_at.isoformat(timespec="seconds"),
+                    key,
+                    clip(letter.last_error or "", 60),
+                ]
+            )
+        )
+        count += 1
+        if len(lines) >= DEFAULT_PAGE_SIZE:
+            echo("\n".join(lines))
+            lines.clear()
+    if lines:
+        echo("\n".join(lines))
+    return count
+
+
+def _row(cells: Sequence[str]) -> str:
+    widths = _LIST_COLUMNS + _LIST_TAIL
+    return "  ".join(
+        f"{cell:{align}{width}}" if width else cell
+        for cell, (_, width, align) in zip(cells, widths, strict=True)
+    ).rstrip()
+
+
+def _print_json_list(letters: Iterator[DeadLetter], policy: DeadKey | None) -> int:
+    """A JSON array written one element at a time."""
+    count = 0
+    echo("[")
+    for letter in letters:
+        held = None if policy is None or letter.event.key is None else policy == "hold"
+        element = printable_json({**_dead_json(letter), "key_held": held})
+        if count:
+            echo(",")
+        echo("\n".join(f"  {line}" for line in element.splitlines()))
+        count += 1
+    echo("]")
+    return count
 
 
 @dead.command("show")

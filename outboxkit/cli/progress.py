@@ -16,6 +16,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TextIO
 
@@ -91,20 +93,30 @@ class StatusLineHandler(logging.Handler):
 @dataclass
 class DrainProgress:
     """How far a drain has come, from the store's counts, drawn on a :class:`StatusLine` at
-    most every ``every`` seconds.
+    most every ``every`` seconds; :meth:`finish` reads them once more and leaves the true last
+    line above the log's end.
 
     Done: the events published or dead-lettered since the start; left: those neither published
-    nor dead (due, leased, or waiting for a retry that may come after the drain ends).
+    nor dead (due, leased, or waiting for a retry that may come after the drain ends). The total
+    (done + left) grows when handlers enqueue follow-ups: it is then shown with a ``+`` and
+    "growing". The rate is over the last ``window`` seconds; the ETA is what is left at it.
     """
 
     outbox: Outbox
     status: StatusLine
     every: float = 0.25
+    window: float = 10.0
+    clock: Callable[[], float] = time.monotonic
     _published: int = 0
     _dead: int = 0
     _next_at: float = field(default=0.0)
+    _started_at: float = 0.0
+    _first_total: int | None = None
+    _grown: bool = False
+    _samples: deque[tuple[float, int]] = field(default_factory=deque)
 
     def __post_init__(self) -> None:
+        self._started_at = self.clock()
         if self.status.live:
             stats = self.outbox.stats()
             self._published, self._dead = stats.published, stats.dead
@@ -112,20 +124,73 @@ class DrainProgress:
     def maybe_show(self) -> None:
         """Read the counts and draw them, unless that was done less than ``every`` ago (or
         the status is not drawn at all)."""
-        now = time.monotonic()
+        now = self.clock()
         if not self.status.live or now < self._next_at:
             return
         self._next_at = now + self.every
+        line = self._read(now, final=False)
+        if line is not None:
+            self.status.show(line)
+
+    def finish(self) -> None:
+        """The drain ended: read the counts once more and write them as a line of their own
+        (kept on the terminal, where the status line is erased)."""
+        if not self.status.live:
+            return
+        line = self._read(self.clock(), final=True)
+        self.status.clear()
+        if line is not None:
+            self.status.write(line + "\n")
+
+    def _read(self, now: float, *, final: bool) -> str | None:
         try:
             stats = self.outbox.stats()
         except Exception:  # an outage: the pollers report it; the status waits
-            return
+            return None
         dead = stats.dead - self._dead
         done = stats.published - self._published + dead
         left = stats.pending + stats.claimed
-        total = max(done + left, 1)
-        filled = round(_BAR * done / total)
-        self.status.show(
-            f"draining [{'#' * filled}{'-' * (_BAR - filled)}] {done}/{done + left} "
-            f"({dead} dead-lettered)"
-        )
+        total = done + left
+        if self._first_total is None:
+            self._first_total = total
+        elif total > self._first_total:
+            self._grown = True
+        self._samples.append((now, done))
+        while len(self._samples) > 2 and now - self._samples[0][0] > self.window:
+            self._samples.popleft()
+        rate = self._rate(now, done, final=final)
+        filled = round(_BAR * done / max(total, 1))
+        bar = f"[{'#' * filled}{'-' * (_BAR - filled)}]"
+        of = f"{done}/{total}{'+' if self._grown and not final else ''}"
+        parts = [f"{rate:.1f}/s"]
+        if final:
+            parts.insert(0, f"in {_clock_text(now - self._started_at)}")
+        elif left and rate > 0:
+            parts.append(f"ETA {_clock_text(left / rate)}")
+        elif left:
+            parts.append("ETA -")
+        if self._grown and not final:
+            parts.append("total growing: handlers enqueue follow-ups")
+        parts.append(f"{dead} dead-lettered")
+        if final and left:
+            parts.append(f"{left} left (retries later, or other pollers' leases)")
+        word = "drained" if final else "draining"
+        return f"{word} {bar} {of} ({', '.join(parts)})"
+
+    def _rate(self, now: float, done: int, *, final: bool) -> float:
+        if final:  # the whole drain's
+            elapsed = now - self._started_at
+            return done / elapsed if elapsed > 0 else 0.0
+        since, then = self._samples[0]
+        elapsed = now - since
+        return (done - then) / elapsed if elapsed > 0 else 0.0
+
+
+def _clock_text(seconds: float) -> str:
+    """``1:02:03``, ``2:03`` or ``4.2s``."""
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    whole = round(seconds)
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"

@@ -39,8 +39,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Callable, Coroutine, Sequence
+from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import timedelta
 from types import FrameType
@@ -50,7 +50,15 @@ import click
 
 from .. import calls
 from ..aio import MAX_CONCURRENCY, AsyncPoller
-from ..core.model import DeadLettered, ObserverEvent, PollReport, Published
+from ..core.model import (
+    DeadLettered,
+    HandlerFailed,
+    HandlerRejected,
+    HandlerSucceeded,
+    ObserverEvent,
+    PollReport,
+    Published,
+)
 from ..core.options import PollerOptions
 from ..core.text import parse_decimal, printable
 from ..errors import ConfigurationError
@@ -59,8 +67,9 @@ from ..outbox import Outbox
 from ..poller import Poller
 from ..waiter import LoopWaiter, ThreadWaiter
 from .errors import WRONG_INPUT
+from .logs import command_logging
 from .params import DURATION, StoreOption, Whole, format_duration
-from .progress import DrainProgress, StatusLine, StatusLineHandler
+from .progress import DrainProgress, StatusLine
 from .signals import stop_signals
 from .stores import STORE_ENV, STORE_OPTIONS_ENV, open_outbox
 
@@ -74,7 +83,6 @@ METRICS_ENV = "OUTBOXKIT_METRICS_CHILD"  # "1": count into the supervisor's mult
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _MAX_PID = 2**31 - 1  # the supervisor's pid, as its children read it from SUPERVISOR_ENV
 _TICK = 0.1  # seconds between the main thread's checks (and its signal handlers' runs)
-_LOG_FORMAT = "%(asctime)s %(levelname)s {who}%(name)s: %(message)s"
 
 T = TypeVar("T")
 Drive = Callable[[], list[PollReport]]
@@ -300,9 +308,12 @@ def run(settings: RunSettings) -> int:
     supervisor = os.environ.get(SUPERVISOR_ENV)
     prefix = f"[poller {who} pid {os.getpid()}] " if who else ""
     with (
-        _logging(settings.log_level, prefix) as status,
+        command_logging(settings.log_level, prefix) as status,
         open_outbox(
-            app=settings.app, store_url=settings.store_url, store_options=settings.store_options
+            app=settings.app,
+            store_url=settings.store_url,
+            store_options=settings.store_options,
+            must_exist=True,
         ) as outbox,
     ):
         # Validate the options here, once, before any child is started.
@@ -342,33 +353,6 @@ def _asyncio_wanted(outbox: Outbox, settings: RunSettings) -> bool:
     return True
 
 
-@contextmanager
-def _logging(level: str, who: str) -> Iterator[StatusLine]:
-    """Log outboxkit's records to stderr for the duration of the command, above the status
-    line (drawn on a terminal only) it yields."""
-    logger = logging.getLogger("outboxkit")
-    status = StatusLine(sys.stderr)
-    handler = StatusLineHandler(status)
-    handler.setFormatter(_PrintableFormatter(_LOG_FORMAT.format(who=who)))
-    previous = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(level)
-    try:
-        yield status
-    finally:
-        status.clear()
-        logger.removeHandler(handler)
-        logger.setLevel(previous)
-
-
-class _PrintableFormatter(logging.Formatter):
-    """Log lines carry handlers' error texts and topics: no control character reaches the
-    terminal through them (tracebacks keep their line breaks)."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        return printable(super().format(record), newlines=True)
-
-
 def _force_exit(message: str, *args: object) -> None:
     log.error(message, *args)
     for handler in logging.getLogger("outboxkit").handlers:
@@ -382,21 +366,34 @@ def _force_exit(message: str, *args: object) -> None:
 
 
 class _Throughput:
-    """Observer counting published and dead-lettered events, for the summary line."""
+    """Observer counting what became of events and handler runs, for the summary line (the
+    per-event lines of successes and rejections are at DEBUG)."""
 
     def __init__(self) -> None:
         self.published = 0
         self.dead_lettered = 0
+        self.runs = {"succeeded": 0, "rejected": 0, "failed": 0}
         self._lock = threading.Lock()
 
     @hookimpl
     def outboxkit_on_event(self, event: ObserverEvent) -> None:
-        if isinstance(event, Published):
-            with self._lock:
+        with self._lock:
+            if isinstance(event, Published):
                 self.published += 1
-        elif isinstance(event, DeadLettered):
-            with self._lock:
+            elif isinstance(event, DeadLettered):
                 self.dead_lettered += 1
+            elif isinstance(event, HandlerSucceeded):
+                self.runs["succeeded"] += 1
+            elif isinstance(event, HandlerRejected):
+                self.runs["rejected"] += 1
+            elif isinstance(event, HandlerFailed):
+                self.runs["failed"] += 1
+
+    def take_runs(self) -> dict[str, int]:
+        """The handler runs counted since the last call."""
+        with self._lock:
+            runs, self.runs = self.runs, dict.fromkeys(self.runs, 0)
+        return runs
 
 
 @dataclass
@@ -561,8 +558,10 @@ def _poll_here(
             if progress is not None:
                 progress.maybe_show()
         worker.join()
+    if settings.until_idle and not failure:
+        summary.maybe_log(now_anyway=True)  # the counts since the last line, rejections too
     if progress is not None:
-        progress.status.clear()
+        progress.finish()  # the true last counts, kept above the log's end
     if failure:
         raise failure[0]
     if stopping.deadline is not None:
@@ -580,17 +579,23 @@ class _Summary:
     _last_at: float = field(default_factory=time.monotonic)
     _last_published: int = 0
 
-    def maybe_log(self) -> None:
+    def maybe_log(self, *, now_anyway: bool = False) -> None:
+        """Log the line if ``every`` has passed since the last (or ``now_anyway``)."""
         now = time.monotonic()
-        if now - self._last_at < self.every:
+        if now - self._last_at < self.every and not now_anyway:
             return
         published = self.throughput.published
         rate = (published - self._last_published) / (now - self._last_at)
         self._last_at, self._last_published = now, published
+        runs = self.throughput.take_runs()
+        handled = (
+            f"handlers: {runs['succeeded']} succeeded, {runs['rejected']} rejected, "
+            f"{runs['failed']} failed"
+        )
         try:
             stats = self.outbox.stats()
         except Exception as exc:  # a store outage: the poller reports it; keep the line short
-            log.info("%.1f published/s; store unavailable: %s", rate, exc)
+            log.info("%.1f published/s (%s); store unavailable: %s", rate, handled, exc)
             return
         if stats.oldest_due_at is None:
             oldest = "none"
@@ -598,12 +603,13 @@ class _Summary:
             age = (self.outbox.now() - stats.oldest_due_at).total_seconds()
             oldest = f"{max(age, 0.0):.1f}s"
         log.info(
-            "%.1f published/s, %d pending, oldest due %s, %d dead, %d in flight",
+            "%.1f published/s, %d pending, oldest due %s, %d dead, %d in flight (%s)",
             rate,
             stats.pending,
             oldest,
             stats.dead,
             stats.claimed,
+            handled,
         )
 
 
@@ -741,6 +747,8 @@ class _Supervisor:
                     self._signal_all(signal.SIGKILL)
                     for relay in self.relays:  # their last lines, before ours
                         relay.join(timeout=5)
+                    if self.progress is not None:
+                        self.progress.finish()  # every child has stopped: the true counts
                     self.status.clear()
         finally:
             if server is not None:

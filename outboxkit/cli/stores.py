@@ -7,9 +7,10 @@ any user could read them (a URL may hold a password): ``OUTBOXKIT_STORE`` and
 
 The ops commands open a store without creating or migrating anything (``existing=True``): a
 SQLite store opens with ``create=False, migrate=False``, so a mistyped path is an error, not a
-new empty database, and only ``outboxkit migrate`` changes a schema (a PostgreSQL store never
-creates or migrates on open). ``migrate`` opens it with ``migrate=False`` itself, so that its
-own ``migrate()`` reports what it did.
+new empty database (``run`` opens it with ``create=False``: the same error, and an existing
+database is migrated as the store does on open), and only ``outboxkit migrate`` changes a
+schema (a PostgreSQL store never creates or migrates on open). ``migrate`` opens it with
+``migrate=False`` itself, so that its own ``migrate()`` reports what it did.
 """
 
 from __future__ import annotations
@@ -62,9 +63,10 @@ def load_app(spec: str) -> Outbox:
     return outbox
 
 
-# Per URL scheme: the options that keep a store from creating or migrating on open.
+# Per URL scheme: the options that keep a store from creating (or migrating) on open.
 _NO_CREATE: dict[str, dict[str, Any]] = {"sqlite": {"create": False, "migrate": False}}
 _NO_MIGRATE: dict[str, dict[str, Any]] = {"sqlite": {"migrate": False}}
+_MUST_EXIST: dict[str, dict[str, Any]] = {"sqlite": {"create": False}}
 
 
 @contextmanager
@@ -75,6 +77,7 @@ def open_outbox(
     store_options: Sequence[tuple[str, Any]],
     existing: bool = False,
     migrating: bool = False,
+    must_exist: bool = False,
 ) -> Iterator[Outbox]:
     """The outbox an ops command works on: the APP's, rebound to ``store_url`` if one is
     given (``--store`` or ``OUTBOXKIT_STORE``), or a plain one on ``store_url``. A store opened
@@ -87,6 +90,8 @@ def open_outbox(
             ``OUTBOXKIT_STORE_OPTIONS``.
         existing: the database must exist, and is neither created nor migrated on open.
         migrating: the store is not migrated on open (the command migrates it).
+        must_exist: the database must exist (it may be migrated on open, as the store does by
+            default): ``run``, which must not make a new database of a mistyped path.
 
     Yields:
         The outbox.
@@ -102,9 +107,10 @@ def open_outbox(
             f"no store: pass --store URL, set {STORE_ENV}, or pass --app module:attribute"
         )
     outbox = load_app(app) if app is not None else None
-    if store_url and (existing or migrating):
+    if store_url and (existing or migrating or must_exist):
         scheme = store_url.split("://", 1)[0].split("+", 1)[0].lower()
-        options = {**options, **(_NO_CREATE if existing else _NO_MIGRATE).get(scheme, {})}
+        table = _NO_CREATE if existing else _NO_MIGRATE if migrating else _MUST_EXIST
+        options = {**options, **table.get(scheme, {})}
     store = _open_store(store_url, options) if store_url else None
     try:
         if store is None:

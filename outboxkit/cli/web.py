@@ -30,8 +30,8 @@ __all__ = ["web_command"]
     envvar="OUTBOXKIT_WEB_TOKEN",
     show_envvar=True,
     default=None,
-    help="The secret requeue and purge need (at least 8 characters); default: generated and "
-    "printed once.",
+    help="The secret signing in needs (at least 8 characters; requeue and purge need a "
+    "session); default: generated and printed once.",
 )
 @click.option(
     "--sample-every",
@@ -49,9 +49,11 @@ def web_command(
     token: str | None,
     sample_every: timedelta,
 ) -> None:
-    """Serve the dashboard: counters and backlog over time, the oldest due events, dead
-    letters (show, requeue, purge), failures by handler. Binds 127.0.0.1 unless --host says
-    otherwise; requeue and purge need the token. Creates and migrates nothing."""
+    """Serve the dashboard: counters and backlog over time (refreshed every 10 s), the oldest
+    due events, held keys, every event and dead letter page by page with filters, requeue and
+    purge (one, or every match after a preview), failures by handler. Binds 127.0.0.1 unless
+    --host says otherwise; actions need a session (sign in once with the token). Creates and
+    migrates nothing."""
     from ..contrib.web import Dashboard, DashboardServer
 
     if sample_every.total_seconds() < 0.1:
@@ -61,7 +63,8 @@ def web_command(
     ) as outbox:
         outbox.stats()  # the store answers (and has a schema) before anything is served
         name = redact_url(store_url) if store_url else None
-        dashboard = Dashboard(outbox, token=token, name=name)
+        # The dead-key policy is the app's with --app; without it the page says it is unknown.
+        dashboard = Dashboard(outbox, token=token, name=name, policy_known=app is not None)
         try:
             server = DashboardServer(
                 dashboard, host=host, port=port, sample_every=sample_every.total_seconds()
@@ -71,6 +74,6 @@ def web_command(
         with stop_signals(lambda signum, frame: server.request_stop()):
             echo(f"outboxkit dashboard on {server.origin}/ for {outbox.store!r}")
             if token is None:
-                echo(f"action token (requeue, purge; shown only now): {dashboard.token}")
+                echo(f"sign-in token (shown only now): {dashboard.token}")
             server.serve_forever()
         echo("stopped")

@@ -362,8 +362,12 @@ class Stats:
     by_topic: Mapping[str, Mapping[str, int]] = field(default_factory=dict)
     oldest_due_at: datetime | None = None
     held_keys: int = 0
-    """Keys with a dead event: under ``dead_key="hold"`` each is held (its later events wait)
-    until its dead events are requeued or purged; under ``"release"`` they go on."""
+    """Keys held by a dead event: their later events wait until it is requeued or purged.
+    A store (``Store.stats``) counts the keys a ``dead_key="hold"`` claim would hold, as it
+    knows no policy; ``Outbox.stats()`` counts them under its own policy: ``dead_keys``
+    under ``"hold"``, 0 under ``"release"`` (nothing is held)."""
+    dead_keys: int = 0
+    """Keys with a dead event, whatever the policy."""
 
     @property
     def total(self) -> int:

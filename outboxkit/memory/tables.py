@@ -460,7 +460,13 @@ class Tables:
                 counts[state] += 1
                 topic_counts = by_topic.setdefault(r.topic, {})
                 topic_counts[state] = topic_counts.get(state, 0) + 1
-        return Stats(**counts, by_topic=by_topic, oldest_due_at=oldest, held_keys=len(held))
+        return Stats(
+            **counts,
+            by_topic=by_topic,
+            oldest_due_at=oldest,
+            held_keys=len(held),
+            dead_keys=len(held),
+        )
 
     # -- settlements ----------------------------------------------------------------------------
 

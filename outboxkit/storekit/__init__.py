@@ -114,6 +114,16 @@ Capabilities (``Capabilities``; ``CAPABILITIES`` says what each promises)
 
 The conformance suite runs the checks of each declared capability and skips the others,
 naming the capability.
+
+Registering the store
+---------------------
+
+A store package registers its URL schemes through the ``outboxkit`` entry-point group: a module
+with a ``hookimpl``-marked ``outboxkit_register_stores(register: RegisterStore)`` that calls
+``register(name, factory, schemes=(...))``. A factory whose driver is missing raises
+``MissingDependency`` naming the extra to install. ``SchemaError`` (with ``migrate_hint()``)
+says the database has no schema, or an older one; ``Reject`` is what a handler raises to
+reject an event, which a store never records as a failure of its own.
 """
 
 from __future__ import annotations
@@ -142,9 +152,14 @@ from ..errors import (
     ConfigurationError,
     HandlerCrashed,
     LeaseLostError,
+    MissingDependency,
+    Reject,
+    SchemaError,
     StoreError,
     StoreUnavailable,
+    migrate_hint,
 )
+from ..hookspecs import RegisterStore, hookimpl
 from ..store import (
     AsyncBatchTransaction,
     AsyncDeliveries,
@@ -195,10 +210,14 @@ __all__ = [
     "HandlerCrashed",
     "LeaseLostError",
     "Migration",
+    "MissingDependency",
     "NewEvent",
     "Outcome",
     "PublishSettlement",
+    "RegisterStore",
+    "Reject",
     "RetrySettlement",
+    "SchemaError",
     "SettleItem",
     "Settlement",
     "State",
@@ -208,6 +227,8 @@ __all__ = [
     "StoreError",
     "StoreUnavailable",
     "decode_payload",
+    "hookimpl",
     "make_claim",
+    "migrate_hint",
     "settle_one",
 ]

@@ -244,7 +244,7 @@ def fold_stats(rows: Iterable[Sequence[Any]], instant: Instant) -> Stats:
     oldest: Any = None
     held = 0
     for topic, state, count, oldest_due in rows:
-        if topic is None:  # the keys dead events hold (R15)
+        if topic is None:  # the keys with a dead event (R15)
             held = count
             continue
         counts[state] += count
@@ -259,6 +259,7 @@ def fold_stats(rows: Iterable[Sequence[Any]], instant: Instant) -> Stats:
         by_topic=by_topic,
         oldest_due_at=None if oldest is None else instant(oldest),
         held_keys=held,
+        dead_keys=held,
     )
 
 

@@ -125,16 +125,27 @@ def counting(store: Store, count: StatementCount) -> Iterator[StatementCount]:
         for cls in targets:
             for name in ("execute", "executemany"):
                 stack.enter_context(_wrapped(cls, name, count.note))
+        if store.dialect.name != "sqlite":
+            # The PostgreSQL store sends a delivery's own statements (its opening, its records
+            # and commit) on libpq directly, in one pipeline sync: each one counts.
+            from outboxkit_pg.pipeline import Flight
+
+            stack.enter_context(_wrapped(Flight, "send", count.note, per_statement=True))
         yield count
 
 
 @contextlib.contextmanager
-def _wrapped(cls: Any, name: str, note: Callable[[], None]) -> Iterator[None]:
+def _wrapped(
+    cls: Any, name: str, note: Callable[[], None], *, per_statement: bool = False
+) -> Iterator[None]:
+    """``cls.name`` noting each call (or, ``per_statement``, each statement of its first
+    argument, a sequence of statements) while the block runs."""
     original = cls.__dict__.get(name)
     inherited = getattr(cls, name)
 
     def counted(self: Any, *args: Any, **kwargs: Any) -> Any:
-        note()
+        for _ in range(len(args[0]) if per_statement else 1):
+            note()
         return inherited(self, *args, **kwargs)
 
     setattr(cls, name, counted)

@@ -20,6 +20,7 @@ import functools
 import hashlib
 import os
 import shutil
+import sqlite3
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
@@ -134,12 +135,16 @@ def _kept_sqlite_store(folder: Path) -> Iterator[Store]:
 
 def _emptied_sqlite(store: SQLiteStore) -> bool:
     """Empty the store's tables for the next test (ids from 1 again); False when it cannot be
-    kept (the test closed it, or SQLite refused)."""
+    kept: the test closed it, SQLite refused, or the test made tables of its own in it (the
+    app's tables: the next test gets a fresh file, as it would without keeping)."""
     if store.dialect.connections.closed:
         return False
     tables = store.tables  # validated identifiers (TableNames); the values are bound
     try:
         with store.transaction() as conn:
+            made = {row[0] for row in conn.execute(_SQLITE_OBJECTS)}
+            if made != _template_objects():
+                return False
             conn.execute(f'DELETE FROM "{tables.deliveries}"')  # noqa: S608
             conn.execute(f'DELETE FROM "{tables.events}"')  # noqa: S608
             conn.execute("DELETE FROM sqlite_sequence WHERE name = ?", (tables.events,))
@@ -191,12 +196,26 @@ def _new_postgres_store(url: str, name: str) -> PostgresStore:
 
 def _emptied(store: PostgresStore) -> bool:
     """Empty the store's tables for the next test (ids from 1 again); False when it cannot be
-    kept (the test closed it, or the database refused)."""
+    kept: the test closed it, the database refused, or the test made tables of its own in the
+    schema (the app's: the next test gets a new schema, as it would without keeping)."""
     from psycopg import sql
 
     if store.dialect.pool.closed:
         return False
     names = store.names
+    ours = [names.events, names.deliveries, names.keys, names.versions]
+    try:
+        with store.transaction() as conn:
+            row = conn.execute(
+                "SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace"
+                " WHERE n.nspname = %s AND c.relkind IN ('r', 'p', 'v', 'm', 'f')"
+                " AND c.relname <> ALL(%s)",
+                (names.schema, ours),
+            ).fetchone()
+    except Exception:
+        return False
+    if row is None or row[0]:
+        return False
     events, deliveries, keys = (
         sql.Identifier(names.schema, table)
         for table in (names.events, names.deliveries, names.keys)
@@ -292,6 +311,16 @@ def _ram_folder() -> Path | None:
     folder = Path(tempfile.mkdtemp(prefix="outboxkit-tests-", dir=shm))
     atexit.register(shutil.rmtree, folder, ignore_errors=True)
     return folder
+
+
+_SQLITE_OBJECTS = "SELECT type || ' ' || name FROM sqlite_master"
+
+
+@functools.cache
+def _template_objects() -> frozenset[str]:
+    """The schema objects of a migrated, empty outbox file (the template's)."""
+    with contextlib.closing(sqlite3.connect(_sqlite_template())) as conn:
+        return frozenset(row[0] for row in conn.execute(_SQLITE_OBJECTS))
 
 
 @functools.cache

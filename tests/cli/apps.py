@@ -88,6 +88,7 @@ store = open_store(
     os.environ["CLI_TEST_STORE"], **json.loads(os.environ.get("CLI_TEST_STORE_OPTIONS") or "{}")
 )
 outbox = Outbox(store, bus, max_retries=5, backoff=3600)
+held = Outbox(store, bus, max_retries=5, backoff=3600, dead_key="hold")  # the same, holding keys
 not_an_outbox = bus
 '''
 

@@ -119,3 +119,15 @@ def test_a_file_that_is_not_a_database(cli: Cli, tmp_path: Path) -> None:
     bogus.write_text("this is not a database\n" * 100)
     result = cli("status", "--store", f"sqlite:///{bogus.as_posix()}")
     assert_wrong_input(result, "not a database")
+
+
+@pytest.mark.parametrize("command", ["run", "status"])
+def test_run_refuses_a_sqlite_database_that_does_not_exist_as_status_does(
+    cli: Cli, memory_app: App, tmp_path: Path, command: str
+) -> None:
+    typo = tmp_path / "cwd" / "typo.db"
+    url = f"sqlite:///{typo.as_posix()}"
+    argv = ["run", memory_app.spec(), "--store", url] if command == "run" else ["status"]
+    result = cli(*argv, *(["--store", url] if command == "status" else []))
+    assert_wrong_input(result, "there is no SQLite database", "outboxkit migrate")
+    assert not typo.exists()  # nothing created, no tables, no poller idling there

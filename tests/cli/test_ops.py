@@ -35,6 +35,8 @@ def ok(result: object) -> None:
 def _schema_version(target: Target) -> int:
     if target.backend == "pg":
         from outboxkit_pg.store import SCHEMA_VERSION
+    elif target.backend == "mysql":
+        from outboxkit_mysql.store import SCHEMA_VERSION
     else:
         from outboxkit_sqlite.schema import SCHEMA_VERSION
     return SCHEMA_VERSION
@@ -42,9 +44,10 @@ def _schema_version(target: Target) -> int:
 
 def test_migrate_creates_the_schema_and_says_so(cli: Cli, target: Target) -> None:
     before = cli("status", *target.cli_args())
-    # No schema yet: on PostgreSQL a store failure (exit 1), on SQLite no file at all, which
-    # status does not create (wrong input, exit 2); both name the command that makes one.
-    assert before.code == (1 if target.backend == "pg" else 2), before
+    # No schema yet: on PostgreSQL and MySQL a store failure (exit 1), on SQLite no file at
+    # all, which status does not create (wrong input, exit 2); all name the command that makes
+    # one.
+    assert before.code == (2 if target.backend == "sqlite" else 1), before
     assert "`outboxkit migrate`" in before.stderr, before
     assert len(before.stderr.strip().splitlines()) == 1, before
     version = _schema_version(target)
@@ -102,7 +105,9 @@ def test_status_shows_leases_in_flight(
     assert "in-flight leases: 1" in human
 
 
-def test_status_shows_keys_held_by_a_dead_event(cli: Cli, target: Target, store: Store) -> None:
+def _hold_one_key(store: Store) -> int:
+    """Two events of key ``order-1``; the first dies (under ``dead_key="hold"`` the second
+    waits). Returns the dead event's id."""
     from outboxkit import EventBus, Outbox
 
     bus = EventBus()
@@ -115,11 +120,63 @@ def test_status_shows_keys_held_by_a_dead_event(cli: Cli, target: Target, store:
     with store.transaction() as conn:
         outbox.enqueue(conn, "order.placed", {"n": 1}, key="order-1")
         outbox.enqueue(conn, "order.placed", {"n": 2}, key="order-1")
-    assert len(outbox.poller().run_once().dead_lettered) == 1  # the key's head; the key waits
+    (dead_id,) = outbox.poller().run_once().dead_lettered  # the key's head; the key waits
+    return dead_id
+
+
+def test_status_names_held_keys_with_their_dead_event_under_the_apps_hold_policy(
+    cli: Cli, target: Target, store: Store, app: App
+) -> None:
+    dead_id = _hold_one_key(store)
+    data = json.loads(cli("status", "--json", "--app", app.spec("held")).stdout)
+    assert (data["dead_key"], data["held_keys"], data["dead_keys"]) == ("hold", 1, 1)
+    assert (data["dead"], data["pending"]) == (1, 1)
+    [entry] = data["keys_with_a_dead_event"]
+    assert (entry["key"], entry["event_id"], entry["topic"]) == ("order-1", dead_id, "order.placed")
+    human = cli("status", "--app", app.spec("held")).stdout
+    assert "dead-key policy: dead_key='hold' (the app's)" in human
+    assert "keys with a dead event: 1 (held: their later events wait" in human
+    assert f"key 'order-1': dead event {dead_id} (order.placed, failed " in human
+    # The same store, the app's outbox under "release": nothing is held.
+    released = json.loads(cli("status", "--json", "--app", app.spec()).stdout)
+    assert (released["dead_key"], released["held_keys"], released["dead_keys"]) == (
+        "release",
+        0,
+        1,
+    )
+
+
+def test_status_states_the_policy_unknown_without_the_app(
+    cli: Cli, target: Target, store: Store
+) -> None:
+    dead_id = _hold_one_key(store)
     data = json.loads(cli("status", "--json", *target.cli_args()).stdout)
-    assert (data["held_keys"], data["dead"], data["pending"]) == (1, 1, 1)
+    # A bare store URL: the store does not record the app's dead_key; never guessed.
+    assert (data["dead_key"], data["held_keys"], data["dead_keys"]) == (None, None, 1)
+    assert data["keys_with_a_dead_event"][0]["event_id"] == dead_id
     human = cli("status", *target.cli_args()).stdout
-    assert "keys with a dead event: 1 " in human
+    assert "dead-key policy: unknown (the store does not record the app's dead_key" in human
+    assert "keys with a dead event: 1 (held only if the app's dead_key is 'hold')" in human
+    assert f"key 'order-1': dead event {dead_id}" in human
+
+
+def test_dead_list_names_the_key_each_dead_letter_holds(
+    cli: Cli, target: Target, store: Store, app: App
+) -> None:
+    dead_id = _hold_one_key(store)
+    human = cli("dead", "list", "--app", app.spec("held")).stdout
+    [row] = [
+        line for line in human.splitlines() if line.split()[:2] == [str(dead_id), "order.placed"]
+    ]
+    assert "order-1 (held)" in row
+    assert "keys with a dead event: 1 (held: their later events wait" in human
+    unknown = cli("dead", "list", *target.cli_args()).stdout
+    assert "order-1" in unknown and "(held)" not in unknown
+    assert "dead-key policy: unknown" in unknown
+    [letter] = json.loads(cli("dead", "list", "--json", "--app", app.spec("held")).stdout)
+    assert (letter["id"], letter["key"], letter["key_held"]) == (dead_id, "order-1", True)
+    [letter] = json.loads(cli("dead", "list", "--json", *target.cli_args()).stdout)
+    assert letter["key_held"] is None
 
 
 def test_ops_find_the_store_by_app_or_environment(
@@ -134,7 +191,8 @@ def test_ops_find_the_store_by_app_or_environment(
         {
             k: v
             for k, v in json.loads(r.stdout).items()
-            if k not in ("now", "oldest_due_age_seconds")
+            # The policy is known with the app only (see test_status_states_the_policy_...).
+            if k not in ("now", "oldest_due_age_seconds", "dead_key", "held_keys")
         }
         for r in (by_app, by_env, by_flag)
     ]
@@ -174,7 +232,7 @@ def test_dead_list(cli: Cli, target: Target, seeded: Seeded) -> None:
     human = cli("dead", "list", *target.cli_args())
     ok(human)
     lines = human.stdout.splitlines()
-    assert lines[0].split() == ["ID", "TOPIC", "ATTEMPTS", "FAILED", "AT", "LAST", "ERROR"]
+    assert lines[0].split() == ["ID", "TOPIC", "ATTEMPTS", "FAILED", "AT", "KEY", "LAST", "ERROR"]
     assert lines[1].split()[:3] == [str(seeded.dead_old), "order.placed", "1"]
     assert "card declined" in lines[2]
     assert lines[-1] == "2 dead letter(s)"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from tests.docs import page
+
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 CI = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
@@ -27,7 +29,7 @@ def test_ci_runs_the_first_command_as_written() -> None:
 
 
 def test_operations_documents_every_command_and_option() -> None:
-    section = README.split("\n## Operations\n", 1)[1].split("\n## ", 1)[0]
+    section = page("how-to/operations.md")
     for text in [
         "outboxkit run",
         "--interval",

@@ -165,17 +165,49 @@ def test_a_summary_line_is_logged_periodically(
     )
     summary = re.compile(
         r"INFO outboxkit\.run: \d+\.\d published/s, 0 pending, oldest due none, 0 dead, "
-        r"0 in flight$",
+        r"0 in flight \(handlers: \d+ succeeded, 0 rejected, 0 failed\)$",
         re.M,
     )
+    rate = re.compile(r"[1-9]\d*\.\d published/s")
+    # The line after the drain may still show 0.0 published/s: a summary logged while the
+    # round was settling counts the events in the next line's rate.
     wait_for(
-        lambda: summary.search(proc.stderr()) or proc.popen.poll() is not None,
+        lambda: (
+            (summary.search(proc.stderr()) and rate.search(proc.stderr()))
+            or proc.popen.poll() is not None
+        ),
         "a summary line once all is published",
     )
     assert summary.search(proc.stderr()), proc.report()
-    assert re.search(r"[1-9]\d*\.\d published/s", proc.stderr()), proc.report()
+    assert rate.search(proc.stderr()), proc.report()
     proc.popen.send_signal(signal.SIGTERM)
     assert proc.popen.wait(timeout=10) == 0, proc.report()
+
+
+def test_successes_and_rejections_per_event_at_debug_counted_at_info(
+    cli: Cli, target: Target, store: Store, app: App
+) -> None:
+    outbox = Outbox(store, load_entry_points=False)
+    with store.transaction() as conn:
+        for n in range(12):
+            outbox.enqueue(conn, "order.placed", {"n": n, "reject": n % 3 == 0})
+    quiet = cli("run", app.spec(), "--until-idle")
+    assert quiet.code == 0, quiet
+    # No line per event at the default level: the count (3 handlers an event), once, at the end.
+    assert (
+        "rejected it" not in quiet.stderr and "succeeded" not in quiet.stderr.split("(handlers:")[0]
+    ), quiet
+    assert "(handlers: 32 succeeded, 4 rejected, 0 failed)" in quiet.stderr, quiet
+    with store.transaction() as conn:
+        outbox.enqueue(conn, "order.placed", {"reject": True})
+    loud = cli("run", app.spec(), "--until-idle", "--log-level", "DEBUG")
+    assert loud.code == 0, loud
+    assert re.search(
+        r"DEBUG outboxkit: event \d+ \(order\.placed\): audit rejected it", loud.stderr
+    )
+    assert re.search(
+        r"DEBUG outboxkit: event \d+ \(order\.placed\): reserve succeeded", loud.stderr
+    )
 
 
 # -- signals (acceptance 3) ---------------------------------------------------------------------

@@ -58,5 +58,9 @@ def test_one_progress_display_for_the_group_apart_from_the_log_lines(
         assert any("[poller 1/2 pid" in line for line in kept), output
         assert any("[poller 2/2 pid" in line for line in kept), output
         assert any(line.endswith("all 2 poller processes stopped") for line in kept), output
+    # The drain's true end, kept as a line of its own: every event counted, rate, time taken.
+    [final] = [line for line in kept if line.startswith("drained [")]
+    assert final.startswith(f"drained [{'#' * 24}] 32/32 (in "), output
+    assert "/s, 2 dead-lettered)" in final, output
     assert lines[-1].rsplit(ERASE, 1)[-1] == ""  # the display is erased at the end
     assert store.stats(now=None).published == 30

@@ -22,7 +22,7 @@ def _request(url: str, *, host: str | None = None, data: bytes | None = None) ->
     if host is not None:
         request.add_header("Host", host)
     if data is not None:
-        request.add_header("Origin", url.split("/events", 1)[0])
+        request.add_header("Origin", "/".join(url.split("/", 3)[:3]))
     try:
         with urllib.request.urlopen(request, timeout=30) as response:
             status: int = response.status
@@ -47,16 +47,17 @@ def test_web_serves_on_localhost_and_guards_its_actions(
         ["web", "--store", f"sqlite:///{db}", "--port", "0"],
         sigint_ignored=sigint_ignored,
     )
-    wait_for(lambda: "action token" in proc.stdout() or proc.popen.poll() is not None, "start")
+    wait_for(lambda: "sign-in token" in proc.stdout() or proc.popen.poll() is not None, "start")
     out = proc.stdout()
     (origin,) = re.findall(r"outboxkit dashboard on (http://127\.0\.0\.1:\d+)/", out)
-    (token,) = re.findall(r"action token \(requeue, purge; shown only now\): (\S+)", out)
+    (token,) = re.findall(r"sign-in token \(shown only now\): (\S+)", out)
     assert len(token) >= 24
     assert _request(f"{origin}/") == 200
     assert _request(f"{origin}/", host="evil.example") == 421  # DNS rebinding: refused
-    assert _request(f"{origin}/events/1/requeue", data=b"token=wrong-token") == 403
-    # The right token is taken (the event does not exist, so nothing is done).
-    assert _request(f"{origin}/events/1/requeue", data=f"token={token}".encode()) == 409
+    assert _request(f"{origin}/login", data=b"token=wrong-token") == 403
+    assert _request(f"{origin}/events/1/requeue", data=b"") == 403  # no session
+    # The right token signs in (a redirect to the overview, with the session's cookie).
+    assert _request(f"{origin}/login", data=f"token={token}".encode()) == 200
     proc.popen.send_signal(stop_with)
     assert proc.popen.wait(timeout=30) == 0, proc.report()
     assert "stopped" in proc.stdout()

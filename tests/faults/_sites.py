@@ -1,9 +1,10 @@
-"""One scenario, three stores: a store plus a *caller* connection of the application's own.
+"""One scenario, four stores: a store plus a *caller* connection of the application's own.
 
-A ``Site`` opens the store (memory, SQLite on a real file, PostgreSQL in a fresh schema) and an
-application table ``orders``; ``caller()`` gives a connection with an open transaction that has
-already written one ``orders`` row, so a test can check that a refused ``enqueue`` left that
-transaction open, unbroken and still holding its own write.
+A ``Site`` opens the store (memory, SQLite on a real file, PostgreSQL in a fresh schema,
+MariaDB/MySQL in a fresh database) and an application table ``orders``; ``caller()`` gives a
+connection with an open transaction that has already written one ``orders`` row, so a test can
+check that a refused ``enqueue`` left that transaction open, unbroken and still holding its own
+write.
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ class Site:
             assert conn.open
         elif self.backend == "sqlite":
             assert conn.in_transaction
+        elif self.backend == "mysql":
+            from pymysql.constants import SERVER_STATUS
+
+            assert conn.server_status & SERVER_STATUS.SERVER_STATUS_IN_TRANS
         else:
             from psycopg.pq import TransactionStatus
 
@@ -68,6 +73,14 @@ class Site:
 
     def write_order(self, conn: Any) -> None:
         self._write_order(conn)
+
+    def execute(self, conn: Any, statement: str) -> None:
+        """Run ``statement`` on a store or caller connection (PyMySQL's has no ``execute``)."""
+        if self.backend == "mysql":
+            with conn.cursor() as cur:
+                cur.execute(statement)
+        else:
+            conn.execute(statement)
 
 
 @contextmanager
@@ -160,6 +173,38 @@ def open_site(backend: str, tmp_path: Path) -> Iterator[Site]:
                 )
             finally:
                 store.close()
+    elif backend == "mysql":
+        import pymysql
+
+        from outboxkit_mysql import MySQLStore
+        from tests.integration.mysql import server as mysql
+
+        with mysql.fresh_database(prefix="okfault") as url:
+            args = {**mysql.connect_args(url), "database": url.rsplit("/", 1)[1]}
+            with closing(pymysql.connect(**args, autocommit=True)) as setup, setup.cursor() as cur:
+                cur.execute("CREATE TABLE orders (id INT AUTO_INCREMENT PRIMARY KEY)")
+
+            def my_count(conn: Any) -> int:
+                with conn.cursor() as cur:
+                    cur.execute("SELECT count(*) FROM orders")
+                    return int(cur.fetchone()[0])
+
+            def my_write(conn: Any) -> None:
+                with conn.cursor() as cur:
+                    cur.execute("INSERT INTO orders () VALUES ()")
+
+            def my_begin() -> Any:
+                conn = pymysql.connect(**args)
+                my_write(conn)
+                return conn
+
+            def my_committed() -> int:
+                with closing(pymysql.connect(**args)) as conn:
+                    return my_count(conn)
+
+            with MySQLStore(url) as store:
+                store.migrate()
+                yield Site("mysql", store, url, {}, my_begin, my_count, my_committed, my_write)
     else:  # pragma: no cover
         raise ValueError(backend)
 

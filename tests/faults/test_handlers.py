@@ -81,7 +81,7 @@ def test_a_handler_ending_its_connection_is_a_system_failure(
             site.write_order(ctx.connection)
             if broken[0]:
                 if how.startswith("sql-commit"):
-                    ctx.connection.execute("COMMIT")
+                    site.execute(ctx.connection, "COMMIT")
                     if how == "sql-commit-then-write":
                         site.write_order(ctx.connection)
                 else:

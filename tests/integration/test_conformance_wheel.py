@@ -1,5 +1,5 @@
 """Acceptance for the conformance suite as a third party meets it: built wheel, fresh venv; and
-what the wheel installs: exactly outboxkit's four top-level packages, the demo among them."""
+what the wheel installs: exactly outboxkit's five top-level packages, the demo among them."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ PACKAGES = {  # the top-level packages the wheel installs, and their folders in 
     "outboxkit": ROOT / "outboxkit",
     "outboxkit_pg": ROOT / "outboxkit_pg",
     "outboxkit_sqlite": ROOT / "outboxkit_sqlite",
+    "outboxkit_mysql": ROOT / "outboxkit_mysql",
     "outboxkit_conformance": ROOT / "conformance" / "outboxkit_conformance",
 }
 
@@ -156,7 +157,7 @@ def wheel_record(wheel: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_wheel_installs_exactly_the_four_top_level_packages(wheel: Path) -> None:
+def test_wheel_installs_exactly_the_five_top_level_packages(wheel: Path) -> None:
     record = wheel_record(wheel)
     top_level = {path.split("/", 1)[0] for path in record}
     metadata = {name for name in top_level if name.endswith((".dist-info", ".data"))}

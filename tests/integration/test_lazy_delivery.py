@@ -113,6 +113,8 @@ def check_takeover(store: Store, mode: str) -> None:
 async def test_async_deliveries_never_opened_are_recorded(store: Store, mode: str) -> None:
     """The asyncio poller opens a delivery only for a transactional handler (``tx.open()``):
     a non-transactional handler's record, a rejection and a retry are recorded as ever."""
+    if not store.capabilities.asyncio:
+        pytest.skip(f"{store!r} declares no asyncio side (capabilities.asyncio is false)")
     clock = FrozenClock(START)
     bus = EventBus()
     seen: list[tuple[int, str]] = []

@@ -19,9 +19,9 @@ import httpx
 import pytest
 
 from outboxkit import ObserverEvent, Published, hookimpl
-from tests.unit.test_project import README, python_blocks
+from tests.docs import page, python_blocks
 
-SECTION = README.split("\n## asyncio\n", 1)[1].split("\n## ", 1)[0]
+SECTION = page("how-to/asyncio.md")
 BLOCKS = python_blocks(SECTION)
 INI = re.findall(r"```ini\n(.*?)```", SECTION, flags=re.S)
 

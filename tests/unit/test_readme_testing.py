@@ -1,4 +1,4 @@
-"""The README's testing chapter runs as written: its second example (the kit's other tools) on
+"""The testing page (how-to/testing.md) runs as written: its second example (the kit's other tools) on
 memory, SQLite and PostgreSQL, as CI runs it."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from tests.backends import ALL_BACKENDS
-from tests.unit.test_project import README, python_blocks
+from tests.docs import page, python_blocks
 
-SECTION = README.split("\n## Testing with outboxkit\n", 1)[1].split("\n## ", 1)[0]
+SECTION = page("how-to/testing.md")
 BLOCKS = [b for b in python_blocks(SECTION) if b.startswith("# test_")]
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -120,12 +121,15 @@ def test_an_operator_requeues_a_hostile_dead_letter_in_the_browser(
             executable_path=str(CHROMIUM), args=["--no-sandbox", "--headless", "--disable-gpu"]
         )
         try:
-            page = browser.new_page(viewport={"width": 1100, "height": 900})
+            context = browser.new_context(viewport={"width": 1100, "height": 900})
+            page = context.new_page()
             dialogs: list[str] = []
             page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
 
-            # Load: the counters, the chart, and the dead letter, its text shown as text.
+            # Load: the counters, the chart, and the dead letter, its text shown as text; the
+            # page reloads itself (a meta refresh: no script).
             page.goto(f"{base}/")
+            assert page.locator("meta[http-equiv=refresh]").get_attribute("content") == "10"
             assert page.locator("#count-dead").inner_text() == "1"
             assert page.locator("#count-pending").inner_text() == "10"
             assert page.locator("#backlog polyline").count() == 2
@@ -153,46 +157,60 @@ def test_an_operator_requeues_a_hostile_dead_letter_in_the_browser(
             )
             assert page.locator("img, script").count() == 0
 
-            # Refused: a post without the token, and a cross-site post with it.
-            no_token = page.request.post(
-                f"{base}/events/{dead_id}/requeue",
-                form={"action": "requeue"},
-                headers={"Origin": base},
+            # Not signed in: no action on the page, and a post without a session is refused.
+            assert page.locator("form[action$='/requeue']").count() == 0
+            no_session = page.request.post(
+                f"{base}/events/{dead_id}/requeue", form={}, headers={"Origin": base}
             )
-            assert no_token.status == 403
+            assert no_session.status == 403
             wrong = page.request.post(
-                f"{base}/events/{dead_id}/purge",
-                form={"token": "not-the-token"},
-                headers={"Origin": base},
+                f"{base}/login", form={"token": "not-the-token"}, headers={"Origin": base}
             )
             assert wrong.status == 403
-            elsewhere = browser.new_page()
+
+            # Sign in once: the session is a cookie no script can read.
+            page.click("#sign-in")
+            page.fill("input[name=token]", TOKEN)
+            page.click("#sign-in-button")
+            page.wait_for_url(f"{base}/?done=signed-in")
+            assert page.locator("#message").inner_text() == "signed in"
+            assert page.evaluate("document.cookie") == ""  # HttpOnly
+            [cookie] = page.context.cookies()
+            assert (cookie["httpOnly"], cookie["sameSite"]) == (True, "Strict")
+
+            # A cross-site post carries no session (SameSite=Strict) and has a foreign Origin.
+            elsewhere = context.new_page()
             elsewhere.set_content(
                 f"<form method='post' action='{base}/events/{dead_id}/purge'>"
-                f"<input name='token' value='{TOKEN}'><button id='go'>go</button></form>"
+                "<button id='go'>go</button></form>"
             )
             with elsewhere.expect_navigation():
                 elsewhere.click("#go")
             assert "cross-site request refused" in elsewhere.locator("#message").inner_text()
             elsewhere.close()
-            assert shop.store.get(dead_id) is not None
             assert shop.outbox.dead_letter(dead_id) is not None
 
-            # Requeue with the token; a drain publishes it.
+            # Requeue in the session, no token typed; redirected after the post.
             page.goto(f"{base}/events/{dead_id}")
-            requeue = page.locator("form[action$='/requeue']")
-            requeue.locator("input[name=token]").fill(TOKEN)
-            requeue.locator("button").click()
-            assert page.locator("#message").inner_text() == f"requeued dead letter {dead_id}"
-            page.goto(f"{base}/events/{dead_id}")
+            page.locator("form[action$='/requeue'] button").click()
+            page.wait_for_url(f"{base}/events/{dead_id}?done=requeued&n=1")
+            assert page.locator("#message").inner_text() == "requeued 1 dead letter(s)"
             assert page.locator("#state").inner_text() == "pending"
+            page.reload()  # a GET: nothing re-posted
+            assert page.locator("#message").inner_text() == "requeued 1 dead letter(s)"
             shop.broken = False
             shop.drain().assert_delivered(HOSTILE_TOPIC, handler="mail")
             page.reload()
             assert page.locator("#state").inner_text() == "published"
-            page.goto(f"{base}/")
+            page.goto(f"{base}/?refresh=off")
             assert page.locator("#count-dead").inner_text() == "0"
             assert dialogs == []
         finally:
             browser.close()
     assert TOKEN not in caplog.text
+    # One line for the action: who (the session, the address), what, how many.
+    assert re.search(
+        rf"dashboard: session \S+ \(127\.0\.0\.1\) from 127\.0\.0\.1 requeued 1 dead "
+        rf"letter\(s\) of 1 asked: {dead_id}",
+        caplog.text,
+    )

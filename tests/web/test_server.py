@@ -42,7 +42,9 @@ def server(dead_letter: tuple[Outbox, int]) -> Iterator[DashboardServer]:
     served.stop()
 
 
-def _post(server: DashboardServer, path: str, body: str, headers: dict[str, str]) -> int:
+def _answer(
+    server: DashboardServer, path: str, body: str, headers: dict[str, str]
+) -> http.client.HTTPResponse:
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
     try:
         conn.request(
@@ -51,28 +53,62 @@ def _post(server: DashboardServer, path: str, body: str, headers: dict[str, str]
             body=body,
             headers={"Content-Type": "application/x-www-form-urlencoded", **headers},
         )
-        return conn.getresponse().status
+        response = conn.getresponse()
+        response.read()
+        return response
     finally:
         conn.close()
 
 
-def test_a_post_is_taken_only_with_the_token_from_the_dashboards_own_origin(
+def _post(server: DashboardServer, path: str, body: str, headers: dict[str, str]) -> int:
+    return _answer(server, path, body, headers).status
+
+
+def _sign_in(server: DashboardServer, token: str = TOKEN) -> str:
+    """Sign in; the ``Cookie`` header of the session."""
+    origin = f"http://127.0.0.1:{server.port}"
+    response = _answer(server, "/login", f"token={token}", {"Origin": origin})
+    assert response.status == 303, response.status
+    cookie = response.getheader("Set-Cookie") or ""
+    return cookie.split(";", 1)[0]
+
+
+def test_an_action_is_taken_only_in_a_session_from_the_dashboards_own_origin(
     server: DashboardServer, dead_letter: tuple[Outbox, int]
 ) -> None:
     outbox, event_id = dead_letter
     path = f"/events/{event_id}/requeue"
     host = f"127.0.0.1:{server.port}"
-    token = f"token={TOKEN}"
-    assert _post(server, path, token, {}) == 403  # neither Origin nor Referer
-    assert _post(server, path, token, {"Origin": "http://evil.example"}) == 403
-    assert _post(server, path, token, {"Origin": "null"}) == 403  # a sandboxed or blank page
-    assert _post(server, path, token, {"Referer": "http://evil.example/x"}) == 403
-    assert _post(server, path, "token=wrong", {"Origin": f"http://{host}"}) == 403
-    assert _post(server, path, "", {"Origin": f"http://{host}"}) == 403
+    # Signing in: the token once, from the dashboard's own origin; a cookie no script reads
+    # and no other site's request carries.
+    assert _post(server, "/login", f"token={TOKEN}", {"Origin": "http://evil.example"}) == 403
+    wrong = _answer(server, "/login", "token=wrong-token", {"Origin": f"http://{host}"})
+    assert wrong.status == 403 and wrong.getheader("Set-Cookie") is None
+    signed = _answer(server, "/login", f"token={TOKEN}", {"Origin": f"http://{host}"})
+    assert signed.status == 303 and signed.getheader("Location") == "/?done=signed-in"
+    set_cookie = signed.getheader("Set-Cookie") or ""
+    assert set_cookie.startswith("outboxkit_session=")
+    assert "; HttpOnly" in set_cookie and "; SameSite=Strict" in set_cookie
+    assert "; Path=/" in set_cookie
+    cookie = set_cookie.split(";", 1)[0]
+    # An action: a session and the dashboard's own origin, no token per action.
+    assert _post(server, path, "", {"Origin": f"http://{host}"}) == 403  # no session
+    assert _post(server, path, "", {"Cookie": cookie}) == 403  # neither Origin nor Referer
+    assert _post(server, path, "", {"Cookie": cookie, "Origin": "http://evil.example"}) == 403
+    assert _post(server, path, "", {"Cookie": cookie, "Origin": "null"}) == 403
+    forged = "outboxkit_session=" + "x" * 43
+    assert _post(server, path, "", {"Cookie": forged, "Origin": f"http://{host}"}) == 403
     assert outbox.dead_letter(event_id) is not None  # nothing was done
-    assert _post(server, path, token, {"Referer": f"http://{host}/events/{event_id}"}) == 200
+    done = _answer(server, path, "", {"Cookie": cookie, "Referer": f"http://{host}/x"})
+    # Redirected after the POST: a reload of the page re-posts nothing.
+    assert done.status == 303
+    assert done.getheader("Location") == f"/events/{event_id}?done=requeued&n=1"
     assert outbox.dead_letter(event_id) is None
-    assert _post(server, path, token, {"Origin": f"http://{host}"}) == 409  # not dead any more
+    again = _answer(server, path, "", {"Cookie": cookie, "Origin": f"http://{host}"})
+    assert again.getheader("Location") == f"/events/{event_id}?done=requeued&n=0"
+    out = _answer(server, "/logout", "", {"Cookie": cookie, "Origin": f"http://{host}"})
+    assert out.status == 303 and "Max-Age=0" in (out.getheader("Set-Cookie") or "")
+    assert _post(server, path, "", {"Cookie": cookie, "Origin": f"http://{host}"}) == 403
 
 
 def test_a_foreign_host_is_refused_and_a_short_token_is_not_taken(
@@ -149,12 +185,15 @@ def _post_raw(
 ) -> tuple[int, str]:
     host = f"127.0.0.1:{server.port}".encode()
     length = str(len(body)).encode() if length is None else length
+    cookie = _sign_in(server).encode()
     return _raw(
         server,
         b"POST "
         + path
         + b" HTTP/1.1\r\nHost: "
         + host
+        + b"\r\nCookie: "
+        + cookie
         + b"\r\nOrigin: http://"
         + host
         + b"\r\nContent-Type: application/x-www-form-urlencoded\r\nContent-Length: "
@@ -218,7 +257,7 @@ def test_dashboard_content_length_is_ascii_decimal(
         assert (status, expected in page) == (400, True), (length, page)
         assert outbox.dead_letter(event_id) is not None
     status, page = _post_raw(server, path, body)
-    assert status == 200 and f"requeued dead letter {event_id}" in page
+    assert status == 303 and outbox.dead_letter(event_id) is None
 
 
 def test_a_failure_of_the_dashboard_is_a_500_page_not_a_dropped_connection(

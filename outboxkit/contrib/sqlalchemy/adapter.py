@@ -1,5 +1,7 @@
 """Enqueue through SQLAlchemy: one driver-neutral path, ``Connection.execute(text(...))``, with
-the statements the store gives (``portable_enqueue``: its validated names, every value bound)."""
+the statements the store gives (``portable_enqueue``: its validated names, every value bound).
+The statements that return rows return the new ids; the others (MySQL's INSERTs, which have no
+RETURNING) are run for their effect."""
 
 from __future__ import annotations
 
@@ -57,10 +59,11 @@ class SQLAlchemyAdapter:
         ids: list[int] = []
         for sql, params in statements:
             try:
-                rows = connection.execute(text(sql), params).all()
+                result = connection.execute(text(sql), params)
             except DBAPIError as exc:
                 raise _error(exc, len(events)) from exc
-            ids.extend(sorted(row[0] for row in rows))
+            if result.returns_rows:  # an INSERT without RETURNING (MySQL) returns none
+                ids.extend(sorted(row[0] for row in result.all()))
         return ids
 
     async def enqueue_async(
@@ -93,7 +96,8 @@ class SQLAlchemyAdapter:
                 result = await connection.execute(text(sql), params)
             except DBAPIError as exc:
                 raise _error(exc, len(events)) from exc
-            ids.extend(sorted(row[0] for row in result.all()))
+            if result.returns_rows:
+                ids.extend(sorted(row[0] for row in result.all()))
         return ids
 
 

@@ -11,11 +11,17 @@ What keeps it from hurting:
   address it serves (a page on another site cannot reach it through DNS rebinding). Bound to
   every address (``0.0.0.0``) it cannot know its names, and takes any ``Host``; the token and
   the same-origin check still hold.
-- Reading is ``GET``; changing data (requeue, purge) is ``POST`` only, and needs the token given
-  at start (a field of the form, compared in constant time), and a request from the dashboard's
-  own pages: its ``Origin`` header (or, when a browser sends none, its ``Referer``) must be the
-  dashboard's own origin. A cross-site form post fails both: it has a foreign ``Origin`` and no
-  token. The token is never logged (the request log names the method and path only).
+- Reading is ``GET``; changing data (requeue, purge, one or in bulk) is ``POST`` only, and needs
+  a session and a request from the dashboard's own pages: its ``Origin`` header (or, when a
+  browser sends none, its ``Referer``) must be the dashboard's own origin. A session comes from
+  signing in once with the token given at start (``POST /login``, compared in constant time):
+  a random id in a cookie that is ``HttpOnly`` and ``SameSite=Strict`` (no other site's request
+  carries it), for 12 hours. A cross-site form post fails twice: a foreign ``Origin``, and no
+  cookie. The token and the session id are never logged (the request log names the method and
+  path only); each action is one INFO line: who (the session's short id and address), what,
+  how many.
+- Every POST answers ``303 See Other``: the browser then GETs the page, so a reload re-posts
+  nothing.
 - Pages forbid framing and scripts (``Content-Security-Policy``), are not cached, and show every
   stored value as escaped text (``pages.text``).
 """
@@ -26,6 +32,7 @@ import logging
 import threading
 from collections.abc import Callable
 from http import HTTPStatus
+from http.cookies import CookieError, SimpleCookie
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -33,14 +40,15 @@ from urllib.parse import parse_qs, urlsplit
 from ...core.text import parse_decimal, printable
 from ...errors import OutboxError
 from ...outbox import MAX_EVENT_ID
-from . import pages
-from .dashboard import SCAN_LIMIT, Dashboard
+from . import pages, routes
+from .dashboard import SESSION_HOURS, Dashboard
 
 __all__ = ["DashboardServer"]
 
 log = logging.getLogger("outboxkit.web")
 
 _MAX_BODY = 4096
+_COOKIE = "outboxkit_session"
 _SIGNAL_TICK = 0.2  # seconds: how soon serve_forever notices a signal another thread took
 _SECURITY_HEADERS = {
     "Content-Security-Policy": (
@@ -202,39 +210,36 @@ class _Handler(BaseHTTPRequestHandler):
     def _get(self) -> None:
         if not self._host_allowed():
             return
-        path = urlsplit(self.path).path
+        parts = urlsplit(self.path)
+        path, query = parts.path, parse_qs(parts.query)
+        dashboard = self.owner.dashboard
+        signed_in = dashboard.session(self._cookie()) is not None
+        flash = routes.flash(query)
         try:
             if path == "/":
-                self._send(HTTPStatus.OK, self._overview())
+                self._send(HTTPStatus.OK, routes.overview(dashboard, query, signed_in, flash))
+            elif path == "/events":
+                self._send(HTTPStatus.OK, routes.events(dashboard, query, signed_in))
+            elif path == "/dead":
+                self._send(HTTPStatus.OK, routes.dead(dashboard, query, signed_in, flash))
+            elif path == "/dead/preview":
+                self._send(HTTPStatus.OK, routes.preview(dashboard, query, signed_in))
+            elif path == "/login":
+                self._send(HTTPStatus.OK, pages.login_page(signed_in))
             elif (event_id := _event_id(path)) is not None:
-                event, letter = self.owner.dashboard.event(event_id)
+                event, letter = dashboard.event(event_id)
                 if event is None:
                     self._message(HTTPStatus.NOT_FOUND, "No such event", f"no event {event_id}")
                 else:
-                    self._send(HTTPStatus.OK, pages.event_page(event, letter))
+                    self._send(HTTPStatus.OK, pages.event_page(event, letter, signed_in, flash))
             elif (given := _event_segment(path)) is not None:
                 self._message(HTTPStatus.NOT_FOUND, "No such event", _not_an_id(given))
             else:
                 self._message(HTTPStatus.NOT_FOUND, "Not found", "no such page")
+        except routes.BadQuery as exc:
+            self._message(HTTPStatus.BAD_REQUEST, "Bad request", str(exc))
         except OutboxError as exc:
             self._message(HTTPStatus.SERVICE_UNAVAILABLE, "The store failed", str(exc))
-
-    def _overview(self) -> str:
-        dashboard = self.owner.dashboard
-        stats = dashboard.outbox.stats()
-        now = dashboard.outbox.now()
-        events = dashboard.scan()
-        return pages.overview(
-            store=dashboard.name,
-            stats=stats,
-            now=now,
-            samples=dashboard.samples,
-            due=dashboard.oldest_due(events, now),
-            dead=dashboard.dead_letters(),
-            failures=dashboard.failures_by_handler(events),
-            scanned=len(events),
-            scan_limit=SCAN_LIMIT,
-        )
 
     # -- POST ---------------------------------------------------------------------------------
 
@@ -251,33 +256,64 @@ class _Handler(BaseHTTPRequestHandler):
         form = self._form()
         if form is None:
             return
-        token = form.get("token", [None])[0]
-        if not self.owner.dashboard.check_token(token):
-            self._message(HTTPStatus.FORBIDDEN, "Refused", "a valid token is needed for this")
+        path = urlsplit(self.path).path
+        dashboard = self.owner.dashboard
+        if path == "/login":
+            self._sign_in(form.get("token", [None])[0])
             return
-        parts = urlsplit(self.path).path.strip("/").split("/")
-        on_event = len(parts) == 3 and parts[0] == "events"
-        action = self.owner.dashboard.actions().get(parts[2]) if on_event else None
-        if action is None:
-            self._message(HTTPStatus.NOT_FOUND, "Not found", "no such action")
+        if path == "/logout":
+            dashboard.sign_out(self._cookie())
+            self._redirect("/?done=signed-out", cookie=_COOKIE + "=; Max-Age=0")
             return
-        event_id = parse_decimal(parts[1], minimum=1, maximum=MAX_EVENT_ID)
-        if event_id is None:
+        who = dashboard.session(self._cookie())
+        if who is None:
+            self._message(
+                HTTPStatus.FORBIDDEN, "Refused", "sign in first (/login): actions need a session"
+            )
+            return
+        who = f"{who} from {self.client_address[0]}"
+        parts = path.strip("/").split("/")
+        if len(parts) == 3 and parts[0] == "events" and _event_id("/".join(parts[:2])) is None:
             self._message(HTTPStatus.NOT_FOUND, "No such event", _not_an_id(parts[1]))
             return
         try:
-            done = action(event_id)
+            if path == "/dead/bulk":
+                action, ids, back = routes.bulk(dashboard, form)
+            else:
+                action, ids, back = routes.one(dashboard, path)
+            done = dashboard.actions()[action](ids)
+        except routes.BadQuery as exc:
+            self._message(HTTPStatus.BAD_REQUEST, "Bad request", str(exc))
+            return
         except OutboxError as exc:
             self._message(HTTPStatus.SERVICE_UNAVAILABLE, "The store failed", str(exc))
             return
-        verb = "requeued" if parts[-1] == "requeue" else "purged"
-        if done:
-            log.info("dashboard: %s dead letter %d", verb, event_id)
-            self._message(HTTPStatus.OK, "Done", f"{verb} dead letter {event_id}")
-        else:
-            self._message(
-                HTTPStatus.CONFLICT, "Nothing done", f"event {event_id} is not a dead letter"
-            )
+        verb = "requeued" if action == "requeue" else "purged"
+        shown = ", ".join(map(str, ids[:10])) + (" ..." if len(ids) > 10 else "")
+        log.info(
+            "dashboard: %s %s %d dead letter(s) of %d asked: %s", who, verb, done, len(ids), shown
+        )
+        self._redirect(f"{back}{'&' if '?' in back else '?'}done={verb}&n={done}")
+
+    def _sign_in(self, token: str | None) -> None:
+        session = self.owner.dashboard.sign_in(token, self.client_address[0])
+        if session is None:
+            log.warning("dashboard: a sign-in with a wrong token from %s", self.client_address[0])
+            self._message(HTTPStatus.FORBIDDEN, "Refused", "a valid token is needed to sign in")
+            return
+        log.info("dashboard: signed in from %s", self.client_address[0])
+        self._redirect(
+            "/?done=signed-in", cookie=f"{_COOKIE}={session}; Max-Age={SESSION_HOURS * 3600}"
+        )
+
+    def _cookie(self) -> str | None:
+        jar = SimpleCookie()
+        try:
+            jar.load(self.headers.get("Cookie", ""))
+        except CookieError:
+            return None
+        morsel = jar.get(_COOKIE)
+        return None if morsel is None else morsel.value
 
     def _same_origin(self) -> bool:
         """The post comes from a page this server served: its ``Origin`` (or ``Referer``) is
@@ -315,6 +351,20 @@ class _Handler(BaseHTTPRequestHandler):
             return True
         self._message(HTTPStatus.MISDIRECTED_REQUEST, "Refused", "unknown Host header")
         return False
+
+    def _redirect(self, location: str, cookie: str | None = None) -> None:
+        """303 See Other: after a POST the browser GETs ``location`` (a reload re-posts
+        nothing). A cookie set here is the session's: ``HttpOnly`` (no script reads it),
+        ``SameSite=Strict`` (no other site's request carries it), ``Path=/``."""
+        self._answered = True
+        self.send_response(HTTPStatus.SEE_OTHER)
+        self.send_header("Location", location)
+        if cookie is not None:
+            self.send_header("Set-Cookie", f"{cookie}; HttpOnly; SameSite=Strict; Path=/")
+        self.send_header("Content-Length", "0")
+        for name, value in _SECURITY_HEADERS.items():
+            self.send_header(name, value)
+        self.end_headers()
 
     def _message(self, status: HTTPStatus, title: str, message: str) -> None:
         self._send(status, pages.message_page(title, message))

@@ -4,9 +4,10 @@ which the Django suite runs on SQLite and PostgreSQL (``test_django_project.py``
 import re
 from pathlib import Path
 
+from tests.docs import page
+
 HERE = Path(__file__).resolve().parent
-README = (HERE.parents[2] / "README.md").read_text(encoding="utf-8")
-SECTION = README.split("\n## Django\n", 1)[1].split("\n## ", 1)[0]
+SECTION = page("how-to/django.md")
 FILES = {
     "# shop/models.py": HERE / "shop" / "models.py",
     "# shop/events.py": HERE / "shop" / "events.py",

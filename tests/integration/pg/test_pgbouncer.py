@@ -9,8 +9,9 @@ requires 1" (08P01). The store says that this is the pooler and what to set, ins
 connection was lost"; with ``prepare_threshold=None`` and ``notify=False`` it works through it.
 
 The PgBouncer is ``tests/pgbouncer.py``'s, one per test (its server connections keep the
-statements a test prepared). The store's sessions get their time zone from ``PGTZ=UTC`` (set
-here): PgBouncer refuses the ``options`` startup parameter that would set it otherwise.
+statements a test prepared). Nothing is set in the environment: the store's own connections send
+no startup ``options`` (PgBouncer refuses them) and put their sessions in UTC with a ``SET``,
+which PgBouncer keeps per client.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ BATCH = 10
 
 @pytest.fixture
 def pgbouncer(pg_url: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[PgBouncer]:
-    monkeypatch.setenv("PGTZ", "UTC")  # instead of the options PgBouncer refuses
+    for name in ("PGTZ", "PGOPTIONS"):  # the store must do without them
+        monkeypatch.delenv(name, raising=False)
     with running_pgbouncer(pg_url, pool_size=2) as bouncer:
         yield bouncer
 

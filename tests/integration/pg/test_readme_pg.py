@@ -4,22 +4,21 @@ own: the URL and the schema name are swapped for the test's, the app's tables la
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 from psycopg import sql
 
+from tests.docs import page
+
 from .conftest import fresh_schema
 
 pytestmark = pytest.mark.pg
 
-README = (Path(__file__).resolve().parents[3] / "README.md").read_text(encoding="utf-8")
-
 
 def test_readme_postgres_example_runs(pg_url: str) -> None:
-    section = README.split("## The Postgres store", 1)[1].split("\n## ", 1)[0]
+    section = page("how-to/postgresql.md")
     (example,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     assert 'DATABASE_URL = "postgresql://app@localhost/app"' in example
     assert 'schema="outbox"' in example
@@ -32,7 +31,7 @@ def test_readme_postgres_example_runs(pg_url: str) -> None:
             'schema="outbox"', f'schema="{schema}"'
         )
         namespace: dict[str, Any] = {"__name__": "readme_postgres"}
-        exec(compile(code, "README.md", "exec"), namespace)
+        exec(compile(code, "docs/how-to/postgresql.md", "exec"), namespace)
         with psycopg.connect(pg_url) as conn:
             ledger = conn.execute(
                 sql.SQL("SELECT count(*) FROM {}").format(sql.Identifier(schema, "ledger"))

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.test_project import README, python_blocks
+from tests.docs import page, python_blocks
 
-SECTION = README.split("\n## SQLAlchemy\n", 1)[1].split("\n## ", 1)[0]
+SECTION = page("how-to/sqlalchemy.md")
 BLOCKS = {block.splitlines()[0].split()[1]: block for block in python_blocks(SECTION)}
 
 

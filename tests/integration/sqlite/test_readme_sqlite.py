@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-README = (Path(__file__).resolve().parents[3] / "README.md").read_text(encoding="utf-8")
+from tests.docs import page
 
 
 def test_readme_sqlite_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    section = README.split("## The SQLite store", 1)[1].split("\n## ", 1)[0]
+    section = page("how-to/sqlite.md")
     (example,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
     monkeypatch.chdir(tmp_path)
-    exec(compile(example, "README.md", "exec"), {"__name__": "readme_sqlite"})
+    exec(compile(example, "docs/how-to/sqlite.md", "exec"), {"__name__": "readme_sqlite"})
     with closing(sqlite3.connect(tmp_path / "app.db")) as conn:
         assert conn.execute("SELECT count(*) FROM orders").fetchone() == (1,)
         assert conn.execute("SELECT order_id FROM ledger").fetchall() == [(1,)]

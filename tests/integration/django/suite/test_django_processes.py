@@ -3,9 +3,12 @@ delivering 200 events whose handler writes an ORM row (acceptance 3's lock check
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -121,4 +124,68 @@ def test_run_with_processes_is_refused_clearly():
 def test_an_unknown_command_names_the_commands():
     result = manage("outboxkit", "frobnicate")
     assert result.returncode != 0
-    assert "run, status, dead, purge, migrate" in result.stderr
+    assert "run, status, dead, purge, migrate, web" in result.stderr
+    assert "Traceback" not in result.stderr  # one line, as Django's own commands say it
+
+
+def test_manage_py_outboxkit_web_serves_the_dashboard(outbox_store):
+    enqueue_ticks(2)
+    proc = subprocess.Popen(
+        [sys.executable, "manage.py", "outboxkit", "web", "--port", "0", "--token", "t" * 12],
+        cwd=PROJECT,
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()  # blocks until the server listens (or the command ends)
+        found = re.search(r"outboxkit dashboard on (http://\S+)/ for DjangoStore", first)
+        assert found, first + proc.stderr.read() if proc.stderr else first
+        with urllib.request.urlopen(found.group(1) + "/", timeout=30) as response:
+            page = response.read().decode()
+        assert response.status == 200 and "outboxkit" in page
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err, err
+
+
+def test_the_outboxkit_command_loads_the_django_project_with_app():
+    """``outboxkit ... --app`` (not manage.py) on a Django project: DJANGO_SETTINGS_MODULE set,
+    Django is set up before the app's module is imported."""
+    enqueue_ticks(3)
+    command = [sys.executable, "-m", "outboxkit", "status", "--json", "--app", "shop.events:outbox"]
+    env = {**child_env(), "PYTHONPATH": str(PROJECT)}
+    result = subprocess.run(
+        command, cwd=PROJECT, env=env, capture_output=True, text=True, timeout=TIMEOUT, check=False
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["pending"] == 3 and data["dead_key"] == "release"
+    run = subprocess.run(
+        [sys.executable, "-m", "outboxkit", "run", "shop.events:outbox", "--until-idle"],
+        cwd=PROJECT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr
+    assert json.loads(manage("outboxkit", "status", "--json").stdout)["pending"] == 0
+    # Without the settings, the error says what to set.
+    unset = {k: v for k, v in env.items() if k != "DJANGO_SETTINGS_MODULE"}
+    missing = subprocess.run(
+        command,
+        cwd=PROJECT,
+        env=unset,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=False,
+    )
+    assert missing.returncode == 2
+    assert "a Django project: set DJANGO_SETTINGS_MODULE" in missing.stderr

@@ -1,17 +1,18 @@
-"""``python manage.py outboxkit run|status|dead|purge|migrate ...``: the ``outboxkit`` command's
+"""``python manage.py outboxkit run|status|dead|purge|migrate|web ...``: the ``outboxkit`` command's
 own commands, on the outbox ``settings.OUTBOXKIT["OUTBOX"]`` names (its store on Django's
 connection). Options are the ``outboxkit`` command's: ``manage.py outboxkit run --help``."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError
 
 from outboxkit.errors import ConfigurationError
 
-COMMANDS = ("run", "status", "dead", "purge", "migrate")
+COMMANDS = ("run", "status", "dead", "purge", "migrate", "web", "doctor")
 
 
 def outboxkit_argv(args: list[str], app: str) -> list[str]:
@@ -47,14 +48,19 @@ def outboxkit_argv(args: list[str], app: str) -> list[str]:
 
 
 class Command(BaseCommand):  # type: ignore[misc]  # Django has no type hints
-    help = "outboxkit: run pollers and operate the outbox (run, status, dead, purge, migrate)."
+    help = "outboxkit: run pollers and operate the outbox (run, status, dead, purge, migrate, web)."
 
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("args", nargs=argparse.REMAINDER)
 
     def run_from_argv(self, argv: list[str]) -> None:
-        # The outboxkit command parses its own options (and exits with its own codes).
-        self.execute_outboxkit(argv[2:])
+        # The outboxkit command parses its own options (and exits with its own codes). Django's
+        # own run_from_argv, which this replaces, is what turns a CommandError into one line.
+        try:
+            self.execute_outboxkit(argv[2:])
+        except CommandError as exc:
+            self.stderr.write(f"CommandError: {exc}")
+            sys.exit(exc.returncode)
 
     def handle(self, *args: str, **options: Any) -> None:
         self.execute_outboxkit(list(args))

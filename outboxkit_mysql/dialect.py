@@ -1,0 +1,332 @@
+"""The MariaDB/MySQL dialect (``outboxkit.storekit.sql.Dialect``): the store's connections, its
+error table, its values, and the statements of ``queries.sql`` with the store's names in place.
+
+- Connections are PyMySQL's, the store's own (``ConnectionPool``), in autocommit mode with the session
+  settings below (``SESSION``), set again before a connection a handler used serves anyone else
+  (R18). ``StoreConnection`` notes a handler's attempt to end its delivery transaction (R17).
+- Instants are DATETIME(6) in UTC, bound as naive UTC datetimes (None: the database's clock,
+  ``UTC_TIMESTAMP(6)``); durations integer microseconds; lists tuples, or JSON text.
+- Driver errors are mapped by their code (``UNAVAILABLE``, ``SCHEMA``): a deadlock (1213), a
+  lock wait timeout (1205) or a lost connection is ``StoreUnavailable``, retried by the pollers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager, suppress
+from datetime import UTC, datetime, timedelta
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import pymysql
+from pymysql.constants import CLIENT
+
+from outboxkit.storekit import (
+    ConfigurationError,
+    SchemaError,
+    StoreError,
+    StoreUnavailable,
+    migrate_hint,
+)
+from outboxkit.storekit.driver import ConnectionPool, MappedErrors
+from outboxkit.storekit.names import validate_identifier
+from outboxkit.storekit.queries import load_queries, run_steps, split_steps
+from outboxkit.storekit.rows import EVENT_COLUMNS
+from outboxkit.storekit.sql import Dialect, Row
+
+__all__ = ["SESSION", "MySQLDialect", "StoreConnection", "map_error", "parse_url", "run_script"]
+
+SESSION = (
+    "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED;"
+    "SET time_zone = '+00:00', autocommit = 1, foreign_key_checks = 1, unique_checks = 1,"
+    " sql_mode = 'STRICT_ALL_TABLES,NO_ENGINE_SUBSTITUTION'"
+)
+"""The store's session: READ COMMITTED (no gap locks on searches, a fresh snapshot per
+statement), UTC, autocommit (transactions are explicit), strict."""
+
+UNAVAILABLE = frozenset(
+    {1040, 1053, 1205, 1213, 1317, 1927, 2002, 2003, 2006, 2013, 2014, 2055, 4031}
+)
+"""Codes of failures that may pass: too many connections, shutdown, lock wait timeout,
+deadlock, interrupted, killed, cannot connect, gone away, lost, out of sync."""
+
+SCHEMA = frozenset({1146})
+"""No such table: the schema is missing (``migrate``)."""
+
+XA_REFUSED = 1399
+"""XAER_RMFAIL: the server refused to end (or begin) a transaction inside an XA one."""
+
+_NOW = "COALESCE(CAST(%(now)s AS DATETIME(6)), UTC_TIMESTAMP(6))"
+_MICROSECOND = timedelta(microseconds=1)
+
+
+def code_of(exc: BaseException) -> int | None:
+    """The server's (or the client's) error code of a PyMySQL error, if it has one."""
+    if isinstance(exc, pymysql.err.InterfaceError):
+        return 2013  # the connection is closed or broken
+    if isinstance(exc, pymysql.err.MySQLError) and exc.args and isinstance(exc.args[0], int):
+        return exc.args[0]
+    return None
+
+
+def map_error(exc: BaseException, where: str, doing: str) -> StoreError:
+    """A PyMySQL error as outboxkit's, naming the database and what was being done (never a
+    password: ``where`` has none)."""
+    code = code_of(exc)
+    reason = " ".join(str(part) for part in exc.args[1:]) if code is not None else str(exc)
+    message = f"{where}: {doing} failed: ({code}) {reason}".strip()
+    if code in UNAVAILABLE:
+        return StoreUnavailable(message)
+    if code in SCHEMA:
+        return SchemaError(f"{message}: {migrate_hint()}")
+    return StoreError(message)
+
+
+class StoreConnection(pymysql.connections.Connection):
+    """A PyMySQL connection of the store's. While it serves a delivery (``delivering``) its
+    ``commit``, ``rollback``, ``begin`` and ``close`` are refused, and so is any statement the
+    server refuses inside the delivery's XA transaction (``COMMIT``, ``ROLLBACK``, ``BEGIN``,
+    DDL: error 1399): ``ended_by_handler`` notes the attempt (R17), whatever the handler makes
+    of the refusal. ``dirty``: a handler had it, so the session is set again (R18)."""
+
+    delivering = False
+    ended_by_handler = False
+    dirty = False
+
+    def _refuse(self, what: str) -> None:
+        self.ended_by_handler = True
+        raise pymysql.err.OperationalError(
+            XA_REFUSED, f"outboxkit: a handler may not {what} its delivery transaction"
+        )
+
+    def commit(self) -> None:
+        if self.delivering:
+            self._refuse("commit")
+        super().commit()
+
+    def rollback(self) -> None:
+        if self.delivering:
+            self._refuse("roll back")
+        super().rollback()
+
+    def begin(self) -> None:
+        if self.delivering:
+            self._refuse("begin another transaction instead of")
+        super().begin()
+
+    def close(self) -> None:
+        if self.delivering:
+            self._refuse("close the connection of")
+        super().close()
+
+    def query(self, sql: Any, unbuffered: bool = False) -> int:
+        try:
+            result: int = super().query(sql, unbuffered)
+        except pymysql.err.MySQLError as exc:
+            if self.delivering and code_of(exc) == XA_REFUSED:
+                self.ended_by_handler = True
+            raise
+        return result
+
+
+def parse_url(url: str) -> dict[str, Any]:
+    """PyMySQL's connection arguments from ``mysql://user:pass@host:port/database``.
+
+    Raises:
+        ConfigurationError: not a mysql/mariadb URL, or no database named (the URL is shown
+            without its password).
+    """
+    parts = urlsplit(url) if isinstance(url, str) else None
+    if parts is None or parts.scheme.lower() not in ("mysql", "mariadb"):
+        raise ConfigurationError(f"a MySQL store URL starts with 'mysql://', got {url!r:.80}")
+    database = unquote(parts.path.lstrip("/"))
+    shown = f"{parts.scheme}://{parts.hostname or ''}:{parts.port or 3306}/{database}"
+    if not database or "/" in database:
+        raise ConfigurationError(
+            f"a MySQL store URL names its database: mysql://user:pass@host:3306/db, got {shown}"
+        )
+    return {
+        "host": parts.hostname or "127.0.0.1",
+        "port": parts.port or 3306,
+        "user": unquote(parts.username) if parts.username else "root",
+        "password": unquote(parts.password) if parts.password else "",
+        "database": validate_identifier(database, "the URL's database"),
+    }
+
+
+def run_script(conn: Any, statements: Sequence[tuple[str, Mapping[str, Any] | None]]) -> list[Row]:
+    """Several statements (``(sql, params)``) in one round trip (the store's connections allow
+    it); the rows of the last one. Each is interpolated by PyMySQL's own escaping
+    (``Cursor.mogrify``), as any query of PyMySQL's is."""
+    with conn.cursor() as cur:
+        text = ";".join(cur.mogrify(sql, params) if params else sql for sql, params in statements)
+        cur.execute(text)
+        rows: list[Row] = list(cur.fetchall()) if cur.description else []
+        while cur.nextset():
+            rows = list(cur.fetchall()) if cur.description else []
+    return rows
+
+
+class MySQLDialect(Dialect):
+    """The MariaDB/MySQL store's dialect (see the module docstring).
+
+    Args:
+        url: ``mysql://user:pass@host:port/database``.
+        tables: the store's four table names (events, deliveries, keys, schema).
+        pool_size: how many idle connections the store keeps.
+
+    Attributes:
+        queries: the statements of ``queries.sql``, names in place, each split into its steps.
+        pool: the store's connections.
+    """
+
+    name = "mysql"
+
+    def __init__(self, url: str, tables: Sequence[str], *, pool_size: int) -> None:
+        self.connect = parse_url(url)
+        db = self.connect["database"]
+        self.where = f"MySQL {self.connect['host']}:{self.connect['port']}/{db}"
+        self.url = (
+            f"mysql://{self.connect['user']}@{self.connect['host']}:{self.connect['port']}/{db}"
+        )
+        self.tables = tuple(tables)
+        names = dict(zip(("events", "deliveries", "keys", "schema"), self.tables, strict=True))
+        slots = {k: f"`{db}`.`{v}`" for k, v in names.items()}
+        slots["event_columns"] = ", ".join(f"`{c}`" for c in EVENT_COLUMNS)
+        self.queries = {
+            name: split_steps(text.replace("{now}", _NOW).format(**slots))
+            for name, text in load_queries("outboxkit_mysql").items()
+        }
+        self.pool: ConnectionPool[StoreConnection] = ConnectionPool(
+            self.new_connection, pool_size, reset=_reset, close=_close, what="the MySQL store"
+        )
+
+    # -- statements ---------------------------------------------------------------------------
+
+    def mapped(self, doing: str, conn: Any = None) -> MappedErrors:
+        return MappedErrors(pymysql.err.Error, self.map_error, doing)
+
+    def map_error(self, exc: BaseException, doing: str) -> StoreError:
+        """``map_error`` naming this database."""
+        return map_error(exc, self.where, doing)
+
+    def new_connection(self) -> StoreConnection:
+        """A new connection of the store's (the pool's ``connect``)."""
+        with self.mapped("connect"):
+            return StoreConnection(
+                **self.connect,
+                charset="utf8mb4",
+                autocommit=True,
+                client_flag=CLIENT.MULTI_STATEMENTS,
+                init_command=SESSION,
+                connect_timeout=10,
+            )
+
+    def rows(self, conn: Any, name: str, params: Mapping[str, Any]) -> list[Row]:
+        if any(type(value) is tuple and not value for value in params.values()):
+            return []  # `IN ()`: nothing can match
+        if name == "purge_dead":
+            params = {**params, "any": params["ids"] is None, "ids": params["ids"] or (0,)}
+        with conn.cursor() as cur:
+
+            def execute(sql: str, bound: Mapping[str, Any]) -> list[Row] | None:
+                cur.execute(sql, bound)
+                return list(cur.fetchall()) if cur.description else None
+
+            return run_steps(execute, self.queries[name], params)
+
+    def execute(self, conn: Any, name: str, params: Mapping[str, Any]) -> Any:
+        """Run a one-step statement; its cursor's ``rowcount`` and ``lastrowid``."""
+        with conn.cursor() as cur:
+            (sql,) = self.queries[name]
+            cur.execute(sql, params)
+            return cur.rowcount, cur.lastrowid
+
+    # -- values ---------------------------------------------------------------------------------
+
+    def instant(self, at: datetime | None) -> datetime | None:
+        if at is None:
+            return None
+        if at.tzinfo is None or at.utcoffset() is None:
+            raise ConfigurationError(f"instants must be timezone-aware, got {at!r}")
+        return at.astimezone(UTC).replace(tzinfo=None)
+
+    def stored_instant(self, raw: Any) -> datetime:
+        instant: datetime = raw.replace(tzinfo=UTC)
+        return instant
+
+    def duration(self, delta: timedelta) -> int:
+        return delta // _MICROSECOND
+
+    def array(self, values: Sequence[Any]) -> tuple[Any, ...]:
+        return tuple(values)
+
+    def done(self, raw: Any) -> list[Sequence[str]]:
+        pairs: list[Sequence[str]] = json.loads(raw) if raw else []
+        return pairs
+
+    def settle_params(self, rows: Sequence[tuple[Any, ...]]) -> dict[str, Any]:
+        return {"items": json.dumps(rows)}
+
+    def records_params(self, rows: Sequence[tuple[Any, ...]]) -> dict[str, Any]:
+        return {"items": json.dumps(rows, default=_json_instant)}
+
+    # -- transactions ---------------------------------------------------------------------------
+
+    @contextmanager
+    def connection(self, doing: str) -> Iterator[StoreConnection]:
+        """One of the store's connections for the block, its errors mapped; one that failed
+        is closed rather than kept."""
+        conn: StoreConnection | None = None
+        try:
+            with self.mapped(doing):
+                conn = self.pool.take()
+                yield conn
+        except BaseException:
+            if conn is not None:
+                self.pool.give(conn, broken=True)
+            raise
+        self.pool.give(conn)
+
+    @contextmanager
+    def write(self, doing: str) -> Iterator[StoreConnection]:
+        """A short transaction: BEGIN ... COMMIT on a store connection."""
+        with self.connection(doing) as conn:
+            conn.begin()
+            yield conn
+            conn.commit()
+
+    def read(self, doing: str) -> Any:
+        """A store connection (READ COMMITTED, autocommit: each statement its own snapshot)."""
+        return self.connection(doing)
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def _reset(conn: StoreConnection) -> bool:
+    """R18 before a connection is kept: a handler's session settings undone. A connection whose
+    delivery a handler tried to end is closed instead (its transaction may be anything)."""
+    conn.delivering = False
+    if conn.ended_by_handler:
+        return False
+    if conn.dirty:
+        try:
+            run_script(conn, [(SESSION, None)])
+        except pymysql.err.MySQLError:
+            return False
+        conn.dirty = False
+    return True
+
+
+def _close(conn: StoreConnection) -> None:
+    conn.delivering = False
+    with suppress(pymysql.err.Error):  # already gone
+        conn.close()
+
+
+def _json_instant(value: Any) -> str:
+    if isinstance(value, datetime):
+        return value.isoformat(sep=" ")
+    raise TypeError(f"not JSON: {type(value).__name__}")

@@ -1,0 +1,266 @@
+"""The statement and round-trip budget of a delivery on PostgreSQL, per path: counted exactly
+from libpq's protocol trace of the store's connections (statements: ``Query`` and ``Execute``
+messages; round trips: ``Query`` and ``Sync``), as the difference between a round of 2N events
+and a round of N, so that the round's own claim and settlement drop out. A change that adds a
+statement or a round trip to a delivery fails here; one that removes some updates the table.
+
+Also: a delivery whose prepared row lock is gone (psycopg sends ``DEALLOCATE ALL`` after it saw
+a handler's ``ROLLBACK``, ``DROP`` or ``ALTER``; a handler may run it itself) prepares it again
+and goes on, on both sides and in both transaction modes."""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+
+from outboxkit import Event, EventBus, Outbox
+from outboxkit.core.payload import build_event
+from outboxkit_pg import PostgresStore
+from outboxkit_pg.flow import Flow
+
+from .conftest import migrated_store
+
+pytestmark = pytest.mark.pg
+
+N = 10
+
+# (statements, round trips) per event, a handler subscribed to its topic.
+BUDGET = {
+    # A handler that writes one row through ctx.connection: BEGIN and the row lock (one sync),
+    # the handler's INSERT, then RESET ROLE, the record, RESET ALL and COMMIT (one sync).
+    ("per_event", "writes"): (7, 3),
+    # A handler that never takes the connection: its record, fenced by the token, alone.
+    ("per_event", "noop"): (1, 1),
+    # In a batch: SAVEPOINT and the row lock (one sync), the INSERT, RESET ROLE, the record,
+    # RESET ALL and RELEASE (one sync).
+    ("per_batch", "writes"): (7, 3),
+    # In a batch, a handler that never takes the connection: its record is kept for the
+    # batch's settlement (one statement for all).
+    ("per_batch", "noop"): (0, 0),
+}
+ASYNC_BUDGET = {
+    # The asyncio poller opens the delivery before the handler runs (``await tx.open()``).
+    ("per_event", "writes"): (7, 3),
+    ("per_batch", "writes"): (7, 3),
+}
+
+
+@contextlib.contextmanager
+def traced(text: list[str]) -> Iterator[None]:
+    """Every psycopg connection (blocking or async) opened inside writes libpq's protocol
+    trace; what was written is appended to ``text`` at the end."""
+    originals = {
+        cls: cls.__dict__["connect"] for cls in (psycopg.Connection, psycopg.AsyncConnection)
+    }
+    with tempfile.TemporaryFile("w+") as trace:
+
+        def tracing(conn: Any) -> Any:
+            conn.pgconn.trace(trace.fileno())
+            conn.pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS)
+            return conn
+
+        def blocking(cls: Any, *args: Any, **kwargs: Any) -> Any:
+            return tracing(originals[psycopg.Connection].__func__(cls, *args, **kwargs))
+
+        async def asynchronous(cls: Any, *args: Any, **kwargs: Any) -> Any:
+            connect = originals[psycopg.AsyncConnection].__func__
+            return tracing(await connect(cls, *args, **kwargs))
+
+        psycopg.Connection.connect = classmethod(blocking)  # type: ignore[method-assign,assignment]
+        psycopg.AsyncConnection.connect = classmethod(asynchronous)  # type: ignore[method-assign,assignment]
+        try:
+            yield
+        finally:
+            for cls, original in originals.items():
+                cls.connect = original  # type: ignore[method-assign]
+            trace.flush()
+            trace.seek(0)
+            text.append(trace.read())
+
+
+def counts(text: str) -> tuple[int, int]:
+    """(statements, round trips) the frontend sent, in a libpq trace."""
+    statements = trips = 0
+    for line in text.splitlines():
+        parts = line.split("\t") if "\t" in line else line.split()
+        if len(parts) < 3 or parts[0] != "F":
+            continue
+        statements += parts[2] in ("Query", "Execute")
+        trips += parts[2] in ("Query", "Sync")
+    return statements, trips
+
+
+def _bus(table: sql.Identifier, writes: bool, asyncio: bool) -> EventBus:
+    bus = EventBus()
+    insert = sql.SQL("INSERT INTO {} (event_id) VALUES (%s)").format(table)
+    if asyncio:
+
+        async def handle_async(event: Event, ctx: Any) -> None:
+            if writes:
+                await ctx.connection.execute(insert, (event.id,))
+
+        bus.subscribe("t", handle_async, name="h")
+    else:
+
+        def handle(event: Event, ctx: Any) -> None:
+            if writes:
+                ctx.connection.execute(insert, (event.id,))
+
+        bus.subscribe("t", handle, name="h")
+    return bus
+
+
+def _round(url: str, events: int, transaction: str, writes: bool, asyncio: bool) -> tuple[int, int]:
+    """The statements and round trips of a store's life in which a poller delivers a round of
+    3 events (warming the connections: the schema check, the first prepares) and then one of
+    ``events``. What is not a delivery is the same for every ``events``."""
+    text: list[str] = []
+    with traced(text), migrated_store(url, notify=False) as store:
+        table = sql.Identifier(store.names.schema, "app_rows")
+        with store.transaction() as conn:
+            conn.execute(sql.SQL("CREATE TABLE {} (event_id bigint PRIMARY KEY)").format(table))
+        outbox = Outbox(store, _bus(table, writes, asyncio), load_entry_points=False)
+        warm = 3
+        with store.transaction() as conn:
+            store.enqueue(
+                conn, [build_event("t", {"n": n}) for n in range(warm + events)], now=None
+            )
+        if asyncio:
+            import asyncio as aio
+
+            async def run() -> None:
+                poller = outbox.async_poller(transaction=transaction, batch_size=warm)
+                await poller.run_once()
+                poller = outbox.async_poller(transaction=transaction, batch_size=events)
+                report = await poller.run_once()
+                assert len(report.published) == events
+                await store.async_store().close()
+
+            aio.run(run())
+        else:
+            outbox.poller(transaction=transaction, batch_size=warm).run_once()
+            report = outbox.poller(transaction=transaction, batch_size=events).run_once()
+            assert len(report.published) == events
+        with store.transaction() as conn:
+            written = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(table)).fetchone()
+        assert written == ((warm + events) if writes else 0,)
+    return counts(text[0])
+
+
+def per_event(url: str, transaction: str, writes: bool, asyncio: bool = False) -> tuple[int, int]:
+    small = _round(url, N, transaction, writes, asyncio)
+    large = _round(url, 2 * N, transaction, writes, asyncio)
+    diff = (large[0] - small[0], large[1] - small[1])
+    assert diff[0] % N == 0 and diff[1] % N == 0, (small, large)
+    return diff[0] // N, diff[1] // N
+
+
+@pytest.mark.parametrize(("transaction", "handler"), sorted(BUDGET))
+def test_the_delivery_budget_per_event(pg_url: str, transaction: str, handler: str) -> None:
+    assert per_event(pg_url, transaction, handler == "writes") == BUDGET[transaction, handler]
+
+
+@pytest.mark.parametrize(("transaction", "handler"), sorted(ASYNC_BUDGET))
+def test_the_asyncio_delivery_budget_per_event(pg_url: str, transaction: str, handler: str) -> None:
+    got = per_event(pg_url, transaction, handler == "writes", asyncio=True)
+    assert got == ASYNC_BUDGET[transaction, handler]
+
+
+def _deallocating_bus(table: sql.Identifier, asyncio: bool) -> EventBus:
+    """Each handler writes its row and drops every prepared statement of its session."""
+    bus = EventBus()
+    insert = sql.SQL("INSERT INTO {} (event_id) VALUES (%s)").format(table)
+    if asyncio:
+
+        async def handle_async(event: Event, ctx: Any) -> None:
+            await ctx.connection.execute(insert, (event.id,))
+            await ctx.connection.execute("DEALLOCATE ALL")
+
+        bus.subscribe("t", handle_async, name="h")
+    else:
+
+        def handle(event: Event, ctx: Any) -> None:
+            ctx.connection.execute(insert, (event.id,))
+            ctx.connection.execute("DEALLOCATE ALL")
+
+        bus.subscribe("t", handle, name="h")
+    return bus
+
+
+@pytest.mark.parametrize("asyncio", [False, True], ids=["blocking", "asyncio"])
+@pytest.mark.parametrize("transaction", ["per_event", "per_batch"])
+def test_a_delivery_whose_prepared_row_lock_is_gone_prepares_it_again(
+    pg_store: PostgresStore, transaction: str, asyncio: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reopened: list[object] = []
+    reopening = Flow.reopening
+
+    def counted(flow: Flow[Any]) -> list[bytes]:
+        reopened.append(flow)
+        return reopening(flow)
+
+    monkeypatch.setattr(Flow, "reopening", counted)
+    table = sql.Identifier(pg_store.names.schema, "app_rows")
+    with pg_store.transaction() as conn:
+        conn.execute(sql.SQL("CREATE TABLE {} (event_id bigint PRIMARY KEY)").format(table))
+        ids = pg_store.enqueue(conn, [build_event("t", {"n": n}) for n in range(5)], now=None)
+    outbox = Outbox(pg_store, _deallocating_bus(table, asyncio), load_entry_points=False)
+    if asyncio:
+        import asyncio as aio
+
+        async def run() -> Any:
+            try:
+                return await outbox.async_poller(transaction=transaction).run_once()
+            finally:
+                await pg_store.async_store().close()
+
+        report = aio.run(run())
+    else:
+        report = outbox.poller(transaction=transaction).run_once()
+    assert sorted(report.published) == ids
+    with pg_store.transaction() as conn:
+        rows = conn.execute(sql.SQL("SELECT event_id FROM {} ORDER BY 1").format(table))
+        assert [r[0] for r in rows] == ids
+        records = conn.execute(
+            sql.SQL("SELECT count(*) FROM {} WHERE outcome = 'succeeded'").format(
+                sql.Identifier(pg_store.names.schema, "outbox_deliveries")
+            )
+        ).fetchone()
+    assert records == (5,)
+    assert len(reopened) == 4  # every delivery after the first found it gone
+
+
+def test_per_event_and_batch_row_locks_on_one_connection_a_handler_deallocates(
+    pg_url: str,
+) -> None:
+    """One connection, per-event and batch deliveries in turn, a handler dropping every
+    prepared statement of the session once: each row lock found gone is prepared again (only
+    that one: preparing one that is still there would fail, and abort the transaction), and
+    every event is delivered once, none retried."""
+    with migrated_store(pg_url, notify=False, pool_min_size=1, pool_max_size=1) as store:
+        table = sql.Identifier(store.names.schema, "app_rows")
+        insert = sql.SQL("INSERT INTO {} (event_id) VALUES (%s)").format(table)
+        with store.transaction() as conn:
+            conn.execute(sql.SQL("CREATE TABLE {} (event_id bigint PRIMARY KEY)").format(table))
+            ids = store.enqueue(conn, [build_event("t", {"n": n}) for n in range(4)], now=None)
+        bus = EventBus()
+
+        def handle(event: Event, ctx: Any) -> None:
+            ctx.connection.execute(insert, (event.id,))
+            if event.id == ids[0]:
+                ctx.connection.execute("DEALLOCATE ALL")
+
+        bus.subscribe("t", handle, name="h")
+        outbox = Outbox(store, bus, load_entry_points=False)
+        published = []
+        for transaction in ("per_event", "per_batch", "per_event", "per_batch"):
+            report = outbox.poller(transaction=transaction, batch_size=1).run_once()
+            assert report.retried == [] and report.dead_lettered == [], report
+            published += report.published
+        assert published == ids
