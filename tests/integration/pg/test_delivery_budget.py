@@ -86,32 +86,54 @@ def traced(text: list[str]) -> Iterator[None]:
 
 
 def counts(text: str) -> tuple[int, int]:
-    """(statements, round trips) the frontend sent, in a libpq trace."""
+    """(statements, round trips) the frontend sent, in a libpq trace. A sync whose one
+    statement is the session's ``SET TimeZone`` alone is a connection's set-up (the pool's,
+    when it makes a connection), not a delivery's, and is left out: the async pool makes its
+    connections when it will."""
     statements = trips = 0
+    group: list[str] = []  # the messages since the last Sync
     for line in text.splitlines():
         parts = line.split("\t") if "\t" in line else line.split()
         if len(parts) < 3 or parts[0] != "F":
             continue
-        statements += parts[2] in ("Query", "Execute")
-        trips += parts[2] in ("Query", "Sync")
+        kind = parts[2]
+        if kind == "Query":
+            if "SET TimeZone TO 'UTC'" not in line:
+                statements += 1
+                trips += 1
+            continue
+        if kind == "Sync":
+            executes = [m for m in group if m.split(None, 1)[0] == "Execute"]
+            setup = len(executes) == 1 and any(
+                "SET TimeZone TO 'UTC'" in m for m in group if m.startswith("Parse")
+            )
+            if not setup:
+                statements += len(executes)
+                trips += 1
+            group = []
+            continue
+        group.append(kind + " " + line)
     return statements, trips
 
 
 def _bus(table: sql.Identifier, writes: bool, asyncio: bool) -> EventBus:
+    # The handler's INSERT unprepared: psycopg prepares a statement on its fifth run on a
+    # connection, in a round trip of its own, and which connection of the pool runs which
+    # delivery is the pool's to choose; the budget is outboxkit's, not the handler's.
     bus = EventBus()
     insert = sql.SQL("INSERT INTO {} (event_id) VALUES (%s)").format(table)
     if asyncio:
 
         async def handle_async(event: Event, ctx: Any) -> None:
             if writes:
-                await ctx.connection.execute(insert, (event.id,))
+                await ctx.connection.execute(insert, (event.id,), prepare=False)
 
         bus.subscribe("t", handle_async, name="h")
     else:
 
         def handle(event: Event, ctx: Any) -> None:
             if writes:
-                ctx.connection.execute(insert, (event.id,))
+                ctx.connection.execute(insert, (event.id,), prepare=False)
 
         bus.subscribe("t", handle, name="h")
     return bus
