@@ -49,11 +49,10 @@ def test_another_databases_connection_is_refused_and_nothing_is_written():
 @pytest.mark.django_db(transaction=True)
 def test_an_atomic_block_marked_for_rollback_is_refused(outbox, outbox_drain):
     # What this test enqueued (an earlier process test's committed events may be in the file).
-    with outbox_drain.capture() as cap:
-        with transaction.atomic():
-            Order.objects.create(id=1, item="book")
-            with contextlib.suppress(IntegrityError):  # no savepoint: the block must roll back
-                Order.objects.create(id=1, item="again")
-            with pytest.raises(ConfigurationError, match="marked for rollback"):
-                outbox.enqueue(connection, "order.placed", {})
+    with outbox_drain.capture() as cap, transaction.atomic():
+        Order.objects.create(id=1, item="book")
+        with contextlib.suppress(IntegrityError):  # no savepoint: the block must roll back
+            Order.objects.create(id=1, item="again")
+        with pytest.raises(ConfigurationError, match="marked for rollback"):
+            outbox.enqueue(connection, "order.placed", {})
     assert cap.enqueued() == []
