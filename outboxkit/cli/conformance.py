@@ -31,39 +31,43 @@ def conformance_command(factory: str, pytest_args: Sequence[str]) -> None:
     argument, and may return a context manager yielding the store). Extra arguments go to
     pytest, e.g. ``-k claim -x``. Exits 0 when every test passed or was skipped.
     """
-    # Imported here: pytest and the suite are needed by this command only.
+    # Imported here: pytest is needed by this command only. The suite itself is imported by
+    # pytest's session (``_Run.pytest_sessionstart``), after pytest's import hook is in place:
+    # its checks are plain asserts, rewritten like a test's so that a failure shows its values.
     import pytest
 
-    import outboxkit_conformance as suite
-
-    try:
-        make = suite.load_factory(factory)
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
-    capabilities = _capabilities(make)
-    echo(f"outboxkit conformance suite {suite.SUITE_VERSION} against {factory}")
-    echo(f"declared capabilities: {', '.join(sorted(capabilities)) or 'none'}")
-    counter = _Counter()
-    ini = Path(suite.__file__).with_name("conformance.ini")
+    run = _Run(factory)
     args = [
         "-c",
-        str(ini),
+        str(_suite_ini()),
         "--rootdir",
-        str(ini.parent),
+        str(_suite_ini().parent),
         "--pyargs",
         "outboxkit_conformance",
         f"--outbox-store-factory={factory}",
         "-q",
         *pytest_args,
     ]
-    code = pytest.main(args, plugins=[counter])
+    code = pytest.main(args, plugins=[run])
+    if run.error is not None:
+        sys.exit(2)  # pytest has printed it ("ERROR: ..."), as a usage error
     echo(
-        f"conformance: {counter.passed} passed, {counter.failed} failed, "
-        f"{counter.skipped} skipped, {counter.xfailed} xfailed"
+        f"conformance: {run.passed} passed, {run.failed} failed, "
+        f"{run.skipped} skipped, {run.xfailed} xfailed"
     )
-    for name in counter.failures:
+    for name in run.failures:
         echo(f"FAILED {name}")
     sys.exit(int(code))
+
+
+def _suite_ini() -> Path:
+    """The suite's ``conformance.ini``, found without importing the suite."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("outboxkit_conformance")
+    if spec is None or spec.origin is None:
+        raise click.ClickException("the conformance suite (outboxkit_conformance) is not installed")
+    return Path(spec.origin).with_name("conformance.ini")
 
 
 def _capabilities(make: Any) -> frozenset[str]:
@@ -86,12 +90,30 @@ def _capabilities(make: Any) -> frozenset[str]:
             made.close()
 
 
-class _Counter:
-    """A pytest plugin counting outcomes, for the one-line summary."""
+class _Run:
+    """A pytest plugin: loads the factory and prints the header once the session starts (the
+    suite imported then, under pytest's assertion rewriting), and counts the outcomes for the
+    one-line summary."""
 
-    def __init__(self) -> None:
+    def __init__(self, factory: str) -> None:
+        self.factory = factory
+        self.error: str | None = None
         self.passed = self.failed = self.skipped = self.xfailed = 0
         self.failures: list[str] = []
+
+    def pytest_sessionstart(self, session: Any) -> None:
+        import pytest
+
+        import outboxkit_conformance as suite
+
+        try:
+            make = suite.load_factory(self.factory)
+            capabilities = _capabilities(make)
+        except (ValueError, click.ClickException) as exc:
+            self.error = exc.message if isinstance(exc, click.ClickException) else str(exc)
+            raise pytest.UsageError(self.error) from None
+        echo(f"outboxkit conformance suite {suite.SUITE_VERSION} against {self.factory}")
+        echo(f"declared capabilities: {', '.join(sorted(capabilities)) or 'none'}")
 
     def pytest_runtest_logreport(self, report: Any) -> None:
         if report.when == "call" and report.passed and not hasattr(report, "wasxfail"):

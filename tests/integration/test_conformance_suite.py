@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +18,7 @@ from outboxkit.cli.apps import LoadError
 from outboxkit.store import Capabilities
 from outboxkit.testing.recorder import Recorder
 from outboxkit_conformance import ConformanceBase, StoreConformance, load_factory
+from tests.cli.conftest import outboxkit_command
 
 MIXINS = [
     suite.EnqueueTests,
@@ -127,3 +132,65 @@ def test_drain_fails_when_an_event_is_left_pending() -> None:
     with pytest.raises(AssertionError, match="drain left events undelivered"):
         ConformanceBase.drain(outbox, clock)
     outbox.store.close()
+
+
+BROKEN_STORE = '''
+import dataclasses
+
+from outboxkit import MemoryStore
+
+
+class ForgetfulStore(MemoryStore):
+    """Its stats never count the last pending event."""
+
+    def stats(self, *args, **kwargs):
+        stats = super().stats(*args, **kwargs)
+        return dataclasses.replace(stats, pending=max(stats.pending - 1, 0))
+
+
+def make_store():
+    return ForgetfulStore()
+'''
+
+
+def test_the_command_shows_a_failing_checks_values(tmp_path: Path) -> None:
+    """``outboxkit conformance`` imports the suite under pytest's assertion rewriting: a failure
+    names the values compared, not a bare ``AssertionError``."""
+    (tmp_path / "forgetful.py").write_text(BROKEN_STORE, encoding="utf-8")
+    result = subprocess.run(
+        [
+            *outboxkit_command(),
+            "conformance",
+            "forgetful:make_store",
+            "-x",
+            "-p",
+            "no:cacheprovider",
+        ],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path), "PYTHONDONTWRITEBYTECODE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert re.search(r"^E\s+AssertionError: assert \d+ == \d+$", result.stdout, re.M), result.stdout
+    assert re.search(r"^E\s+\+\s+where \d+ = Stats\(pending=", result.stdout, re.M), result.stdout
+    assert "PytestAssertRewriteWarning" not in result.stdout + result.stderr
+    assert "conformance: 0 passed, 1 failed" in result.stdout
+
+
+def test_the_command_names_a_factory_it_cannot_load(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [*outboxkit_command(), "conformance", "nosuch_module:make_store"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert "cannot import 'nosuch_module' for store factory 'nosuch_module:make_store'" in (
+        result.stderr
+    )
+    assert "conformance:" not in result.stdout  # no run, no summary

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
-import re
 import signal
 import sys
 from collections.abc import Iterator
@@ -19,11 +18,11 @@ import httpx
 import pytest
 
 from outboxkit import ObserverEvent, Published, hookimpl
-from tests.docs import page, python_blocks
+from tests.docs import blocks, page, python_blocks
 
 SECTION = page("how-to/asyncio.md")
 BLOCKS = python_blocks(SECTION)
-INI = re.findall(r"```ini\n(.*?)```", SECTION, flags=re.S)
+INI = blocks(SECTION, "ini")
 
 
 def named(code: str) -> str:
@@ -104,5 +103,37 @@ def test_the_sections_worker_delivers_until_sigterm(
         signal.signal(signal.SIGTERM, previous)
     assert worker["poller"].concurrency == 8 and worker["poller"].stopping
     assert sent == [{"to": "a@b.c", "order_id": 1}]
+    event = orders.store.get(event_id)
+    assert event is not None and event.published_at is not None
+
+
+def test_the_sections_run_command_delivers(
+    orders: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The section's ``bash`` command, run until idle instead of until a signal."""
+    from click.testing import CliRunner
+
+    from outboxkit.cli import cli
+
+    (command,) = blocks(SECTION, "bash")
+    program, *args = command.split()
+    assert program == "outboxkit" and args == ["run", "orders:outbox", "--concurrency", "8"]
+    sent: list[Any] = []
+
+    def respond(request: httpx.Request) -> httpx.Response:
+        sent.append(json.loads(request.content))
+        return httpx.Response(202)
+
+    monkeypatch.setattr(
+        orders,
+        "mail_api",
+        httpx.AsyncClient(base_url="https://x.example", transport=httpx.MockTransport(respond)),
+    )
+    with orders.store.transaction() as tx:
+        event_id = orders.outbox.enqueue(tx, "order.placed", {"order_id": 2, "email": "d@e.f"})
+    result = CliRunner().invoke(cli, [*args, "--until-idle"], prog_name="outboxkit")
+    assert result.exit_code == 0, result.output
+    assert "with AsyncPoller(" in result.output and "concurrency=8" in result.output, result.output
+    assert sent == [{"to": "d@e.f", "order_id": 2}]
     event = orders.store.get(event_id)
     assert event is not None and event.published_at is not None

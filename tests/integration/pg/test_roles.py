@@ -1,4 +1,4 @@
-"""Acceptance 6: least privilege. The grants are the README's ("Least privilege").
+"""Least privilege: the PostgreSQL page's grants ("Least privilege"), run as written.
 
 An owner role runs the migrations in a schema it owns; a poller role with DML grants only runs a
 full drain (its handler writes an app table it may insert into) and cannot create a table; an
@@ -7,6 +7,7 @@ app role can only enqueue. The roles are dropped afterwards.
 
 from __future__ import annotations
 
+import re
 import uuid
 from datetime import timedelta
 from typing import Any
@@ -18,6 +19,7 @@ from psycopg.conninfo import make_conninfo
 
 from outboxkit import Event, EventBus, Message, Outbox, StoreError
 from outboxkit_pg import PostgresStore
+from tests.docs import blocks, page
 
 from .conftest import fresh_schema
 
@@ -28,39 +30,28 @@ def as_role(url: str, role: str) -> str:
     return make_conninfo(url, user=role)
 
 
-def grant_poller(conn: psycopg.Connection[Any], schema: str, role: str) -> None:
-    """README: the poller role (DML on the two tables, read the version)."""
-    s, r = sql.Identifier(schema), sql.Identifier(role)
-    conn.execute(sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(s, r))
-    conn.execute(
-        sql.SQL("GRANT SELECT, INSERT, UPDATE, DELETE ON {}, {} TO {}").format(
-            sql.Identifier(schema, "outbox_events"), sql.Identifier(schema, "outbox_deliveries"), r
-        )
-    )
-    conn.execute(
-        sql.SQL("GRANT SELECT ON {} TO {}").format(sql.Identifier(schema, "outbox_schema"), r)
-    )
-    conn.execute(
-        sql.SQL("GRANT SELECT, INSERT, UPDATE ON {} TO {}").format(
-            sql.Identifier(schema, "outbox_events_keys"), r
-        )
-    )
+def page_sql(schema: str, owner: str, poller: str, app: str) -> tuple[sql.Composed, sql.Composed]:
+    """The grants of the PostgreSQL page ("Least privilege"), as written, its names replaced by
+    the test's: what an administrator runs, and what the owner runs after ``migrate()``."""
+    (text,) = blocks(page("how-to/postgresql.md"), "sql")
+    admin_part, owner_part = text.split("-- ... connect as outbox_owner, run outbox.migrate()")
+    owner_part = owner_part.split("\n", 1)[1]
 
-
-def grant_app(conn: psycopg.Connection[Any], schema: str, role: str) -> None:
-    """README: the app role (enqueue only)."""
-    s, r = sql.Identifier(schema), sql.Identifier(role)
-    events = sql.Identifier(schema, "outbox_events")
-    conn.execute(sql.SQL("GRANT USAGE ON SCHEMA {} TO {}").format(s, r))
-    conn.execute(sql.SQL("GRANT INSERT, SELECT (id, dedupe_key) ON {} TO {}").format(events, r))
-    conn.execute(
-        sql.SQL("GRANT SELECT, INSERT, UPDATE ON {} TO {}").format(
-            sql.Identifier(schema, "outbox_events_keys"), r
+    def composed(part: str) -> sql.Composed:
+        template = re.sub(r"\boutbox_owner\b", "{owner}", part)
+        template = re.sub(r"\boutbox_poller\b", "{poller}", template)
+        template = re.sub(r"\bTO app;", "TO {app};", template)
+        template = re.sub(r"\bSCHEMA outbox\b", "SCHEMA {schema}", template)
+        template = re.sub(r"\boutbox\.(outbox_\w+)", r"{schema}.\1", template)
+        assert "app" not in re.sub(r"--.*", "", template).replace("{app}", ""), template
+        return sql.SQL(template).format(  # type: ignore[arg-type]  # the page's own text
+            owner=sql.Identifier(owner),
+            poller=sql.Identifier(poller),
+            app=sql.Identifier(app),
+            schema=sql.Identifier(schema),
         )
-    )
-    conn.execute(
-        sql.SQL("GRANT SELECT ON {} TO {}").format(sql.Identifier(schema, "outbox_schema"), r)
-    )
+
+    return composed(admin_part), composed(owner_part)
 
 
 def drop_role(admin: psycopg.Connection[Any], role: str) -> None:
@@ -81,13 +72,9 @@ def test_poller_role_drains_with_dml_grants_only(
     stores: list[PostgresStore] = []
     with fresh_schema(pg_url) as schema:
         try:
-            for role in (owner, poller, app):
-                admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
-            admin.execute(
-                sql.SQL("CREATE SCHEMA {} AUTHORIZATION {}").format(
-                    sql.Identifier(schema), sql.Identifier(owner)
-                )
-            )
+            as_admin, as_owner = page_sql(schema, owner, poller, app)
+            admin.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(app)))  # the app's
+            admin.execute(as_admin)
             # The owner migrates, and grants.
             owner_store = PostgresStore(as_role(pg_url, owner), schema=schema)
             stores.append(owner_store)
@@ -98,8 +85,7 @@ def test_poller_role_drains_with_dml_grants_only(
                 conn.execute(
                     sql.SQL("GRANT INSERT ON {} TO {}").format(ledger, sql.Identifier(poller))
                 )
-                grant_poller(conn, schema, poller)
-                grant_app(conn, schema, app)
+                conn.execute(as_owner)
 
             # The app enqueues through its own connection.
             app_store = PostgresStore(as_role(pg_url, app), schema=schema)
@@ -107,7 +93,7 @@ def test_poller_role_drains_with_dml_grants_only(
             with psycopg.connect(as_role(pg_url, app)) as conn, conn.transaction():
                 ids = Outbox(app_store).enqueue_many(conn, [("order", {"n": n}) for n in range(48)])
                 # keyed (the keys table) and deduplicated (the dedupe look-up), with the
-                # README's grants
+                # page's grants
                 keyed = Message("order", {"n": 48}, key="k", dedupe_key="order-48")
                 ids += Outbox(app_store).enqueue_many(conn, [keyed, keyed])
                 ids.append(Outbox(app_store).enqueue(conn, "order", {"n": 49}, key="k"))
