@@ -36,4 +36,4 @@ def test_the_kits_other_tools_run_on_every_store(pytester: pytest.Pytester, back
         "[pytest]\nasyncio_default_fixture_loop_scope = function\nfilterwarnings = error\n"
     )
     result = pytester.runpytest_inprocess("-q", "-p", "no:cacheprovider", *args)
-    result.assert_outcomes(passed=3)
+    result.assert_outcomes(passed=4)
