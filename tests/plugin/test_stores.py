@@ -113,6 +113,45 @@ def test_a_store_the_test_closed_is_dropped_not_kept(tmp_path: Path) -> None:
     assert not schema_exists(schema)
 
 
+@pytest.mark.pg
+@pytest.mark.parametrize("made", ["TABLE {}.ledger (n int)", "VIEW {}.recent AS SELECT 1 AS n"])
+def test_a_schema_the_test_made_a_relation_in_is_dropped_not_kept(
+    tmp_path: Path, made: str
+) -> None:
+    """The app's own table (or view) in the test schema: the next test gets a new schema, as
+    without keeping; the delivery records and keys of a kept one are emptied with it."""
+    from psycopg import sql
+
+    require_server(pg_url_from_env())
+    url = pg_test_url(pg_url_from_env())
+    stores.close_test_stores()
+    with open_test_store(url, tmp_path) as store:
+        assert isinstance(store, PostgresStore)
+        schema = store.names.schema
+        with store.transaction() as conn:
+            conn.execute(sql.SQL("CREATE " + made).format(sql.Identifier(schema)))
+    assert not schema_exists(schema)
+    with open_test_store(url, tmp_path) as again:
+        assert isinstance(again, PostgresStore)
+        assert again.names.schema != schema
+        kept = again.names.schema
+        outbox = Outbox(again, EventBus(), clock=FrozenClock(), load_entry_points=False)
+        outbox.bus.subscribe("t", lambda event, ctx: None, name="noop")
+        with again.transaction() as conn:
+            outbox.enqueue(conn, "t", {}, key="k")
+        outbox.poller().run_once()
+        assert len(again.records(1)) == 1
+    with open_test_store(url, tmp_path) as third:  # kept: emptied, records and keys too
+        assert isinstance(third, PostgresStore)
+        assert third.names.schema == kept
+        assert third.stats(now=None).total == 0 and third.records(1) == []
+        with psycopg.connect(url, autocommit=True) as conn:
+            keys = sql.Identifier(kept, third.names.keys)
+            row = conn.execute(sql.SQL("SELECT count(*) FROM {}").format(keys)).fetchone()
+        assert row == (0,)
+    stores.close_test_stores()
+
+
 def test_a_postgres_url_that_opens_another_store_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
