@@ -36,7 +36,7 @@ from outboxkit.storekit import (
 from outboxkit.storekit.rows import record_params
 from outboxkit.storekit.sql import SQLBatch
 
-from .dialect import SESSION, UNAVAILABLE, StoreConnection, code_of, map_error, run_script
+from .dialect import SESSION, UNAVAILABLE, StoreConnection, code_of, map_error, restored, run_script
 
 if TYPE_CHECKING:
     from .store import MySQLStore
@@ -227,7 +227,7 @@ class EventDelivery:
         dialect, claim = self.store.dialect, self.claim
         with dialect.mapped(f"record a delivery of event {claim.event.id}"):
             written, _ = dialect.execute(
-                self.tx.conn, "insert_record_fenced", {**params, "token": claim.token}
+                restored(self.tx.conn), "insert_record_fenced", {**params, "token": claim.token}
             )
         if written != 1:
             raise LeaseLostError(f"event {claim.event.id}: claim token is stale")

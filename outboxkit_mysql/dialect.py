@@ -281,7 +281,7 @@ class MySQLDialect(Dialect):
         conn: StoreConnection | None = None
         try:
             with self.mapped(doing):
-                conn = self.pool.take()
+                conn = restored(self.pool.take())
                 yield conn
         except BaseException:
             if conn is not None:
@@ -306,18 +306,18 @@ class MySQLDialect(Dialect):
 
 
 def _reset(conn: StoreConnection) -> bool:
-    """R18 before a connection is kept: a handler's session settings undone. A connection whose
-    delivery a handler tried to end is closed instead (its transaction may be anything)."""
+    """Keep a connection unless a handler tried to end its delivery. One a handler had stays
+    ``dirty``: its next user sets the session first (R18), a delivery with its XA START."""
     conn.delivering = False
-    if conn.ended_by_handler:
-        return False
+    return not conn.ended_by_handler
+
+
+def restored(conn: StoreConnection) -> StoreConnection:
+    """``conn`` with the store's session set again if a handler had it (R18)."""
     if conn.dirty:
-        try:
-            run_script(conn, [(SESSION, None)])
-        except pymysql.err.MySQLError:
-            return False
+        run_script(conn, [(SESSION, None)])
         conn.dirty = False
-    return True
+    return conn
 
 
 def _close(conn: StoreConnection) -> None:
