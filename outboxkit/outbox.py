@@ -166,7 +166,7 @@ class Outbox:
         self._plugin_list = list(plugins)
         self._load_entry_points = load_entry_points
         self.plugins: pluggy.PluginManager = make_plugin_manager(
-            self._plugin_list, load_entry_points=load_entry_points
+            self._plugin_list, load_entry_points=load_entry_points, stores=False
         )
         self._waiters: list[Wakeable] = []
         self._waiters_lock = threading.Lock()
@@ -228,7 +228,9 @@ class Outbox:
         plugins = list(self._plugin_list)
         state.update(
             _plugin_list=plugins,
-            plugins=make_plugin_manager(plugins, load_entry_points=self._load_entry_points),
+            plugins=make_plugin_manager(
+                plugins, load_entry_points=self._load_entry_points, stores=False
+            ),
             _waiters=[],
             _waiters_lock=threading.Lock(),
             _next_prune_at=None,

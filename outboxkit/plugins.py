@@ -30,13 +30,18 @@ log = logging.getLogger("outboxkit")
 
 
 def make_plugin_manager(
-    plugins: Iterable[object] = (), *, load_entry_points: bool = True
+    plugins: Iterable[object] = (), *, load_entry_points: bool = True, stores: bool = True
 ) -> pluggy.PluginManager:
-    """A fresh plugin manager with outboxkit's hook specs, entry points and ``plugins``."""
+    """A fresh plugin manager with outboxkit's hook specs, entry points and ``plugins``.
+
+    ``stores=False`` (an ``Outbox``'s) leaves out the entry points that only register stores:
+    their one hook is ``open_store``'s, and parsing a plugin's hooks costs a millisecond per
+    manager, which an ``Outbox`` made per test would pay for nothing.
+    """
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
     if load_entry_points:
-        for name, plugin in _entry_point_plugins():
+        for name, plugin in _entry_point_plugins() if stores else _entry_points_beyond_stores():
             if pm.get_plugin(name) is None and not pm.is_registered(plugin):
                 register(pm, plugin, name=name)
     for plugin in plugins:
@@ -110,6 +115,21 @@ def _entry_point_plugins() -> tuple[tuple[str, object], ...]:
     """
     found = importlib.metadata.entry_points(group=hookspecs.PROJECT)
     return tuple((ep.name, ep.load()) for ep in sorted(found, key=lambda ep: ep.name))
+
+
+@functools.cache
+def _entry_points_beyond_stores() -> tuple[tuple[str, object], ...]:
+    """The entry-point plugins with a hook besides ``outboxkit_register_stores`` (an observer,
+    enqueue headers, a handler scope): what an ``Outbox``'s plugin manager needs of them."""
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    found: list[tuple[str, object]] = []
+    for name, plugin in _entry_point_plugins():
+        register(pm, plugin, name=name)
+        hooks = {caller.name for caller in pm.get_hookcallers(plugin) or ()}
+        if hooks - {"outboxkit_register_stores"}:
+            found.append((name, plugin))
+    return tuple(found)
 
 
 @dataclass(frozen=True, slots=True)
