@@ -7,7 +7,8 @@ The references (one table of events, one of delivery records, the ledger; no tok
   (``UPDATE``: lease, attempts + 1), ``COMMIT``; per event ``BEGIN``, the handler's ``INSERT``,
   the record's ``INSERT``, ``COMMIT``; then mark the batch published in one statement;
 - per batch: one transaction per batch: claim (``FOR UPDATE SKIP LOCKED``), the handlers'
-  rows, ``executemany`` of the records, mark.
+  rows, ``executemany`` of the records, mark; ``batch-sp``: the same with a ``SAVEPOINT`` before
+  each handler, so that a failing handler undoes only its own writes (``per_batch``'s rule).
 
 The server comes from ``OUTBOXKIT_BENCH_MYSQL_URL`` (default ``mysql://root@127.0.0.1:3306/test``,
 whose database is only used to connect); each drain runs in a database of its own.
@@ -151,8 +152,10 @@ def ref_worker(url: str, mode: str, batch: int, barrier: Any) -> tuple[float, fl
         cur.execute(REF_CLAIM, (batch,))
         rows = cur.fetchall()
         ids = tuple(row[0] for row in rows)
-        if mode == "batch":
+        if mode in ("batch", "batch-sp"):
             for event_id, _, _ in rows:
+                if mode == "batch-sp":  # a savepoint: a failing handler undoes its own writes
+                    cur.execute("SAVEPOINT handler")
                 cur.execute(LEDGER, (event_id,))  # the handler
             if rows:
                 cur.executemany(REF_RECORD, [(event_id, HANDLER) for event_id in ids])
@@ -194,7 +197,7 @@ def kit_worker(url: str, mode: str, batch: int, barrier: Any) -> tuple[float, fl
 
     store = MySQLStore(url)
     outbox = Outbox(store, bus, load_entry_points=False)
-    transaction = "per_batch" if mode == "batch" else "per_event"
+    transaction = "per_batch" if mode in ("batch", "batch-sp") else "per_event"
     poller = outbox.poller(batch_size=batch, waiter=ThreadWaiter(), transaction=transaction)
     with store.transaction():  # connected before the clock starts
         pass

@@ -194,6 +194,13 @@ CONTENDERS = {
         *WRITING,
         Contender("ref-mysql-tx", "minimal loop, tx per event, 1-row handler", "mysql", "ref"),
         Contender(
+            "ref-mysql-batch-sp",
+            "minimal loop, tx per batch, a savepoint per handler, 1-row handler",
+            "mysql",
+            "ref",
+            "batch-sp",
+        ),
+        Contender(
             "ref-mysql-batch", "minimal loop, tx per batch, 1-row handler", "mysql", "ref", "batch"
         ),
         Contender("kit-mysql-tx", "poller, per_event, 1-row handler", "mysql", "kit"),
@@ -218,7 +225,7 @@ GROUPS: list[list[str]] = [
     ["ref-w-sqlite-tx", "kit-w-sqlite-tx"],
     ["ref-w-sqlite-batch-sp", "ref-w-sqlite-batch", "kit-w-sqlite-batch"],
     ["ref-mysql-tx", "kit-mysql-tx"],
-    ["ref-mysql-batch", "kit-mysql-batch"],
+    ["ref-mysql-batch-sp", "ref-mysql-batch", "kit-mysql-batch"],
 ]
 
 
@@ -308,11 +315,18 @@ WORKLOADS = [
         "mysql-event", "MariaDB per event, 1-row handler", "ref-mysql-tx", ("kit-mysql-tx",), 0.8
     ),
     Workload(
-        "mysql-batch",
-        "MariaDB per_batch, 1-row handler",
-        "ref-mysql-batch",
+        "mysql-batch-sp",
+        "MariaDB per_batch, 1-row handler, vs savepoint loop",
+        "ref-mysql-batch-sp",
         ("kit-mysql-batch",),
         0.8,
+    ),
+    Workload(
+        "mysql-batch",
+        "MariaDB per_batch, 1-row handler, vs loop without savepoints",
+        "ref-mysql-batch",
+        ("kit-mysql-batch",),
+        None,
     ),
 ]
 # --bare: what the database itself gives for outboxkit's statements, against the same references.
