@@ -87,27 +87,24 @@ def user_project(tmp_path):
     return root, env
 
 
-def test_the_pages_ini_conftest_and_tests_pass_as_a_user_lays_them_out(tmp_path):
-    root, env = user_project(tmp_path)
-    result = subprocess.run(
-        # pytest-asyncio, installed here for other tests, is no plugin the page's project uses
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-p",
-            "no:asyncio",
-            "tests",
-        ],
+def run_in(root, env, *args):
+    """``python ARGS`` in the user's project, its output captured."""
+    return subprocess.run(
+        [sys.executable, *args],
         cwd=root,
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
+    )
+
+
+def test_the_pages_ini_conftest_and_tests_pass_as_a_user_lays_them_out(tmp_path):
+    root, env = user_project(tmp_path)
+    # pytest-asyncio, installed here for other tests, is no plugin the page's project uses
+    result = run_in(
+        root, env, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:asyncio", "tests"
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.strip().splitlines()[-1].startswith("2 passed"), result.stdout
@@ -123,33 +120,18 @@ def test_the_pages_commands_run_in_the_project(tmp_path):
         assert args[:2] == ["python", "manage.py"], line
         if args[2:4] == ["outboxkit", "run"] and "--until-idle" not in args:
             args.append("--until-idle")
-        return subprocess.run(
-            [sys.executable, *args[1:]],
-            cwd=root,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=False,
-        )
+        return run_in(root, env, *args[1:])
 
     (commands,) = blocks("bash")
     migrate, *outboxkit = [line for line in commands.splitlines() if line.strip()]
     assert manage(migrate).returncode == 0
-    placed = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import django; django.setup()\n"
-            "from shop.services import place_order\n"
-            "print(place_order('book').id)\n",
-        ],
-        cwd=root,
-        env={**env, "DJANGO_SETTINGS_MODULE": "project.settings"},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    placed = run_in(
+        root,
+        {**env, "DJANGO_SETTINGS_MODULE": "project.settings"},
+        "-c",
+        "import django; django.setup()\n"
+        "from shop.services import place_order\n"
+        "print(place_order('book').id)\n",
     )
     assert placed.returncode == 0, placed.stderr
     outputs = []
