@@ -238,6 +238,11 @@ class Drain(DeliverOne):
         until: datetime | timedelta | None = None,
         max_rounds: int = 50,
         raise_errors: bool = True,
+        topics: Sequence[str] | None = None,
+        handlers: Sequence[str] | None = None,
+        limit: int | None = None,
+        advance_time: bool = True,
+        fail_fast: bool = False,
     ) -> DrainReport:
         """``drain()`` from an ``async def`` test: the asyncio poller's ``run_until_idle`` on the
         running event loop, with the same virtual clock, rounds, report and errors.
@@ -250,6 +255,11 @@ class Drain(DeliverOne):
             until: as for ``drain()``.
             max_rounds: as for ``drain()``.
             raise_errors: as for ``drain()``.
+            topics: as for ``drain()``.
+            handlers: as for ``drain()``.
+            limit: as for ``drain()``.
+            advance_time: as for ``drain()``.
+            fail_fast: as for ``drain()``.
 
         Returns:
             The ``DrainReport``.
@@ -258,10 +268,12 @@ class Drain(DeliverOne):
             DrainError: more than ``max_rounds`` rounds (the message names the topic chain).
             HandlerErrors: as for ``drain()``.
             ConfigurationError: a store without an asyncio side, or a handler the asyncio
-                poller refuses (a blocking transactional one).
+                poller refuses (a blocking transactional one); a bad option (naming it).
         """
         self._refuse_strays()
-        run, outbox = self._begin(until, max_rounds, None, None, None, True, False, ())
+        run, outbox = self._begin(
+            until, max_rounds, topics, handlers, limit, advance_time, fail_fast, ()
+        )
         poller = self._async_poller(calls.async_handlers(outbox.bus.specs()), outbox)
         await poller.run_until_idle(on_idle=run.on_idle, on_round=run.on_round)
         return self._end(run, raise_errors)

@@ -267,6 +267,38 @@ def test_outbox_drain_delivers_async_handlers(async_app: pytest.Pytester, mode: 
     result.assert_outcomes(passed=9 if mode != "sync" else 8)
 
 
+AIMED = """
+import pytest
+from outboxkit import ConfigurationError
+from apphelpers import enqueue
+
+
+@pytest.mark.asyncio
+async def test_an_aimed_async_drain(outbox, outbox_drain):
+    enqueue(outbox, "order.placed", {"order_id": 1})
+    enqueue(outbox, "email.requested", {})
+    report = await outbox_drain.async_(topics=["order.placed"])
+    report.assert_delivered("order.placed", handler="reserve-stock")
+    reasons = sorted(left.reason for left in report.left)
+    assert reasons == [
+        "not aimed at: topic 'email.requested' is not in topics=['order.placed']",
+        "not aimed at: topic 'stock.reserved' is not in topics=['order.placed']",
+    ]
+    report = await outbox_drain.async_(handlers=["notify-warehouse"], limit=1)
+    report.assert_delivered("stock.reserved", handler="notify-warehouse", count=1)
+    report = await outbox_drain.async_(advance_time=False, raise_errors=False)
+    (left,) = report.left  # the mailer's retry, scheduled, the clock where it was
+    assert left.reason.startswith("retry (attempt 2) due at")
+    with pytest.raises(ConfigurationError, match="limit must be an integer >= 1, got 0"):
+        await outbox_drain.async_(limit=0)
+"""
+
+
+def test_the_async_drain_can_be_aimed(async_app: pytest.Pytester) -> None:
+    result = run(async_app, AIMED)
+    result.assert_outcomes(passed=1)
+
+
 def test_a_blocking_app_in_an_async_test_keeps_the_blocking_drain(app: pytest.Pytester) -> None:
     result = run(
         app,
