@@ -38,7 +38,7 @@ def make_plugin_manager(
     their one hook is ``open_store``'s, and parsing a plugin's hooks costs a millisecond per
     manager, which an ``Outbox`` made per test would pay for nothing.
     """
-    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm = _PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
     if load_entry_points:
         for name, plugin in _entry_point_plugins() if stores else _entry_points_beyond_stores():
@@ -48,6 +48,24 @@ def make_plugin_manager(
         if not pm.is_registered(plugin):
             register(pm, plugin)
     return pm
+
+
+class _PluginManager(pluggy.PluginManager):
+    """pluggy's manager, reading only ``outboxkit_`` names as hook specifications.
+
+    pluggy looks every name of the spec module up statically (``inspect.getattr_static``):
+    for the imports and dunders of ``outboxkit.hookspecs`` that was most of the cost of a
+    manager, paid per ``Outbox`` (one per test in an app's suite).
+    """
+
+    def parse_hookspec_opts(self, module_or_class: Any, name: str) -> pluggy.HookspecOpts | None:
+        if not name.startswith(PREFIX):
+            return None
+        return super().parse_hookspec_opts(module_or_class, name)
+
+
+PREFIX = f"{hookspecs.PROJECT}_"
+"""What every outboxkit hook's name starts with."""
 
 
 def register(pm: pluggy.PluginManager, plugin: object, *, name: str | None = None) -> None:
@@ -121,7 +139,7 @@ def _entry_point_plugins() -> tuple[tuple[str, object], ...]:
 def _entry_points_beyond_stores() -> tuple[tuple[str, object], ...]:
     """The entry-point plugins with a hook besides ``outboxkit_register_stores`` (an observer,
     enqueue headers, a handler scope): what an ``Outbox``'s plugin manager needs of them."""
-    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm = _PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
     found: list[tuple[str, object]] = []
     for name, plugin in _entry_point_plugins():
