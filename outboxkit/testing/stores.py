@@ -5,8 +5,9 @@ test. In memory-backed storage (``/dev/shm``), when the system has it, the file 
 SQLite file, WAL and all, without the disk's flushes) and the store open on it are kept for the
 process's next test, emptied (ids from 1 again); else each test copies its own under
 ``tmp_path``. PostgreSQL tests get a migrated schema of their own:
-one a process made earlier and emptied after its last test (its tables truncated, their
-identities restarted), with the store open on it kept for the next test, or a new one. The
+one a process made earlier and emptied after its last test (its rows deleted, its ids from 1
+again: the statement sent as that test ends, its answer read as the next one starts), with the
+store open on it kept for the next test, or a new one. The
 production path is the same (the same store class and statements on a real schema); what a
 test no longer pays is the schema's DDL and the store's connections. The schemas are dropped
 when the test session ends (or the process exits).
@@ -19,6 +20,7 @@ import contextlib
 import functools
 import hashlib
 import os
+import select
 import shutil
 import sqlite3
 import tempfile
@@ -153,23 +155,32 @@ def _emptied_sqlite(store: SQLiteStore) -> bool:
     return True
 
 
-_IDLE: dict[str, list[PostgresStore]] = {}
-"""Per URL, the stores on emptied test schemas waiting for their next test."""
+_IDLE: dict[str, list[_Emptying]] = {}
+"""Per URL, the stores on test schemas being emptied (the statement sent, its answer not yet
+read), waiting for their next test."""
 
 
 @contextlib.contextmanager
 def _postgres_test_store(url: str, name: str) -> Iterator[Store]:
     """A PostgreSQL store on a migrated schema of its own: an emptied one kept from an earlier
-    test, or a new one; emptied and kept for the next test afterwards."""
+    test, or a new one; its emptying sent afterwards, and the store kept for the next test."""
     idle = _IDLE.setdefault(url, [])
-    store = idle.pop() if idle else _new_postgres_store(url, name)
-    kept = False
+    store: PostgresStore | None = None
+    while idle and store is None:
+        emptying = idle.pop()
+        if emptying.emptied():
+            store = emptying.store
+        else:
+            _drop(emptying.store, url)
+    if store is None:
+        store = _new_postgres_store(url, name)
+    sent: _Emptying | None = None
     try:
         yield store
-        kept = _emptied(store)
+        sent = _Emptying.send(store)
     finally:
-        if kept:
-            idle.append(store)
+        if sent is not None:
+            idle.append(sent)
         else:
             _drop(store, url)
 
@@ -194,55 +205,125 @@ def _new_postgres_store(url: str, name: str) -> PostgresStore:
     return store
 
 
-def _emptied(store: PostgresStore) -> bool:
-    """Empty the store's tables for the next test (ids from 1 again); False when it cannot be
-    kept: the test closed it, the database refused, or the test made tables of its own in the
-    schema (the app's: the next test gets a new schema, as it would without keeping).
+class _Emptying:
+    """A kept PostgreSQL test store's emptying for the next test (ids from 1 again), sent when
+    a test ends and its answer read when the next test takes the store: the server empties the
+    tables while pytest goes from one test to the next, and the test waits for it only if it
+    is not done by then.
 
-    One autocommitted statement, one round trip: the schema's own relations are found through
-    ``pg_depend``'s index on the object depended on (the schema), not by a scan of
-    ``pg_class``, which grows with every schema a test run makes and drops; the tables are
-    emptied only when no other relation is there.
+    One autocommitted statement (``_emptying_statement``), sent in a pipeline sync on a
+    connection of the store's pool held out of it in between (``outboxkit_pg.pipeline.Flight``,
+    as a delivery sends its statements). It empties nothing when the test made relations of
+    its own in the schema (the app's tables: the next test gets a new schema, as it would
+    without keeping).
     """
+
+    def __init__(self, store: PostgresStore) -> None:
+        from outboxkit_pg.flow import Statement
+        from outboxkit_pg.pipeline import Flight
+
+        self.store = store
+        self._lease = store.dialect.connection("empty the test store", check_schema=False)
+        self._conn = self._lease.__enter__()
+        self._flight = Flight(self._conn)
+        try:
+            writing = self._flight.send([Statement(_emptying_statement(store, self._conn))])
+            while writing:
+                select.select([], [self._conn.pgconn.socket], [])
+                writing = self._flight.flush()
+        except BaseException as exc:
+            self._end(exc)
+            raise
+
+    @classmethod
+    def send(cls, store: PostgresStore) -> _Emptying | None:
+        """The emptying of ``store``, sent; None when the store cannot be kept (the test
+        closed it, or the database refused)."""
+        if store.dialect.pool.closed:
+            return None
+        try:
+            return cls(store)
+        except Exception:
+            return None
+
+    def emptied(self) -> bool:
+        """Wait for the answer: whether the tables were emptied (the store can be kept)."""
+        try:
+            while (results := self._flight.read()) is None:
+                select.select([self._conn.pgconn.socket], [], [])
+            (result,) = results
+            kept = result.ntuples == 1 and result.get_value(0, 0) == b"0"
+        except BaseException as exc:
+            self._end(exc)
+            return False
+        self._end(None)
+        return kept
+
+    def _end(self, exc: BaseException | None) -> None:
+        """Hand the connection back to the pool (closed first when it is left in the middle
+        of the pipeline: it can be neither read back nor reused)."""
+        from psycopg import pq
+
+        conn = self._conn
+        if exc is not None and conn.pgconn.pipeline_status != pq.PipelineStatus.OFF:
+            conn.close()
+        with contextlib.suppress(Exception):
+            self._lease.__exit__(None, None, None)
+
+
+def _emptying_statement(store: PostgresStore, conn: Any) -> bytes:
+    """The statement that empties ``store``'s tables when no other relation is in its schema,
+    and returns how many other relations there are (``_Emptying``).
+
+    The schema's own relations are found through ``pg_depend``'s index on the object depended
+    on (the schema), not by a scan of ``pg_class``, which grows with every schema a test run
+    makes and drops. DELETE, not TRUNCATE: a few rows go at once, where TRUNCATE makes new
+    files (tens of ms).
+    """
+    names = store.names
+    statement = _EMPTYING.get(names.schema)
+    if statement is not None:
+        return statement
     from psycopg import sql
 
-    if store.dialect.pool.closed:
-        return False
-    names = store.names
     ours = [names.events, names.deliveries, names.keys, names.versions]
     events, deliveries, keys = (
         sql.Identifier(names.schema, table)
         for table in (names.events, names.deliveries, names.keys)
     )
-    # DELETE, not TRUNCATE: a few rows go at once, where TRUNCATE makes new files (tens of ms).
-    statement = sql.SQL(
-        "WITH other AS ("
-        " SELECT count(*) AS n FROM pg_depend d JOIN pg_class c ON c.oid = d.objid"
-        " WHERE d.refclassid = 'pg_namespace'::regclass AND d.classid = 'pg_class'::regclass"
-        " AND d.refobjid = (SELECT oid FROM pg_namespace WHERE nspname = {schema})"
-        " AND c.relkind IN ('r', 'p', 'v', 'm', 'f') AND c.relname <> ALL({ours})),"
-        " gone_records AS (DELETE FROM {deliveries} WHERE (SELECT n FROM other) = 0),"
-        " gone_keys AS (DELETE FROM {keys} WHERE (SELECT n FROM other) = 0),"
-        " gone_events AS (DELETE FROM {events} WHERE (SELECT n FROM other) = 0)"
-        " SELECT n, CASE WHEN n = 0 THEN"
-        " setval(pg_get_serial_sequence({events_name}, 'id'), 1, false)"
-        " + setval(pg_get_serial_sequence({deliveries_name}, 'seq'), 1, false) END"
-        " FROM other"
-    ).format(
-        schema=sql.Literal(names.schema),
-        ours=sql.Literal(ours),
-        deliveries=deliveries,
-        keys=keys,
-        events=events,
-        events_name=sql.Literal(events.as_string()),
-        deliveries_name=sql.Literal(deliveries.as_string()),
+    statement = (
+        sql.SQL(
+            "WITH other AS ("
+            " SELECT count(*) AS n FROM pg_depend d JOIN pg_class c ON c.oid = d.objid"
+            " WHERE d.refclassid = 'pg_namespace'::regclass"
+            " AND d.classid = 'pg_class'::regclass"
+            " AND d.refobjid = (SELECT oid FROM pg_namespace WHERE nspname = {schema})"
+            " AND c.relkind IN ('r', 'p', 'v', 'm', 'f') AND c.relname <> ALL({ours})),"
+            " gone_records AS (DELETE FROM {deliveries} WHERE (SELECT n FROM other) = 0),"
+            " gone_keys AS (DELETE FROM {keys} WHERE (SELECT n FROM other) = 0),"
+            " gone_events AS (DELETE FROM {events} WHERE (SELECT n FROM other) = 0)"
+            " SELECT n, CASE WHEN n = 0 THEN"
+            " setval(pg_get_serial_sequence({events_name}, 'id'), 1, false)"
+            " + setval(pg_get_serial_sequence({deliveries_name}, 'seq'), 1, false) END"
+            " FROM other"
+        )
+        .format(
+            schema=sql.Literal(names.schema),
+            ours=sql.Literal(ours),
+            deliveries=deliveries,
+            keys=keys,
+            events=events,
+            events_name=sql.Literal(events.as_string()),
+            deliveries_name=sql.Literal(deliveries.as_string()),
+        )
+        .as_bytes(conn)
     )
-    try:
-        with store.dialect.connection("empty the test store", check_schema=False) as conn:
-            row = conn.execute(statement).fetchone()
-    except Exception:
-        return False
-    return row is not None and row[0] == 0
+    _EMPTYING[names.schema] = statement
+    return statement
+
+
+_EMPTYING: dict[str, bytes] = {}
+"""Per test schema, its emptying statement (composed once)."""
 
 
 def _drop(store: PostgresStore, url: str) -> None:
@@ -283,9 +364,10 @@ def close_test_stores() -> None:
             _IDLE_SQLITE.pop().close()
     for url, idle in list(_IDLE.items()):
         while idle:
-            store = idle.pop()
+            emptying = idle.pop()
             with contextlib.suppress(Exception):
-                _drop(store, url)
+                emptying.emptied()  # its connection back in the pool first
+                _drop(emptying.store, url)
 
 
 atexit.register(close_test_stores)
