@@ -25,6 +25,18 @@ def any_app(request: pytest.FixtureRequest, pytester: pytest.Pytester) -> pytest
     return make_app(request.param, pytester)
 
 
+@pytest.fixture
+def app_pg(pytester: pytest.Pytester) -> pytest.Pytester:
+    """``app`` on PostgreSQL only."""
+    return make_app("pg", pytester)
+
+
+@pytest.fixture
+def app_memory(pytester: pytest.Pytester) -> pytest.Pytester:
+    """``app`` on ``memory://`` only."""
+    return make_app("memory", pytester)
+
+
 def make_app(backend: str, pytester: pytest.Pytester) -> pytest.Pytester:
     pytester.makepyfile(myapp=SAMPLE_APP, apphelpers=HELPERS)
     pytester.makeini(

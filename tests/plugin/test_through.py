@@ -95,6 +95,70 @@ def test_an_enqueue_into_another_sqlite_file_is_named(pytester: pytest.Pytester)
     result.assert_outcomes(passed=1)
 
 
+@pytest.mark.pg
+def test_an_enqueue_into_another_postgres_database_is_named(app_pg: pytest.Pytester) -> None:
+    # The app's real database holds the outbox tables under the same schema name, so the
+    # enqueue through a connection to it succeeds, and the events land where no drain looks.
+    result = run(
+        app_pg,
+        """
+        import uuid
+        import psycopg
+        import pytest
+        from psycopg import sql
+        from urllib.parse import urlsplit, urlunsplit
+        from outboxkit import DrainError, open_store
+
+        def test_shop(outbox, outbox_drain, outbox_store):
+            url = outbox_store.url
+            name = f"outboxkit_shop_{uuid.uuid4().hex[:12]}"
+            with psycopg.connect(url, autocommit=True) as admin:
+                admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+            shop = urlunsplit(urlsplit(url)._replace(path=f"/{name}"))
+            try:
+                real = open_store(shop, schema=outbox_store.names.schema)
+                real.migrate()
+                real.close()
+                with psycopg.connect(shop) as conn:
+                    outbox.enqueue(conn, "order.placed", {"order_id": 1})
+                with pytest.raises(AssertionError, match=f"another database .*{name}"):
+                    outbox_drain.assert_enqueued("order.placed")
+                with pytest.raises(DrainError, match=f"another database .*{name}.* outbox_store"):
+                    outbox_drain()
+            finally:
+                with psycopg.connect(url, autocommit=True) as admin:
+                    admin.execute(
+                        sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name))
+                    )
+        """,
+    )
+    result.assert_outcomes(passed=1)
+
+
+def test_the_memory_store_refuses_another_stores_transaction(
+    app_memory: pytest.Pytester,
+) -> None:
+    # A memory store has no database another connection could be on: a transaction of
+    # another store is refused at the enqueue, nothing written to either.
+    result = run(
+        app_memory,
+        """
+        import pytest
+        from outboxkit import ConfigurationError, MemoryStore
+
+        def test_other(outbox, outbox_drain):
+            other = MemoryStore()
+            with pytest.raises(ConfigurationError, match="a transaction of the same store"):
+                with other.transaction() as conn:
+                    outbox.enqueue(conn, "order.placed", {"order_id": 1})
+            assert other.stats(now=None).total == 0
+            outbox_drain.refute_enqueued("order.placed")
+            assert outbox_drain().deliveries == []
+        """,
+    )
+    result.assert_outcomes(passed=1)
+
+
 def test_on_the_apps_own_store_the_window_starts_at_the_drain_and_says_so(
     pytester: pytest.Pytester,
 ) -> None:
