@@ -74,3 +74,31 @@ def test_report_assertions_fail_readably(app: pytest.Pytester) -> None:
             "*comparing a DrainReport (==)*",
         ]
     )
+
+
+def test_the_key_order_and_duplicate_checks_pass_a_real_drain_and_name_what_breaks_them(
+    any_app: pytest.Pytester,
+) -> None:
+    result = run(
+        any_app,
+        """
+        import dataclasses
+        import pytest
+        from apphelpers import enqueue
+
+        def test_checks(outbox, outbox_drain):
+            enqueue(outbox, "stock.reserved", {"order_id": 1}, key="order-1")
+            enqueue(outbox, "stock.reserved", {"order_id": 1}, key="order-1")
+            report = outbox_drain()
+            report.assert_key_order()
+            report.assert_no_duplicates()
+            # The same drain, its deliveries out of order or one of them twice:
+            swapped = dataclasses.replace(report, deliveries=report.deliveries[::-1])
+            with pytest.raises(AssertionError, match="key 'order-1': event 1 was delivered after event 2"):
+                swapped.assert_key_order()
+            twice = dataclasses.replace(report, deliveries=[*report.deliveries, report.deliveries[0]])
+            with pytest.raises(AssertionError, match="handler 'notify-warehouse' succeeded 2 times for event 1"):
+                twice.assert_no_duplicates()
+        """,
+    )
+    result.assert_outcomes(passed=1)
