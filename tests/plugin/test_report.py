@@ -97,7 +97,7 @@ def test_the_key_order_and_duplicate_checks_pass_a_real_drain_and_name_what_brea
             with pytest.raises(AssertionError, match="key 'order-1': event 1 was delivered after event 2"):
                 swapped.assert_key_order()
             twice = dataclasses.replace(report, deliveries=[*report.deliveries, report.deliveries[0]])
-            with pytest.raises(AssertionError, match="handler 'notify-warehouse' succeeded 2 times for event 1"):
+            with pytest.raises(AssertionError, match="'notify-warehouse' succeeded 2 times for event 1"):
                 twice.assert_no_duplicates()
         """,
     )
