@@ -73,9 +73,9 @@ def test_assertions_match_nested_payloads_keys_headers_and_times(any_app: pytest
     result.assert_outcomes(passed=1)
 
 
-def test_a_failed_assertion_shows_no_outboxkit_frames(app: pytest.Pytester) -> None:
+def test_a_failed_assertion_shows_no_outboxkit_frames(any_app: pytest.Pytester) -> None:
     result = run(
-        app,
+        any_app,
         """
         def test_fails(outbox_drain):
             outbox_drain.assert_enqueued("order.placed", {"order_id": 1})
