@@ -59,6 +59,25 @@ class PgBouncer:
         """A URL through PgBouncer (no password: PgBouncer trusts its local clients)."""
         return f"postgresql://{quote(self.user, safe='')}@127.0.0.1:{self.port}/{self.dbname}"
 
+    def server_pids(self) -> list[int]:
+        """The server process ids of the connections PgBouncer holds to ``dbname`` now, from
+        its admin console (``SHOW SERVERS``, ``remote_pid``): what a test terminates to cut
+        them, whatever ``application_name`` their last client left set."""
+        import psycopg
+
+        with psycopg.connect(
+            host="127.0.0.1", port=self.port, dbname="pgbouncer", user=self.user, autocommit=True
+        ) as admin:
+            # The console speaks the simple query protocol only: sent on libpq directly.
+            result = admin.pgconn.exec_(b"SHOW SERVERS")
+            names = [(result.fname(i) or b"").decode() for i in range(result.nfields)]
+            database, pid = names.index("database"), names.index("remote_pid")
+            rows = [
+                [(result.get_value(row, i) or b"").decode() for i in (database, pid)]
+                for row in range(result.ntuples)
+            ]
+        return [int(remote) for name, remote in rows if name == self.dbname and int(remote)]
+
 
 def pgbouncer_binary() -> str | None:
     """Debian's ``pgbouncer``, or one on ``PATH``; None when there is none."""
@@ -121,6 +140,7 @@ def _config(folder: Path, port: int, server: dict[str, str], pool_size: int) -> 
                 f"listen_port = {port}",
                 "unix_socket_dir =",
                 "auth_type = trust",
+                f"admin_users = {user}",
                 f"auth_file = {auth}",
                 "pool_mode = transaction",
                 f"default_pool_size = {pool_size}",
