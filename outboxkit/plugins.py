@@ -59,12 +59,12 @@ class _PluginManager(pluggy.PluginManager):
     """
 
     def parse_hookspec_opts(self, module_or_class: Any, name: str) -> pluggy.HookspecOpts | None:
-        if not name.startswith(PREFIX):
+        if not name.startswith(_HOOK_PREFIX):
             return None
         return super().parse_hookspec_opts(module_or_class, name)
 
 
-PREFIX = f"{hookspecs.PROJECT}_"
+_HOOK_PREFIX = f"{hookspecs.PROJECT}_"
 """What every outboxkit hook's name starts with."""
 
 

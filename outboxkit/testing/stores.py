@@ -328,6 +328,7 @@ _EMPTYING: dict[str, bytes] = {}
 
 def _drop(store: PostgresStore, url: str) -> None:
     """Drop the store's schema (on a new store when the test closed this one) and close it."""
+    _EMPTYING.pop(store.names.schema, None)
     try:
         if store.dialect.pool.closed:
             store = _reopened(store, url)
