@@ -386,9 +386,11 @@ class Outbox:
         adapter = adapter_for(conn)
         if adapter is None:
             ids = self.store.enqueue(conn, events, now=self.store_now())
+            self.wake()  # before the commit: a store's waiter wakes the pollers at it
         else:
             ids = adapter.enqueue(self.store, conn, events, now=self.store_now())
-        self.wake()
+            if self._waiters:
+                adapter.on_commit(conn, self.wake)
         return ids
 
     async def _write_async(self, conn: Any, events: Sequence[NewEvent]) -> list[int]:

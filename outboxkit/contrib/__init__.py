@@ -10,7 +10,7 @@ one pays a dictionary lookup and imports nothing.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -41,6 +41,11 @@ class ConnectionAdapter(Protocol):
         self, store: Store, conn: Any, events: Sequence[NewEvent], *, now: datetime | None
     ) -> list[int]:
         """``enqueue`` through an async connection or session."""
+        ...
+
+    def on_commit(self, conn: Any, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when ``conn``'s transaction commits (never if it rolls back),
+        or now when the framework cannot tell: how an enqueue wakes this process's pollers."""
         ...
 
 

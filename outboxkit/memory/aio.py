@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.model import Claim, DeadKey, NewEvent, Outcome
 from ..storekit import AsyncBatchBase, AsyncDeliveriesBase, AsyncStoreBase, SettleItem
 from ..waiter import AsyncClosingWaiter
+from .tables import AsyncCommitWaiter
 
 if TYPE_CHECKING:
     from .store import MemoryBatch, MemoryDelivery, MemoryStore
@@ -96,7 +97,7 @@ class AsyncMemory(AsyncMemoryDeliveries, AsyncStoreBase):
         return self._store.release(claims, now=now)
 
     def make_waiter(self) -> AsyncClosingWaiter | None:
-        return None
+        return AsyncCommitWaiter(self._store.tables)
 
     async def close(self) -> None:
         """Nothing of its own to release."""

@@ -31,7 +31,7 @@ from ..errors import ConfigurationError, HandlerCrashed, LeaseLostError
 from ..storekit import BatchBase, Capabilities, SettleItem, StoreBase
 from ..waiter import ClosingWaiter
 from .aio import AsyncMemory
-from .tables import Row, Settle, Tables, now_or_wall
+from .tables import CommitWaiter, Row, Settle, Tables, now_or_wall
 from .transaction import MemoryTransaction
 
 __all__ = ["MemoryBatch", "MemoryDelivery", "MemoryStore"]
@@ -275,8 +275,9 @@ class MemoryStore(StoreBase):
         return self.tables.settle_many(items, now_or_wall(now))
 
     def make_waiter(self) -> ClosingWaiter | None:
-        """None: an enqueue wakes this process's pollers directly (``Outbox.wake``)."""
-        return None
+        """A waiter that every commit adding events wakes: an enqueue's own wake
+        (``Outbox.wake``) comes before its transaction commits, when a poll finds nothing."""
+        return CommitWaiter(self.tables)
 
     def async_store(self) -> AsyncMemory:
         """The asyncio side: the same store, its calls awaitable (nothing here waits on I/O).

@@ -7,6 +7,7 @@ another's private state. ``Row``, ``Pending`` and ``Settle`` are its records.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import threading
 import uuid
@@ -31,6 +32,7 @@ from ..core.model import (
 from ..core.payload import decode_payload
 from ..errors import LeaseLostError, StoreError
 from ..storekit import SettleItem
+from ..waiter import LoopWaiter, ThreadWaiter, Wakeable
 
 if TYPE_CHECKING:
     from .transaction import MemoryTransaction
@@ -140,6 +142,9 @@ class Tables:
         self.app_rows: dict[str, list[dict[str, Any]]] = {}
         self.next_id = 1
         self.closed = False
+        # The pollers' waiters (``make_waiter``): a commit that adds events wakes them, as
+        # PostgreSQL's NOTIFY does - an enqueue's own wake comes before its commit.
+        self.waiters: list[Wakeable] = []
 
     def check_open(self) -> None:
         """Raises:
@@ -182,6 +187,9 @@ class Tables:
             for table, values in pending.rows:
                 self.app_rows.setdefault(table, []).append(values)
             self.lock.notify_all()
+            waiters = list(self.waiters) if pending.events else []
+        for waiter in waiters:
+            waiter.wake()
 
     def forget_dedupe(self, tx: MemoryTransaction) -> None:
         """A rolled-back transaction's dedupe keys are free again."""
@@ -496,3 +504,37 @@ class Tables:
             ids.remove(row.id)
             if not ids:
                 del self.keyed[row.key]
+
+
+class CommitWaiter(ThreadWaiter):
+    """The memory store's waiter: a ``ThreadWaiter`` that a commit adding events also wakes."""
+
+    def __init__(self, tables: Tables) -> None:
+        super().__init__()
+        self._tables = tables
+        with tables.lock:
+            tables.waiters.append(self)
+
+    def close(self) -> None:
+        with self._tables.lock, contextlib.suppress(ValueError):
+            self._tables.waiters.remove(self)
+
+    def __repr__(self) -> str:
+        return "CommitWaiter()"
+
+
+class AsyncCommitWaiter(LoopWaiter):
+    """``CommitWaiter`` for the asyncio poller."""
+
+    def __init__(self, tables: Tables) -> None:
+        super().__init__()
+        self._tables = tables
+        with tables.lock:
+            tables.waiters.append(self)
+
+    async def close(self) -> None:
+        with self._tables.lock, contextlib.suppress(ValueError):
+            self._tables.waiters.remove(self)
+
+    def __repr__(self) -> str:
+        return "AsyncCommitWaiter()"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 from outboxkit import MemoryStore, Outbox, ThreadWaiter
@@ -53,6 +54,55 @@ def test_a_given_waiter_wins_and_is_left_open() -> None:
     assert mine.closed == 0
 
 
-def test_a_store_without_make_waiter_gets_the_thread_waiter() -> None:
-    poller = Outbox(MemoryStore(), load_entry_points=False).poller()
+class QuietStore(MemoryStore):
+    def make_waiter(self) -> None:
+        return None
+
+
+def test_a_store_without_a_waiter_gets_the_thread_waiter() -> None:
+    poller = Outbox(QuietStore(), load_entry_points=False).poller()
     assert type(poller.waiter) is ThreadWaiter
+
+
+def test_the_memory_stores_waiter_wakes_when_an_enqueue_commits_not_before() -> None:
+    # An enqueue wakes this process's pollers before its transaction commits; a poll then
+    # finds nothing, and without the commit's wake the event would wait for the interval.
+    store = MemoryStore()
+    outbox = Outbox(store, load_entry_points=False)
+    waiter = store.make_waiter()
+    assert waiter is not None
+    wakes: list[int] = []
+    waiter.wake = lambda: wakes.append(1)  # type: ignore[method-assign]
+    with store.transaction() as tx:
+        outbox.enqueue(tx, "t", {})
+        assert wakes == []  # not committed yet
+    assert wakes == [1]
+    tx = store.begin()
+    outbox.enqueue(tx, "t", {})
+    tx.rollback()
+    with store.transaction() as tx:
+        tx.insert("orders", {"id": 1})  # a commit without events
+    assert wakes == [1]
+    waiter.close()
+    with store.transaction() as tx:
+        outbox.enqueue(tx, "t", {})
+    assert wakes == [1]  # a closed waiter is left alone
+
+
+def test_the_memory_stores_async_waiter_is_woken_by_a_commit_from_another_thread() -> None:
+    store = MemoryStore()
+    outbox = Outbox(store, load_entry_points=False)
+
+    async def main() -> None:
+        waiter = store.async_store().make_waiter()
+        assert waiter is not None
+
+        def enqueue() -> None:
+            with store.transaction() as tx:
+                outbox.enqueue(tx, "t", {})
+
+        await asyncio.to_thread(enqueue)  # its commit lands before the wait begins
+        await asyncio.wait_for(waiter.wait(3600), 30)  # returns at once: the wake is kept
+        await waiter.close()
+
+    asyncio.run(main())

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -82,6 +82,12 @@ class DjangoAdapter:
         except StoreError:
             transaction.set_rollback(True, using=alias)
             raise
+
+    def on_commit(self, conn: Any, callback: Callable[[], None]) -> None:
+        """Django's ``transaction.on_commit`` on ``conn``'s database."""
+        from django.db import transaction
+
+        transaction.on_commit(callback, using=wrapper_of(conn).alias)
 
     async def enqueue_async(
         self, store: Store, conn: Any, events: Sequence[NewEvent], *, now: datetime | None

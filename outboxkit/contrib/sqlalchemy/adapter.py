@@ -5,7 +5,7 @@ RETURNING) are run for their effect."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +65,11 @@ class SQLAlchemyAdapter:
             if result.returns_rows:  # an INSERT without RETURNING (MySQL) returns none
                 ids.extend(sorted(row[0] for row in result.all()))
         return ids
+
+    def on_commit(self, conn: Any, callback: Callable[[], None]) -> None:
+        """Now: a listener per enqueue would cost more than the poll it saves. On PostgreSQL
+        the store's ``LISTEN`` waiter wakes the pollers again at the commit."""
+        callback()
 
     async def enqueue_async(
         self, store: Store, conn: Any, events: Sequence[NewEvent], *, now: datetime | None

@@ -128,3 +128,27 @@ def test_an_event_written_through_the_orm_carries_a_message_id(outbox, outbox_st
     assert outbox_store.get(events[0].id).message_id == ids[0]
     claims = outbox_store.claim(batch_size=10, lease=timedelta(seconds=30), now=None)
     assert [c.event.message_id for c in claims] == ids
+
+
+def test_an_enqueue_wakes_this_process_pollers_when_the_atomic_block_commits(outbox):
+    # Woken at the enqueue, a poller would poll before the commit, find nothing, and leave the
+    # event for its interval: Django's on_commit wakes it after the commit, never on a rollback.
+    wakes: list[int] = []
+
+    class Counting:
+        def wake(self) -> None:
+            wakes.append(1)
+
+    waiter = Counting()
+    outbox.add_waiter(waiter)
+    try:
+        with transaction.atomic():
+            outbox.enqueue(connection, "order.placed", {"order_id": 1})
+            assert wakes == []
+        assert wakes == [1]
+        with transaction.atomic():
+            outbox.enqueue(connection, "order.placed", {"order_id": 2})
+            transaction.set_rollback(True)
+        assert wakes == [1]
+    finally:
+        outbox.remove_waiter(waiter)
