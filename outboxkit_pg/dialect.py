@@ -58,6 +58,7 @@ class PostgresDialect(Dialect):
         notify: whether an enqueue notifies.
         schema_version: the version the first use expects.
         schema_checked: the first use found the schema at that version (either side's).
+        partitioned: the store is opened for the partitioned layout (``partition_size``).
     """
 
     name = "postgresql"
@@ -72,6 +73,7 @@ class PostgresDialect(Dialect):
         self.where = pool.where
         self.queries = Queries(names)
         self.schema_checked = False
+        self.partitioned = False  # the partitioned layout (set by the store)
 
     # -- errors -----------------------------------------------------------------------------------
 
@@ -197,7 +199,26 @@ class PostgresDialect(Dialect):
             SchemaError: another version than this code's.
         """
         self.check_version(int(rows[0][0]))
+        self.check_layout(bool(rows[0][1]))
         self.schema_checked = True
+
+    def check_layout(self, partitioned: bool) -> None:
+        """Raises:
+        SchemaError: the events table is partitioned and the store was not opened for it
+            (or the other way round), naming the option."""
+        if partitioned == self.partitioned:
+            return
+        table = f"{self.names.schema}.{self.names.events}"
+        if partitioned:
+            raise SchemaError(
+                f"PostgreSQL at {self.where}: table {table} has the partitioned layout: open the "
+                "store with the partition_size it was made with (PostgresStore(..., "
+                "partition_size=N), open_store(url, partition_size=N))"
+            )
+        raise SchemaError(
+            f"PostgreSQL at {self.where}: the store was opened with partition_size but table "
+            f"{table} is not partitioned: run migrate() to convert it (see the operations guide)"
+        )
 
     def check_version(self, found: int) -> None:
         """Raises:
@@ -262,7 +283,7 @@ class PostgresDialect(Dialect):
                 "available_at": event.available_at,
                 **channel,
             }
-        name = "enqueue_plain" if plain else "enqueue"
+        name = "enqueue_plain" if plain else "enqueue_keyed" if self.partitioned else "enqueue"
         return name, {"now": now, "events": batch_document(events), **channel}
 
     @staticmethod

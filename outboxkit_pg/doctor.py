@@ -25,6 +25,8 @@ from psycopg import sql
 
 from outboxkit.diagnosis import Finding, Limits
 
+from . import partitions
+from .names import index_name
 from .store import MIGRATIONS, SCHEMA_VERSION
 
 if TYPE_CHECKING:
@@ -49,8 +51,9 @@ def server_findings(store: PostgresStore, limits: Limits) -> list[Finding]:
     findings: list[Finding] = []
     with store.dialect.connection("diagnose", check_schema=False) as conn:
         no_tables = False
-        for check in (_migrations, _transactions, _settings, _tables, _stale_leases):
-            if no_tables and check in (_tables, _stale_leases):
+        checks = (_migrations, _transactions, _settings, _tables, _stale_leases, _partitions)
+        for check in checks:
+            if no_tables and check in (_tables, _stale_leases, _partitions):
                 continue  # no schema yet: nothing of its tables to check
             try:
                 found = check(store, conn, limits)
@@ -238,9 +241,13 @@ _TABLES = sql.SQL(
 
 def _tables(store: PostgresStore, conn: Any, limits: Limits) -> list[Finding]:
     names = store.names
-    rows = conn.execute(
-        _TABLES, {"schema": names.schema, "tables": [names.events, names.deliveries]}
-    ).fetchall()
+    tables, events_tables = [names.events, names.deliveries], {names.events}
+    if store.partition_size is not None:  # the partitions hold the rows
+        for part in partitions.partitions(conn, names):
+            events_tables.add(index_name(names.events, f"p{part.number}"))
+            tables.append(index_name(names.deliveries, f"p{part.number}"))
+        tables += sorted(events_tables)
+    rows = conn.execute(_TABLES, {"schema": names.schema, "tables": tables}).fetchall()
     findings = []
     for table, size, index_size, live, dead, vacuumed, reloptions in rows:
         ident = sql.Identifier(names.schema, table)
@@ -252,7 +259,7 @@ def _tables(store: PostgresStore, conn: Any, limits: Limits) -> list[Finding]:
             ).format(ident),
         )
         width = float(row_bytes[0]) if row_bytes and row_bytes[0] is not None else 0.0
-        fill = EVENTS_FILLFACTOR if table == names.events else 1.0
+        fill = EVENTS_FILLFACTOR if table in events_tables else 1.0
         needed = live * (width + ROW_OVERHEAD) / fill
         bloat = max(size - needed, 0.0)
         details = {
@@ -297,7 +304,7 @@ def _tables(store: PostgresStore, conn: Any, limits: Limits) -> list[Finding]:
                     details=details,
                 )
             )
-        if table == names.events and not any(
+        if table in events_tables and not any(
             option.startswith("autovacuum_vacuum_scale_factor") for option in reloptions or ()
         ):
             findings.append(
@@ -334,5 +341,61 @@ def _stale_leases(store: PostgresStore, conn: Any, limits: Limits) -> list[Findi
             fix="start pollers (outboxkit run APP) or restart the stuck ones; the events are "
             "due and are claimed at once",
             details={"events": count, "oldest_seconds": oldest},
+        )
+    ]
+
+
+def _partitions(store: PostgresStore, conn: Any, limits: Limits) -> list[Finding]:
+    """The partitioned layout: partitions ready above the newest id, and detaches left half
+    done."""
+    if store.partition_size is None:
+        return []
+    found = partitions.partitions(conn, store.names)
+    newest = partitions.newest_id(conn, store.names)
+    ahead = sum(1 for p in found if p.lower is not None and p.lower > newest)
+    top = max((p.upper for p in found), default=0)
+    details = {"partitions": len(found), "ahead": ahead, "newest_id": newest, "top": top}
+    maintain = (
+        "run the store's maintenance: set the outbox's retain_published (the pollers run it "
+        "every minute), or run `outboxkit purge` on a schedule, or call "
+        "store.maintain_partitions()"
+    )
+    findings = []
+    if ahead == 0:
+        findings.append(
+            Finding(
+                "partitions",
+                "problem",
+                f"no partition is ready above event id {newest}: enqueues fail once the ids "
+                f"pass {top - 1}",
+                fix=maintain,
+                details=details,
+            )
+        )
+    elif ahead < partitions.AHEAD:
+        findings.append(
+            Finding(
+                "partitions",
+                "warning",
+                f"{ahead} partition(s) ready above event id {newest} (the maintenance keeps "
+                f"{partitions.AHEAD}): it has not run lately",
+                fix=maintain,
+                details=details,
+            )
+        )
+    half = [p.number for p in found if p.detaching]
+    if half:
+        findings.append(
+            Finding(
+                "partitions",
+                "warning",
+                f"the detach of partition(s) {half} was interrupted",
+                fix="the next retention run finishes it (store.maintain_partitions(before=...))",
+                details={**details, "detaching": half},
+            )
+        )
+    return findings or [
+        Finding(
+            "partitions", "ok", f"{len(found)} partitions, {ahead} ready ahead", details=details
         )
     ]

@@ -156,6 +156,13 @@ def map_error(
             f"PostgreSQL at {where}, schema {schema!r}: the outboxkit tables are missing or out "
             f"of date ({doing}): {message}; {migrate_hint()}"
         )
+    if exc.sqlstate == "23514" and "no partition of relation" in message:
+        return StoreError(
+            f"PostgreSQL at {where}, schema {schema!r}: {doing} failed: {message}; the "
+            "partitioned layout has no partition ready for the next ids: run the store's "
+            "maintenance (store.maintain_partitions(), which the pollers' retention runs every "
+            "minute, or `outboxkit purge`), and see `outboxkit doctor`"
+        )
     return StoreError(f"PostgreSQL at {where}: {doing} failed: {type(exc).__name__}: {message}")
 
 

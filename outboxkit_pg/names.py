@@ -17,10 +17,10 @@ from outboxkit.errors import ConfigurationError
 from outboxkit.storekit.names import validate_identifier, validate_table_names
 from outboxkit.storekit.queries import load_queries
 
-__all__ = ["HOT", "Names", "Queries", "prepared", "validate_schema"]
+__all__ = ["HOT", "Names", "Queries", "index_name", "prepared", "validate_schema"]
 
 
-def _index_name(table: str, suffix: str) -> str:
+def index_name(table: str, suffix: str) -> str:
     """``{table}_{suffix}``, the table part shortened to keep within PostgreSQL's 63 bytes."""
     return f"{table[: 62 - len(suffix)]}_{suffix}"
 
@@ -47,7 +47,7 @@ _DERIVED = {
 
 
 def _derived(option: str, table: str) -> list[str]:
-    return [_index_name(table, suffix) for suffix in _DERIVED[option]]
+    return [index_name(table, suffix) for suffix in _DERIVED[option]]
 
 
 def validate_schema(schema: object) -> str:
@@ -89,7 +89,7 @@ class Names:
     @property
     def keys(self) -> str:
         """The per-key numbering table (R15), named after the events table."""
-        return _index_name(self.events, "keys")
+        return index_name(self.events, "keys")
 
     def slots(self) -> dict[str, sql.Composable]:
         """What fills the ``{...}`` slots of the templates."""
@@ -98,21 +98,21 @@ class Names:
             "events": sql.Identifier(self.schema, self.events),
             "deliveries": sql.Identifier(self.schema, self.deliveries),
             "versions": sql.Identifier(self.schema, self.versions),
-            "due_index": sql.Identifier(_index_name(self.events, "due")),
-            "published_index": sql.Identifier(_index_name(self.events, "published")),
-            "dead_index": sql.Identifier(_index_name(self.events, "dead")),
-            "guard_function": sql.Identifier(self.schema, _index_name(self.events, "guard")),
-            "guard_trigger": sql.Identifier(_index_name(self.events, "guard")),
+            "due_index": sql.Identifier(index_name(self.events, "due")),
+            "published_index": sql.Identifier(index_name(self.events, "published")),
+            "dead_index": sql.Identifier(index_name(self.events, "dead")),
+            "guard_function": sql.Identifier(self.schema, index_name(self.events, "guard")),
+            "guard_trigger": sql.Identifier(index_name(self.events, "guard")),
             "keys": sql.Identifier(self.schema, self.keys),
-            "key_index": sql.Identifier(_index_name(self.events, "key_order")),
-            "dedupe_index": sql.Identifier(_index_name(self.events, "dedupe")),
+            "key_index": sql.Identifier(index_name(self.events, "key_order")),
+            "dedupe_index": sql.Identifier(index_name(self.events, "dedupe")),
             "channel": sql.Identifier(self.channel),
         }
 
     @property
     def due_index(self) -> str:
         """The name of the partial index the claim walks."""
-        return _index_name(self.events, "due")
+        return index_name(self.events, "due")
 
 
 _PARAMETER = re.compile(rb"%\((\w+)\)([sb])")

@@ -50,7 +50,12 @@ CREATE TABLE {versions} (
 )
 
 -- name: schema_version
-SELECT coalesce(max(version), 0) FROM {versions}
+-- The version, and whether the events table is partitioned (outboxkit_pg/partitions.py): a
+-- store opened for the other layout is refused at its first use.
+SELECT coalesce(max(version), 0),
+       EXISTS (SELECT FROM pg_catalog.pg_partitioned_table
+                WHERE partrelid = to_regclass('{events}'))
+  FROM {versions}
 
 -- name: record_version
 INSERT INTO {versions} (version, description) VALUES (%(version)s, %(description)s)
@@ -224,6 +229,32 @@ SELECT n.topic, n.payload, n.headers, n.key, k.last_seq - n.of_key + n.nth, n.de
  ORDER BY n.position
 ON CONFLICT (dedupe_key) WHERE dedupe_key IS NOT NULL DO NOTHING
 RETURNING id, dedupe_key, (SELECT pg_notify(%(channel)s, '') WHERE %(notify)s::boolean)
+
+-- name: enqueue_keyed
+-- `enqueue` on the partitioned layout (outboxkit_pg/partitions.py), whose events table has no
+-- dedupe index (a unique index of a partitioned table must hold its partition key, the id):
+-- the keys numbered as there; dedupe keys are refused before (capabilities.dedupe is false).
+WITH n AS MATERIALIZED (
+    SELECT x.e ->> 0 AS topic, x.e -> 1 AS payload, x.e -> 2 AS headers, x.e ->> 3 AS key,
+           (x.e ->> 4)::bigint AS delay_us, (x.e ->> 6)::timestamptz AS available_at,
+           x.position,
+           row_number() OVER (PARTITION BY x.e ->> 3 ORDER BY x.position) AS nth,
+           count(*) OVER (PARTITION BY x.e ->> 3) AS of_key
+      FROM jsonb_array_elements(%(events)s::jsonb) WITH ORDINALITY AS x (e, position)
+), k AS (
+    INSERT INTO {keys} AS k (key, last_seq)
+    SELECT key, max(of_key) FROM n WHERE key IS NOT NULL GROUP BY key ORDER BY key
+    ON CONFLICT (key) DO UPDATE SET last_seq = k.last_seq + excluded.last_seq
+    RETURNING k.key, k.last_seq
+)
+INSERT INTO {events} (topic, payload, headers, key, key_seq, created_at, available_at)
+SELECT n.topic, n.payload, n.headers, n.key, k.last_seq - n.of_key + n.nth,
+       coalesce(%(now)s::timestamptz, now()),
+       coalesce(n.available_at,
+                coalesce(%(now)s::timestamptz, now()) + n.delay_us * interval '1 microsecond')
+  FROM n LEFT JOIN k ON k.key = n.key
+ ORDER BY n.position
+RETURNING id, NULL::text, (SELECT pg_notify(%(channel)s, '') WHERE %(notify)s::boolean)
 
 -- name: enqueue_plain
 -- `enqueue` for a batch in which no event has a key or a dedupe key (the usual batch): the same

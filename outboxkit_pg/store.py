@@ -56,6 +56,7 @@ from .dialect import PostgresDialect, PostgresStatements, batch_document, withou
 from .flow import check_usable
 from .listen import NotifyWaiter
 from .names import Names, validate_schema
+from .partitions import check_partition_size, convert, maintain
 from .pool import Connection, Lender, Pool, is_url, scheme_of
 
 if TYPE_CHECKING:
@@ -92,6 +93,7 @@ _OPTIONS = frozenset(
         "pool_min_size",
         "pool_max_size",
         "pool_timeout",
+        "partition_size",
     }
 )
 
@@ -129,6 +131,11 @@ class PostgresStore(SQLStore):
             ``concurrency`` events at once holds up to ``concurrency + 1`` connections.
         pool_timeout: seconds to wait for a pool's connection before the store reports the
             database unavailable.
+        partition_size: the partitioned layout, with this many event ids per partition
+            (10 to 10**12; e.g. 1,000,000): retention drops whole partitions instead of
+            deleting rows, and the store has no dedupe keys (see ``outboxkit_pg.partitions``).
+            ``migrate()`` makes a new schema partitioned, or converts today's tables in place.
+            Default None: one table each, as before.
         make_dialect: the store's dialect class, or a factory called as it is (the ``Pool``,
             the ``Names``, ``notify=``, ``schema_version=``): a dialect of the caller's, for a
             store on connections someone else holds (the Django store's runs on Django's
@@ -161,6 +168,7 @@ class PostgresStore(SQLStore):
         pool_max_size: int = 4,
         pool_timeout: float = 10.0,
         listen_conninfo: str | None = None,
+        partition_size: int | None = None,
         make_dialect: Callable[..., PostgresDialect] = PostgresDialect,
     ) -> None:
         # Names first: a hostile name is refused before anything else happens.
@@ -185,6 +193,10 @@ class PostgresStore(SQLStore):
                 f"pool_max_size ({pool_max_size}) must be >= pool_min_size ({pool_min_size})"
             )
         timeout = check_seconds("pool_timeout", pool_timeout, allow_zero=False)
+        if partition_size is not None:
+            check_partition_size(partition_size)
+        self.partition_size = partition_size
+        """Event ids per partition in the partitioned layout; None: the other layout."""
         if listen_conninfo is not None and not isinstance(listen_conninfo, str):
             raise ConfigurationError(
                 "listen_conninfo must be a postgresql:// URL or a libpq conninfo string, got "
@@ -206,6 +218,7 @@ class PostgresStore(SQLStore):
             listen_conninfo=listen_conninfo,
         )
         dialect = make_dialect(pool, names, notify=notifies, schema_version=SCHEMA_VERSION)
+        dialect.partitioned = partition_size is not None
         super().__init__(dialect, PostgresStatements(dialect))
         self.names = names
         self.where = pool.where
@@ -230,6 +243,8 @@ class PostgresStore(SQLStore):
         }
         if listen_conninfo is not None:
             self.options["listen_conninfo"] = listen_conninfo
+        if partition_size is not None:
+            self.options["partition_size"] = partition_size
         """The options that reproduce this store (with ``url``), for other processes."""
         self.capabilities = Capabilities(
             batches=True,
@@ -241,10 +256,11 @@ class PostgresStore(SQLStore):
             concurrent_batches=True,
             asyncio=pool.conninfo is not None,
             ordering=True,
-            dedupe=True,
+            dedupe=partition_size is None,
         )
         """What the store offers: all of it, but the waiter and the asyncio side on a pool of
-        the app's without a conninfo string, and ``multiprocess`` without a URL."""
+        the app's without a conninfo string, ``multiprocess`` without a URL, and the dedupe
+        keys in the partitioned layout."""
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> PostgresStore:
@@ -299,7 +315,8 @@ class PostgresStore(SQLStore):
             table = {"schema": self.names.schema, "table": self.names.versions}
             if not rows(conn, "find_table", table):
                 rows(conn, "create_versions", {})
-            found = int(rows(conn, "schema_version", {})[0][0])
+            (found, partitioned), *_ = rows(conn, "schema_version", {})
+            found = int(found)
             if found > SCHEMA_VERSION:
                 dialect.check_version(found)
             for version, description in MIGRATIONS:
@@ -307,8 +324,42 @@ class PostgresStore(SQLStore):
                     log.info("%r: applying schema version %d", self, version)
                     rows(conn, f"migration_{version}", {})
                     rows(conn, "record_version", {"version": version, "description": description})
+            if self.partition_size is not None and not partitioned:
+                log.info("%r: converting the tables to the partitioned layout", self)
+                convert(conn, self.names, self.partition_size)
+            else:
+                dialect.check_layout(bool(partitioned))
+        if self.partition_size is not None:
+            self.maintain_partitions()  # partitions ahead, after a restart too
         dialect.schema_checked = True
         return Migration(before=found, after=max(found, SCHEMA_VERSION))
+
+    def maintain_partitions(self, *, before: datetime | None = None) -> int:
+        """The partitioned layout's upkeep: make the partitions ahead of the ids, and with
+        ``before``, drop those whose every event was published before it (with their
+        records). ``purge_published`` (the pollers' retention) runs it.
+
+        Returns:
+            How many events went with the dropped partitions.
+
+        Raises:
+            ConfigurationError: the store is not opened for the partitioned layout.
+            StoreError: the database failed.
+        """
+        if self.partition_size is None:
+            raise ConfigurationError(
+                "maintain_partitions() is for the partitioned layout: open the store with "
+                "partition_size"
+            )
+        with self.dialect.mapped("maintain the partitions"):
+            return maintain(self, before=before)
+
+    def purge_published(self, *, before: datetime, limit: int) -> int:
+        """Delete at most ``limit`` events published before ``before``, with their records;
+        how many. In the partitioned layout the partitions holding only such events are
+        dropped first (their events counted too), then the rest are deleted."""
+        dropped = 0 if self.partition_size is None else self.maintain_partitions(before=before)
+        return dropped + super().purge_published(before=before, limit=limit)
 
     def drop_schema(self) -> None:
         """Drop the store's PostgreSQL schema with everything in it (for test schemas).

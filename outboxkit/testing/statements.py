@@ -6,8 +6,12 @@ deliveries' transactions, the records, the settlements) and, while a handler run
 runs on ``ctx.connection``:
 
 - SQLite: ``execute``/``executemany`` on the store's connections (``StoreConnection``);
-- PostgreSQL: ``execute``/``executemany`` of psycopg cursors (every psycopg connection of the
-  process while the block is open: the app's own too, if it runs statements meanwhile).
+- PostgreSQL: ``execute``/``executemany`` of psycopg cursors (every psycopg connection, the
+  app's own too if it runs statements meanwhile).
+
+Only the statements of the thread that opened the block count: the drain runs there, and its
+handlers with it; a connection pool's own threads (opening a connection, setting its session
+up) run at moments of their own, which would make a count vary from run to run.
 
 The memory store runs no SQL: the block counts nothing there and says so
 (``s.applies`` is false). The counting wraps those methods for the block only.
@@ -16,6 +20,7 @@ The memory store runs no SQL: the block counts nothing there and says so
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +53,7 @@ class StatementCount:
     deliveries: int = 0
     applies: bool = True
     current: str | None = None
+    thread: int | None = None  # the thread whose statements count (``counting``)
 
     @property
     def per_delivery(self) -> float:
@@ -55,6 +61,8 @@ class StatementCount:
         return self.statements / self.deliveries if self.deliveries else 0.0
 
     def note(self) -> None:
+        if self.thread is not None and threading.get_ident() != self.thread:
+            return
         self.statements += 1
         if self.current is not None:
             self.by_handler[self.current] = self.by_handler.get(self.current, 0) + 1
@@ -108,7 +116,8 @@ class HandlerTracker:
 
 @contextlib.contextmanager
 def counting(store: Store, count: StatementCount) -> Iterator[StatementCount]:
-    """Count ``store``'s statements into ``count`` while the block runs."""
+    """Count ``store``'s statements into ``count`` while the block runs (this thread's)."""
+    count.thread = threading.get_ident()
     if not isinstance(store, SQLStore):
         count.applies = False
         yield count

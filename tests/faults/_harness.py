@@ -76,10 +76,12 @@ def enqueue(url: str, outbox: Outbox, count: int, *, start: int = 0, **extra: An
         return outbox.enqueue_many(app, messages)
 
 
-def drain(url: str, schema: str, *, timeout: float, lease: float = 5.0) -> bool:
+def drain(
+    url: str, schema: str, *, timeout: float, lease: float = 5.0, **store_options: Any
+) -> bool:
     """Deliver everything left, fault-free, in this process with the same handlers (the real
     clock: events still leased by a dead or frozen poller are taken once their lease passes)."""
-    store = PostgresStore(url, schema=schema)
+    store = PostgresStore(url, schema=schema, **store_options)
     outside = _OutsideWorld(url, schema)
     try:
         outbox = Outbox(store, make_bus(schema, outside, TOPICS))

@@ -34,27 +34,40 @@ KILLS = scale(pr=6, large=12)
 KILL_EVERY = 1.0
 
 
+@pytest.mark.parametrize("layout", ["plain", "partitioned"])
 def test_sigkill_chaos_with_respawn(
     pg_url: str,
     pg_schema: str,
     admin: psycopg.Connection[Any],
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
+    layout: str,
 ) -> None:
+    # The partitioned layout: partitions of 200 ids, made ahead (ATTACH) while the pollers
+    # claim and die, as the pollers' retention would every minute.
+    store_options = {"partition_size": 200} if layout == "partitioned" else {}
     rng = random.Random(9)
-    store = PostgresStore(pg_url, schema=pg_schema)
+    store = PostgresStore(pg_url, schema=pg_schema, **store_options)
+
+    def arrive(count: int, start: int) -> list[int]:
+        if store_options:
+            store.maintain_partitions()
+        return enqueue(pg_url, outbox, count, start=start)
+
     try:
         store.migrate()
         create_app_tables(admin, pg_schema)
         outbox = Outbox(store)
         options = {"batch_size": BATCH, "lease": 2.0, "interval": 0.2}
-        with Fleet(pg_url, pg_schema, tmp_path, options, topics=TOPICS) as fleet:
+        with Fleet(
+            pg_url, pg_schema, tmp_path, options, topics=TOPICS, store_options=store_options
+        ) as fleet:
             for _ in range(POLLERS):
                 fleet.spawn()
             assert fleet.wait_ready(60), "poller processes did not start"
             chaos(
                 fleet,
-                lambda count, start: enqueue(pg_url, outbox, count, start=start),
+                arrive,
                 events=EVENTS,
                 chunk=CHUNK,
                 kills=KILLS,
@@ -63,13 +76,14 @@ def test_sigkill_chaos_with_respawn(
             )
             exit_codes = fleet.shutdown()
             kills = fleet.kills
-        assert drain(pg_url, pg_schema, timeout=60)
+        assert drain(pg_url, pg_schema, timeout=60, **store_options)
         result = figures(admin, pg_schema, EVENTS, fleet.traces())
     finally:
         store.close()
     with capsys.disabled():
         print(
-            f"\n[faults:sigkill-pg] {EVENTS} events, {POLLERS} pollers, {kills} kills: "
+            f"\n[faults:sigkill-pg] {layout} layout, {EVENTS} events, {POLLERS} pollers, "
+            f"{kills} kills: "
             f"{result.line()}"
         )
     assert kills == KILLS

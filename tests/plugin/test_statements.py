@@ -92,3 +92,19 @@ def test_memory_store_counts_nothing(pytester: pytest.Pytester) -> None:
         "-q", "-p", "no:cacheprovider", "--outbox-store=memory://"
     )
     result.assert_outcomes(passed=1)
+
+
+def test_a_statement_of_another_thread_is_not_counted() -> None:
+    # A connection pool opens connections (and sets their sessions up) in threads of its own,
+    # at moments of its own: counted, they would make a handler's pinned cost flaky.
+    import threading
+
+    from outboxkit.testing.statements import StatementCount
+
+    count = StatementCount(thread=threading.get_ident())
+    count.current = "record-order"
+    count.note()
+    other = threading.Thread(target=count.note)
+    other.start()
+    other.join(30)
+    assert (count.statements, count.by_handler) == (1, {"record-order": 1})

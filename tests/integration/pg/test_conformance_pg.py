@@ -30,17 +30,34 @@ def _shared_pool(pg_url: str) -> Iterator[None]:
         yield
 
 
+@contextmanager
+def _schema_store(**options: Any) -> Iterator[PostgresStore]:
+    """A store in a new schema on the shared pool, migrated; the schema dropped after."""
+    store = PostgresStore(TestPostgresConformance.pool, schema=new_schema_name(), **options)
+    try:
+        store.migrate()
+        yield store
+    finally:
+        try:
+            store.drop_schema()
+        finally:
+            store.close()
+
+
 class TestPostgresConformance(StoreConformance):
     pool: ClassVar[ConnectionPool[Any]]
 
     @contextmanager
     def make_store(self, tmp_path: Path) -> Iterator[PostgresStore]:  # type: ignore[override]
-        store = PostgresStore(self.pool, schema=new_schema_name())
-        try:
-            store.migrate()
+        with _schema_store() as store:
             yield store
-        finally:
-            try:
-                store.drop_schema()
-            finally:
-                store.close()
+
+
+class TestPartitionedConformance(StoreConformance):
+    """Every conformance check on the partitioned layout (``partition_size``): the suite's
+    events span several partitions of 1,000 ids, and a new schema is converted by migrate()."""
+
+    @contextmanager
+    def make_store(self, tmp_path: Path) -> Iterator[PostgresStore]:  # type: ignore[override]
+        with _schema_store(partition_size=1000) as store:
+            yield store
