@@ -20,6 +20,7 @@ from .clock import Clock, FrozenClock, SystemClock
 from .core.backoff import ExponentialBackoff
 from .core.machine import Transition
 from .core.model import (
+    AttemptError,
     Claim,
     Claimed,
     DeadLetter,
@@ -73,6 +74,7 @@ from .waiter import ThreadWaiter, Waiter
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttemptError",
     "BatchRolledBack",
     "CannotConnect",
     "Claim",

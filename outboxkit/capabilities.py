@@ -44,6 +44,9 @@ class Capabilities:
             ``Outbox`` refuses an enqueue with a ``key`` and ``dead_key="hold"``.
         dedupe: R16: an enqueue whose ``dedupe_key`` an existing event holds writes nothing
             and returns that event's id. Without it ``Outbox`` refuses a ``dedupe_key``.
+        error_history: ``attempt_errors(event_id)`` lists the error of each failed attempt
+            of an event, oldest first (``StoreBase`` gives the method; without the
+            capability ``Outbox.attempt_errors`` returns only ``last_error``'s attempt).
     """
 
     batches: bool = False
@@ -56,6 +59,7 @@ class Capabilities:
     concurrent_batches: bool = False
     ordering: bool = False
     dedupe: bool = False
+    error_history: bool = False
 
     def names(self) -> frozenset[str]:
         """The fields that are true, by name."""
@@ -89,5 +93,6 @@ CAPABILITIES: dict[str, str] = {
     "ordering": "the events of one key are claimed one at a time, in commit order (R15), "
     'and dead_key="hold" holds a key behind its dead event',
     "dedupe": "an enqueue with a dedupe key an existing event holds writes nothing (R16)",
+    "error_history": "attempt_errors(event_id) lists the error of each failed attempt",
 }
 """Each capability's name and what it promises (the fields of ``Capabilities``)."""

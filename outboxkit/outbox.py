@@ -7,7 +7,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import pluggy
 
@@ -26,6 +26,7 @@ from .core.backoff import BackoffPolicy
 from .core.duration import MAX_DURATION, before
 from .core.model import (
     DEAD_KEY_CHOICES,
+    AttemptError,
     DeadKey,
     DeadLetter,
     Event,
@@ -679,6 +680,20 @@ class Outbox:
             records=tuple(self.store.records(wanted)),
         )
 
+    def attempt_errors(self, event_id: int) -> list[AttemptError]:
+        """The error of each failed attempt of one event, oldest first, where the store keeps
+        them (``capabilities.error_history``: PostgreSQL and memory); ``[]`` where it keeps
+        only the last one (``Event.last_error``). A requeued event keeps its history.
+
+        Raises:
+            ConfigurationError: ``event_id`` is not an integer.
+            StoreError: the store failed.
+        """
+        (wanted,) = _ids([event_id])
+        if not self.store.capabilities.error_history:
+            return []
+        return cast("KeepsErrors", self.store).attempt_errors(wanted)
+
     def requeue_dead(
         self,
         *,
@@ -875,6 +890,12 @@ class Outbox:
         if deleted:
             log.info("pruned %d published event(s) older than %s", deleted, self.retain_published)
         return deleted
+
+
+class KeepsErrors(Protocol):
+    """A store declaring ``capabilities.error_history`` (``StoreBase`` has the method)."""
+
+    def attempt_errors(self, event_id: int) -> list[AttemptError]: ...
 
 
 def _is_store(store: object) -> bool:

@@ -195,6 +195,14 @@ ALTER TABLE {events} ADD COLUMN message_id uuid;
 ALTER TABLE {events} ALTER COLUMN message_id SET DEFAULT gen_random_uuid();
 
 
+-- name: migration_6
+-- The error of each failed attempt (capabilities.error_history): settle_many and
+-- settle_many_recording append [attempt, at, error] to this array when they keep an error (a
+-- retry or a dead letter), in the same UPDATE that writes last_error; attempt_errors reads it.
+-- Added without a default: no rewrite of the table, and NULL (no failure yet) costs nothing.
+ALTER TABLE {events} ADD COLUMN errors jsonb;
+
+
 -- name: enqueue
 -- R1: one statement for the whole batch, through the caller's connection. The batch comes as
 -- one JSON document, an array of [topic, payload, headers, key, delay in microseconds] per
@@ -485,6 +493,11 @@ UPDATE {events} AS e
                            ELSE coalesce(%(now)s::timestamptz, now()) + s.retry_after
                       END,
        last_error = CASE WHEN s.keeps_error THEN s.error ELSE e.last_error END,
+       errors = CASE WHEN s.keeps_error AND s.error IS NOT NULL
+                     THEN coalesce(e.errors, '[]'::jsonb)
+                          || jsonb_build_array(jsonb_build_array(
+                                 e.attempts, coalesce(%(now)s::timestamptz, now()), s.error))
+                     ELSE e.errors END,
        locked_until = NULL,
        claim_token = NULL
   FROM unnest(%(ids)b::bigint[], %(tokens)b::uuid[], %(publish)b::boolean[],
@@ -512,6 +525,11 @@ WITH settled AS (
                                ELSE coalesce(%(now)s::timestamptz, now()) + s.retry_after
                           END,
            last_error = CASE WHEN s.keeps_error THEN s.error ELSE e.last_error END,
+           errors = CASE WHEN s.keeps_error AND s.error IS NOT NULL
+                         THEN coalesce(e.errors, '[]'::jsonb)
+                              || jsonb_build_array(jsonb_build_array(
+                                     e.attempts, coalesce(%(now)s::timestamptz, now()), s.error))
+                         ELSE e.errors END,
            locked_until = NULL,
            claim_token = NULL
       FROM unnest(%(ids)b::bigint[], %(tokens)b::uuid[], %(publish)b::boolean[],
@@ -595,6 +613,13 @@ UPDATE {events}
  WHERE id = ANY(%(ids)b::bigint[])
    AND failed_at IS NOT NULL
 RETURNING id
+
+-- name: attempt_errors
+-- The error of each failed attempt of one event, oldest first (see migration_6).
+SELECT (x.a ->> 0)::integer, (x.a ->> 1)::timestamptz, x.a ->> 2
+  FROM {events} AS e, jsonb_array_elements(e.errors) WITH ORDINALITY AS x (a, n)
+ WHERE e.id = %(id)s
+ ORDER BY x.n
 
 -- name: get
 SELECT id, topic, payload::text, headers::text, key, created_at, available_at, attempts,

@@ -38,7 +38,7 @@ import psycopg
 from psycopg.rows import tuple_row
 from psycopg_pool import ConnectionPool
 
-from outboxkit.core.model import Claim, Migration, NewEvent
+from outboxkit.core.model import AttemptError, Claim, Migration, NewEvent
 from outboxkit.errors import ConfigurationError
 from outboxkit.store import Capabilities
 from outboxkit.storekit.names import (
@@ -66,7 +66,7 @@ __all__ = ["MIGRATIONS", "SCHEMA_VERSION", "PostgresStore"]
 
 log = logging.getLogger("outboxkit")
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """The schema version this code reads and writes."""
 
 MIGRATIONS: tuple[tuple[int, str], ...] = (
@@ -75,6 +75,7 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
     (3, "per-key order (key rows, key_seq), dedupe keys"),
     (4, "records without a foreign key (purges delete them), has_history for the claim"),
     (5, "message_id: a random uuid per new event, its identity on a broker"),
+    (6, "errors: the error of each failed attempt"),
 )
 """Each version and what it adds; version *n* runs the ``migration_n`` statement."""
 
@@ -257,6 +258,7 @@ class PostgresStore(SQLStore):
             asyncio=pool.conninfo is not None,
             ordering=True,
             dedupe=partition_size is None,
+            error_history=True,
         )
         """What the store offers: all of it, but the waiter and the asyncio side on a pool of
         the app's without a conninfo string, ``multiprocess`` without a URL, and the dedupe
@@ -353,6 +355,18 @@ class PostgresStore(SQLStore):
             )
         with self.dialect.mapped("maintain the partitions"):
             return maintain(self, before=before)
+
+    def attempt_errors(self, event_id: int) -> list[AttemptError]:
+        """The error of each failed attempt of one event, oldest first (kept by the
+        settlements since schema version 6).
+
+        Raises:
+            StoreError: the store failed.
+        """
+        dialect = self.dialect
+        with dialect.read(f"read the errors of event {event_id}") as conn:
+            rows = dialect.rows(conn, "attempt_errors", {"id": event_id})
+        return [AttemptError(int(n), at, str(error)) for n, at, error in rows]
 
     def purge_published(self, *, before: datetime, limit: int) -> int:
         """Delete at most ``limit`` events published before ``before``, with their records;

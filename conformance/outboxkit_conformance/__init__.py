@@ -110,7 +110,7 @@ __all__ = [
     "load_factory",
 ]
 
-SUITE_VERSION = "1.9.0"
+SUITE_VERSION = "1.10.0"
 
 
 class StoreConformance(

@@ -3,7 +3,7 @@ by its claim's token, each written once."""
 
 from __future__ import annotations
 
-from outboxkit import FrozenClock, Store
+from outboxkit import FrozenClock, Outbox, Store
 from outboxkit.core.machine import DeadLetter, Publish, Retry
 from outboxkit.store import settle_one
 
@@ -37,6 +37,23 @@ class SettleTests(ConformanceBase):
         assert self.claim(store, at + 7 * S) == []  # lease cleared, but not yet available
         (again,) = self.claim(store, at + 8 * S)
         assert again.attempt == 2
+
+    def test_each_failed_attempt_keeps_its_error(self, store: Store, clock: FrozenClock) -> None:
+        self.require(store, "error_history")
+        outbox = Outbox(store, load_entry_points=False)
+        failing, fine = self.put(store, clock.now(), ("t", 1), ("t", 2))
+        first, ok = self.claim(store, clock.now(), batch_size=2)
+        t1 = clock.now() + S
+        assert settle_one(store, first, Retry(delay=S, retry=1), error="h: first", now=t1)
+        assert settle_one(store, ok, Publish(), error=None, now=t1)
+        (second,) = self.claim(store, t1 + S)
+        t2 = t1 + 2 * S
+        assert settle_one(store, second, DeadLetter(), error="h: second", now=t2)
+        kept = [(e.attempt, e.at, e.error) for e in outbox.attempt_errors(failing)]
+        assert kept == [(1, t1, "h: first"), (2, t2, "h: second")]
+        assert outbox.attempt_errors(fine) == []
+        assert store.requeue([failing], now=t2) == 1  # a requeue keeps the history
+        assert len(outbox.attempt_errors(failing)) == 2
 
     def test_settle_twice_is_refused(self, store: Store, clock: FrozenClock) -> None:
         self.put(store, clock.now(), ("t", 1))

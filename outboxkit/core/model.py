@@ -14,6 +14,7 @@ from typing import Any, Literal, TypeVar
 
 __all__ = [
     "DEAD_KEY_CHOICES",
+    "AttemptError",
     "Claim",
     "Claimed",
     "DeadKey",
@@ -315,6 +316,17 @@ class DeliveryRecord:
     attempt: int
     recorded_at: datetime
     reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptError:
+    """One failed attempt of an event, as the store keeps it (``capabilities.error_history``):
+    the attempt's number (the event's ``attempts`` when it failed), when its settlement was
+    written, and the error (the words of ``last_error``: the failing handler's name first)."""
+
+    attempt: int
+    at: datetime
+    error: str
 
 
 @dataclass(frozen=True, slots=True)

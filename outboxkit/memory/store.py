@@ -18,6 +18,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ..core.model import (
+    AttemptError,
     Claim,
     DeadKey,
     DeadLetter,
@@ -157,6 +158,7 @@ class MemoryStore(StoreBase):
         asyncio=True,
         ordering=True,
         dedupe=True,
+        error_history=True,
     )
     url: str | None = None  # another process's memory:// is another store
     options: Mapping[str, Any] = MappingProxyType({})
@@ -305,6 +307,11 @@ class MemoryStore(StoreBase):
 
     def records(self, event_id: int) -> list[DeliveryRecord]:
         return self.tables.records_of(event_id)
+
+    def attempt_errors(self, event_id: int) -> list[AttemptError]:
+        with self.tables.lock:
+            row = self.tables.events.get(event_id)
+            return [] if row is None else list(row.errors)
 
     def purge_published(self, *, before: datetime, limit: int) -> int:
         tables = self.tables

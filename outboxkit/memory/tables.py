@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..core.machine import Retry, Settlement, Transition, allowed, blocks_key, is_due
 from ..core.model import (
+    AttemptError,
     Claim,
     DeadKey,
     DeadLetter,
@@ -60,6 +61,7 @@ class Row:
     row_lock: object | None = None  # the delivery transaction holding this row
     dedupe_key: str | None = None
     message_id: str = ""  # a random UUID's text, drawn at enqueue (Event.message_id)
+    errors: list[AttemptError] = field(default_factory=list)  # each failed attempt's error
 
     def to_event(self) -> Event:
         return Event(
@@ -491,6 +493,8 @@ class Tables:
             assert isinstance(settlement, Retry)
             row.available_at = at + settlement.delay
             row.last_error = error
+        if state is not State.PUBLISHED and error is not None:
+            row.errors.append(AttemptError(row.attempts, at, error))
         row.locked_until = None
         row.token = None
         if row.published_at is not None or row.failed_at is not None:

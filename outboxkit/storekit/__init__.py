@@ -134,6 +134,7 @@ from ..core.machine import Publish as PublishSettlement
 from ..core.machine import Retry as RetrySettlement
 from ..core.machine import Settlement
 from ..core.model import (
+    AttemptError,
     Claim,
     DeadKey,
     DeadLetter,
@@ -192,6 +193,7 @@ __all__ = [
     "AsyncDeliveryTransaction",
     "AsyncStore",
     "AsyncStoreBase",
+    "AttemptError",
     "BatchBase",
     "BatchRolledBack",
     "BatchTransaction",

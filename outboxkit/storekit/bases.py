@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..capabilities import Capabilities
 from ..core.model import (
+    AttemptError,
     Claim,
     DeadKey,
     DeadLetter,
@@ -220,6 +221,15 @@ class StoreBase(DeliveriesBase):
     def now(self) -> datetime:
         """The store's production clock. Default: this host's wall clock, in UTC."""
         return datetime.now(UTC)
+
+    def attempt_errors(self, event_id: int) -> list[AttemptError]:
+        """The error of each failed attempt of one event, oldest first
+        (``capabilities.error_history``). Default: none kept (``[]``).
+
+        Raises:
+            StoreError: the store failed.
+        """
+        return []
 
     def get(self, event_id: int) -> Event | None:
         """One event by id, or None. Default: one ``events`` call.

@@ -105,16 +105,16 @@ def test_a_missing_migration_is_named_with_its_fix(
     versions = sql.Identifier(store.names.schema, store.names.versions)
     server = target.url.split("?", 1)[0]
     with psycopg.connect(server, autocommit=True) as admin:
-        admin.execute(sql.SQL("DELETE FROM {} WHERE version = 5").format(versions))
+        admin.execute(sql.SQL("DELETE FROM {} WHERE version = 6").format(versions))
     result = cli("doctor", "--json", *target.cli_args())
     assert result.code == 1, result
     [migrations] = _findings(result, "migrations")
     assert migrations["severity"] == "problem"
-    assert migrations["details"] == {"version": 4, "expected": 5, "missing": [5]}
-    assert "missing migration(s) 5: message_id" in migrations["summary"]
+    assert migrations["details"] == {"version": 5, "expected": 6, "missing": [6]}
+    assert "missing migration(s) 6: errors" in migrations["summary"]
     assert migrations["fix"].startswith("outboxkit migrate --store URL")
     [schema] = _findings(result, "schema")
-    assert schema["severity"] == "problem" and "older than version 5" in schema["summary"]
+    assert schema["severity"] == "problem" and "older than version 6" in schema["summary"]
     human = cli("doctor", *target.cli_args())
     assert "PROBLEM  migrations: schema " in human.stdout
     assert "fix: outboxkit migrate --store URL" in human.stdout

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
-from ...core.model import DeadKey, DeadLetter, Event, State, Stats
+from ...core.model import AttemptError, DeadKey, DeadLetter, Event, State, Stats
 from ...errors import ConfigurationError
 from ...outbox import Outbox
 from ...reading import DeadEventKey, dead_keys, iter_dead_letters
@@ -356,6 +356,13 @@ class Dashboard:
     def event(self, event_id: int) -> tuple[Event | None, DeadLetter | None]:
         """One event, and its dead letter (with delivery records) when it is dead."""
         return self.outbox.store.get(event_id), self.outbox.dead_letter(event_id)
+
+    def errors(self, event_id: int) -> list[AttemptError] | None:
+        """The error of each failed attempt of one event, oldest first; None when the store
+        keeps only the last one (``capabilities.error_history``)."""
+        if not self.outbox.store.capabilities.error_history:
+            return None
+        return self.outbox.attempt_errors(event_id)
 
     # -- acting -------------------------------------------------------------------------------
 

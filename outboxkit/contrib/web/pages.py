@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 from urllib.parse import parse_qsl, urlencode
 
-from ...core.model import DeadKey, DeadLetter, Event, Stats, UndecodablePayload
+from ...core.model import AttemptError, DeadKey, DeadLetter, Event, Stats, UndecodablePayload
 from ...core.text import printable, printable_json
 from ...reading import DeadEventKey
 from .dashboard import EventFilter, Sample, Survey
@@ -462,9 +462,14 @@ def login_page(signed_in: bool) -> str:
 
 
 def event_page(
-    event: Event, letter: DeadLetter | None, signed_in: bool = False, message: str = ""
+    event: Event,
+    letter: DeadLetter | None,
+    signed_in: bool = False,
+    message: str = "",
+    errors: Sequence[AttemptError] | None = None,
 ) -> str:
-    """One event; for a dead letter, its delivery records and the requeue and purge forms."""
+    """One event, the error of each failed attempt (``errors``; None: the store keeps only
+    the last); for a dead letter, its delivery records and the requeue and purge forms."""
     payload = event.payload.raw if isinstance(event.payload, UndecodablePayload) else event.payload
     state = event.state.value
     rows = [
@@ -487,7 +492,19 @@ def event_page(
         f"<h1>Event {event.id}</h1>",
         _table(["", ""], rows, set()),
         f"<h2>Payload</h2><pre>{html.escape(shown)}</pre>",
+        "<h2>Errors by attempt</h2>",
     ]
+    if errors is None:
+        body.append("<p class='muted'>This store keeps the last error only (above).</p>")
+    elif not errors:
+        body.append("<p id='attempt-errors'>No attempt failed.</p>")
+    else:
+        attempts = [
+            [str(e.attempt), _when(e.at), f"<span class='err'>{text(e.error)}</span>"]
+            for e in errors
+        ]
+        table = _table(["ATTEMPT", "AT", "ERROR"], attempts, {0})
+        body.append(f"<div id='attempt-errors'>{table}</div>")
     if letter is not None:
         records = [
             [

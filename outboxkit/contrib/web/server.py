@@ -231,7 +231,9 @@ class _Handler(BaseHTTPRequestHandler):
                 if event is None:
                     self._message(HTTPStatus.NOT_FOUND, "No such event", f"no event {event_id}")
                 else:
-                    self._send(HTTPStatus.OK, pages.event_page(event, letter, signed_in, flash))
+                    errors = dashboard.errors(event_id)
+                    page = pages.event_page(event, letter, signed_in, flash, errors)
+                    self._send(HTTPStatus.OK, page)
             elif (given := _event_segment(path)) is not None:
                 self._message(HTTPStatus.NOT_FOUND, "No such event", _not_an_id(given))
             else:

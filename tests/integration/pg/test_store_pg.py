@@ -11,7 +11,7 @@ import sys
 import threading
 import uuid
 from collections.abc import Iterator
-from datetime import UTC, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psycopg
@@ -24,6 +24,7 @@ from outboxkit import (
     ConfigurationError,
     Event,
     EventBus,
+    FrozenClock,
     HandlerCrashed,
     Message,
     Outbox,
@@ -714,3 +715,50 @@ def test_an_apps_pool_keeps_its_sessions_zone(
         assert _session_zone(store) == "Asia/Tokyo"
         store.close()
     assert admin.execute("SHOW TimeZone").fetchone() == zone
+
+
+def test_an_upgrade_to_version_6_keeps_the_rows_and_starts_each_errors_list_empty(
+    pg_url: str, pg_schema: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The rows version 5 left (a dead letter among them) keep their last error; the list of
+    # errors by attempt begins with the first failure after the upgrade.
+    import outboxkit_pg.store as pg_store_module
+
+    clock = FrozenClock(datetime(2030, 1, 1, tzinfo=UTC))
+    bus = EventBus()
+
+    @bus.handler("t", name="h")
+    def h(event: Any, ctx: Any) -> None:
+        raise RuntimeError(f"down {event.attempts}")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(pg_store_module, "SCHEMA_VERSION", 5)
+        patch.setattr(pg_store_module, "MIGRATIONS", pg_store_module.MIGRATIONS[:5])
+        old = PostgresStore(pg_url, schema=pg_schema)
+        try:
+            assert old.migrate().after == 5
+            outbox = Outbox(old, bus, clock=clock, max_retries=0, load_entry_points=False)
+            with old.transaction() as tx:
+                dead, later = outbox.enqueue_many(tx, [("t", 1), ("t", 2)])
+                tx.execute(  # dead as version 5 left it: its last error only
+                    sql.SQL(
+                        "UPDATE {} SET attempts = 1, failed_at = now(), last_error = %s"
+                        " WHERE id = %s"
+                    ).format(sql.Identifier(pg_schema, "outbox_events")),
+                    ("h: RuntimeError: down 1", dead),
+                )
+        finally:
+            old.close()
+    store = PostgresStore(pg_url, schema=pg_schema)
+    try:
+        migration = store.migrate()
+        assert (migration.before, migration.after) == (5, 6)
+        outbox = Outbox(store, bus, clock=clock, max_retries=0, load_entry_points=False)
+        event = store.get(dead)
+        assert event is not None and event.last_error == "h: RuntimeError: down 1"
+        assert outbox.attempt_errors(dead) == []  # failed before the list was kept
+        outbox.poller().run_once()
+        (error,) = outbox.attempt_errors(later)
+        assert (error.attempt, error.at, error.error) == (1, clock.now(), "h: RuntimeError: down 1")
+    finally:
+        store.close()
