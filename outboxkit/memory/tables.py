@@ -7,10 +7,10 @@ another's private state. ``Row``, ``Pending`` and ``Settle`` are its records.
 
 from __future__ import annotations
 
-import contextlib
 import heapq
 import threading
 import uuid
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
@@ -145,8 +145,10 @@ class Tables:
         self.next_id = 1
         self.closed = False
         # The pollers' waiters (``make_waiter``): a commit that adds events wakes them, as
-        # PostgreSQL's NOTIFY does - an enqueue's own wake comes before its commit.
-        self.waiters: list[Wakeable] = []
+        # PostgreSQL's NOTIFY does - an enqueue's own wake comes before its commit. Weakly
+        # held: a poller that is dropped without closing its waiter (run_once,
+        # run_until_idle) takes it along.
+        self.waiters: weakref.WeakSet[Wakeable] = weakref.WeakSet()
 
     def check_open(self) -> None:
         """Raises:
@@ -517,11 +519,11 @@ class CommitWaiter(ThreadWaiter):
         super().__init__()
         self._tables = tables
         with tables.lock:
-            tables.waiters.append(self)
+            tables.waiters.add(self)
 
     def close(self) -> None:
-        with self._tables.lock, contextlib.suppress(ValueError):
-            self._tables.waiters.remove(self)
+        with self._tables.lock:
+            self._tables.waiters.discard(self)
 
     def __repr__(self) -> str:
         return "CommitWaiter()"
@@ -534,11 +536,11 @@ class AsyncCommitWaiter(LoopWaiter):
         super().__init__()
         self._tables = tables
         with tables.lock:
-            tables.waiters.append(self)
+            tables.waiters.add(self)
 
     async def close(self) -> None:
-        with self._tables.lock, contextlib.suppress(ValueError):
-            self._tables.waiters.remove(self)
+        with self._tables.lock:
+            self._tables.waiters.discard(self)
 
     def __repr__(self) -> str:
         return "AsyncCommitWaiter()"

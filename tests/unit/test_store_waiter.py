@@ -106,3 +106,18 @@ def test_the_memory_stores_async_waiter_is_woken_by_a_commit_from_another_thread
         await waiter.close()
 
     asyncio.run(main())
+
+
+def test_a_pollers_waiter_left_unclosed_goes_with_the_poller() -> None:
+    # run_once and run_until_idle never close the waiter the store made: the memory store
+    # holds its waiters weakly, so pollers made and dropped (a drain per test) do not pile up.
+    import gc
+
+    store = MemoryStore()
+    outbox = Outbox(store, load_entry_points=False)
+    for _ in range(3):
+        outbox.poller().run_until_idle()
+    gc.collect()
+    assert len(store.tables.waiters) == 0
+    kept = outbox.poller()
+    assert len(store.tables.waiters) == 1 and kept.waiter in store.tables.waiters
