@@ -682,7 +682,7 @@ class Outbox:
 
     def attempt_errors(self, event_id: int) -> list[AttemptError]:
         """The error of each failed attempt of one event, oldest first, where the store keeps
-        them (``capabilities.error_history``: PostgreSQL and memory); ``[]`` where it keeps
+        them (``capabilities.error_history``: PostgreSQL, SQLite, Django's, memory); ``[]`` where it keeps
         only the last one (``Event.last_error``). A requeued event keeps its history.
 
         Raises:

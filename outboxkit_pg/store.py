@@ -38,7 +38,7 @@ import psycopg
 from psycopg.rows import tuple_row
 from psycopg_pool import ConnectionPool
 
-from outboxkit.core.model import AttemptError, Claim, Migration, NewEvent
+from outboxkit.core.model import Claim, Migration, NewEvent
 from outboxkit.errors import ConfigurationError
 from outboxkit.store import Capabilities
 from outboxkit.storekit.names import (
@@ -355,18 +355,6 @@ class PostgresStore(SQLStore):
             )
         with self.dialect.mapped("maintain the partitions"):
             return maintain(self, before=before)
-
-    def attempt_errors(self, event_id: int) -> list[AttemptError]:
-        """The error of each failed attempt of one event, oldest first (kept by the
-        settlements since schema version 6).
-
-        Raises:
-            StoreError: the store failed.
-        """
-        dialect = self.dialect
-        with dialect.read(f"read the errors of event {event_id}") as conn:
-            rows = dialect.rows(conn, "attempt_errors", {"id": event_id})
-        return [AttemptError(int(n), at, str(error)) for n, at, error in rows]
 
     def purge_published(self, *, before: datetime, limit: int) -> int:
         """Delete at most ``limit`` events published before ``before``, with their records;

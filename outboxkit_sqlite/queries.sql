@@ -46,6 +46,19 @@ INSERT INTO {events} (topic, payload, headers, key, created_at, available_at, de
 -- NULL: their identity stays their decimal id, which their messages carried before.
 ALTER TABLE {events} ADD COLUMN message_id BLOB
 
+-- name: create_errors
+-- Schema version 7: the error of each failed attempt (capabilities.error_history), a JSON array
+-- of [attempt, at, error] that settle_many appends to when it keeps an error (a retry or a dead
+-- letter), in the statement that writes last_error; attempt_errors reads it.
+ALTER TABLE {events} ADD COLUMN errors TEXT
+
+-- name: attempt_errors
+-- The error of each failed attempt of one event, oldest first (see create_errors).
+SELECT json_extract(x.value, '$[0]'), json_extract(x.value, '$[1]'), json_extract(x.value, '$[2]')
+  FROM {events} AS e, json_each(e.errors) AS x
+ WHERE e.id = :id
+ ORDER BY x.key
+
 -- name: insert_event_older
 -- One event into a schema older than version 5 (a file opened with migrate=False, not yet
 -- migrated): only the columns every version has.
@@ -134,6 +147,10 @@ UPDATE {events}
        available_at = CASE WHEN s.retry_after IS NOT NULL
                            THEN :now + s.retry_after ELSE available_at END,
        last_error = CASE WHEN s.keeps_error THEN s.error ELSE last_error END,
+       errors = CASE WHEN s.keeps_error AND s.error IS NOT NULL
+                     THEN json_insert(coalesce(errors, '[]'), '$[#]',
+                                      json_array(attempts, :now, s.error))
+                     ELSE errors END,
        locked_until = NULL,
        token = NULL
   FROM (SELECT json_extract(value, '$[0]') AS id, json_extract(value, '$[1]') AS token,

@@ -14,7 +14,8 @@ is one statement, as on PostgreSQL (``ON DELETE CASCADE``); it costs nothing but
 Version 5: per-key ordering and idempotent enqueue (R15, R16): the ``dedupe_key`` column, its
 unique index, and the index the claim asks whether an earlier event of a key holds it up.
 Version 6: the message identity, ``message_id`` (16 random bytes the inserts draw); rows written
-before keep NULL, and their identity stays their decimal id.
+before keep NULL, and their identity stays their decimal id. Version 7: ``errors``, the error of
+each failed attempt (a JSON array the settlements append to); NULL until an attempt fails.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from .tables import TableNames, render_queries
 
 __all__ = ["SCHEMA_VERSION", "current_version", "migrate"]
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 
 def current_version(conn: sqlite3.Connection, tables: TableNames) -> int:
@@ -163,6 +164,10 @@ def _v6_message_id(db: Database, tables: TableNames) -> None:
     db.execute(render_queries(tables)["create_message_id"])
 
 
+def _v7_errors(db: Database, tables: TableNames) -> None:
+    db.execute(render_queries(tables)["create_errors"])
+
+
 _STEPS: tuple[tuple[int, Callable[[Database, TableNames], None]], ...] = (
     (1, _v1_tables),
     (2, _v2_indexes),
@@ -170,4 +175,5 @@ _STEPS: tuple[tuple[int, Callable[[Database, TableNames], None]], ...] = (
     (4, _v4_purge_trigger),
     (5, _v5_order_indexes),
     (6, _v6_message_id),
+    (7, _v7_errors),
 )

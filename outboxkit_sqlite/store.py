@@ -155,6 +155,7 @@ class SQLiteStore(SQLStore):
             asyncio=file is not None,
             ordering=True,
             dedupe=True,
+            error_history=True,
         )
         self.options: dict[str, Any] = {
             "events_table": tables.events,

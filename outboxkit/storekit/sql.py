@@ -57,6 +57,7 @@ from typing import Any
 
 from ..core.machine import Publish, blocks_key
 from ..core.model import (
+    AttemptError,
     Claim,
     DeadKey,
     DeadLetter,
@@ -412,6 +413,16 @@ class SQLStore(StoreBase):
     def records(self, event_id: int) -> list[DeliveryRecord]:
         with self.dialect.read(f"read the records of event {event_id}") as conn:
             return self.records_of(conn, [event_id]).get(event_id, [])
+
+    def attempt_errors(self, event_id: int) -> list[AttemptError]:
+        """The ``attempt_errors`` statement's rows (attempt, stored instant, error), oldest
+        first, on a store declaring ``capabilities.error_history``; else none."""
+        if not self.capabilities.error_history:
+            return []
+        dialect = self.dialect
+        with dialect.read(f"read the errors of event {event_id}") as conn:
+            rows = dialect.rows(conn, "attempt_errors", {"id": event_id})
+        return [AttemptError(int(n), dialect.stored_instant(at), str(e)) for n, at, e in rows]
 
     def records_of(self, conn: Any, ids: Sequence[int]) -> dict[int, list[DeliveryRecord]]:
         """The records of the events ``ids``, read on ``conn``, by event id."""

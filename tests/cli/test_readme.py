@@ -68,7 +68,7 @@ def test_operations_documents_every_command_and_option() -> None:
         "--token",
         "--host",
         "--sample-every",
-        "created schema v5",
+        "created schema v7",
         "retain_published",
         "1,000 rows",
         "exit code 2",

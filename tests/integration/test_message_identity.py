@@ -98,10 +98,10 @@ def test_sqlite_upgrade_to_version_6_keeps_the_identity_of_the_events_already_th
                 tx, [Message("t", {"n": 1}, key="k"), Message("t", {"n": 2}, dedupe_key="once")]
             )
             assert outbox.enqueue(tx, "t", {"n": 3}, dedupe_key="once") == ids[2]
-        with pytest.raises(SchemaError, match="older than version 6"):
+        with pytest.raises(SchemaError, match=f"older than version {sqlite_schema.SCHEMA_VERSION}"):
             store.claim(batch_size=10, lease=LEASE, now=None)
         migration = store.migrate()
-        assert (migration.before, migration.after) == (5, 6)
+        assert (migration.before, migration.after) == (5, sqlite_schema.SCHEMA_VERSION)
         check_upgraded(store, ids)
 
 

@@ -1,10 +1,12 @@
 """The error of each failed attempt on an event's page, in a real browser (Debian's chromium
-through Playwright, as ``test_dashboard_browser.py``), on PostgreSQL, whose store keeps them
-(``capabilities.error_history``); and what the page says on a store that keeps the last only."""
+through Playwright, as ``test_dashboard_browser.py``), on PostgreSQL and SQLite, whose stores
+keep them (``capabilities.error_history``); and what the page says on a store that keeps the
+last only."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -13,7 +15,6 @@ import pytest
 
 from outboxkit import EventBus, FrozenClock, Outbox, open_store
 from outboxkit.contrib.web import Dashboard, DashboardServer, pages
-from outboxkit_pg import PostgresStore
 from tests.integration.pg.conftest import pg_schema, pg_store, pg_url
 
 from .test_dashboard_browser import _browser_or_skip
@@ -43,20 +44,27 @@ def _failing_outbox(store: Any) -> tuple[Outbox, int]:
     return outbox, event_id
 
 
-@pytest.fixture
-def served_pg(pg_store: PostgresStore) -> Iterator[tuple[DashboardServer, int]]:
-    outbox, event_id = _failing_outbox(pg_store)
-    server = DashboardServer(Dashboard(outbox, name="pg"), port=0, sample_every=None)
+@pytest.fixture(params=["pg", "sqlite"])
+def served(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[DashboardServer, int]]:
+    if request.param == "pg":
+        store: Any = request.getfixturevalue("pg_store")
+    else:
+        store = open_store(f"sqlite:///{tmp_path / 'shop.db'}")
+        store.migrate()
+    outbox, event_id = _failing_outbox(store)
+    server = DashboardServer(Dashboard(outbox, name=request.param), port=0, sample_every=None)
     server.start()
     yield server, event_id
     server.stop()
+    if request.param == "sqlite":
+        store.close()
 
 
 def test_an_events_page_shows_the_error_of_each_attempt(
-    served_pg: tuple[DashboardServer, int],
+    served: tuple[DashboardServer, int],
 ) -> None:
     sync_playwright = _browser_or_skip()
-    server, event_id = served_pg
+    server, event_id = served
     with sync_playwright() as playwright:
         browser = _launch(playwright)
         try:
@@ -75,6 +83,8 @@ def test_an_events_page_shows_the_error_of_each_attempt(
 
 def test_a_store_keeping_the_last_error_only_says_so(tmp_path: Path) -> None:
     store = open_store(f"sqlite:///{tmp_path / 'shop.db'}")
+    # A store that keeps the last error only (as MariaDB's): SQLite declaring no history.
+    store.capabilities = replace(store.capabilities, error_history=False)
     try:
         store.migrate()
         outbox, event_id = _failing_outbox(store)

@@ -29,6 +29,7 @@ from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 from outboxkit.core.model import (
+    AttemptError,
     Claim,
     DeadKey,
     DeadLetter,
@@ -61,6 +62,7 @@ CAPABILITIES = Capabilities(
     concurrent_claimers=True,  # each thread on its own Django connection
     ordering=True,
     dedupe=True,
+    error_history=True,
 )
 
 
@@ -214,6 +216,9 @@ class DjangoStore(StoreBase):
 
     def records(self, event_id: int) -> list[DeliveryRecord]:
         return self.inner.records(event_id)
+
+    def attempt_errors(self, event_id: int) -> list[AttemptError]:
+        return self.inner.attempt_errors(event_id)
 
     def purge_published(self, *, before: datetime, limit: int) -> int:
         return self.inner.purge_published(before=before, limit=limit)

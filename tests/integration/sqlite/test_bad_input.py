@@ -427,3 +427,44 @@ def test_only_the_store_ends_its_own_transactions(tmp_path: Path) -> None:
     assert isinstance(delivery.exception, HandlerCrashed)
     assert report.retried == [event_id]
     assert tried == ["COMMIT", "ROLLBACK", "END", "BEGIN"]
+
+
+def test_an_upgrade_to_version_7_starts_each_errors_list_empty_and_keeps_the_last_error(
+    tmp_path: Path,
+) -> None:
+    # A dead letter version 6 left keeps its last error; the list of errors by attempt begins
+    # with the first failure after the upgrade.
+    from outboxkit import EventBus, FrozenClock, Outbox
+    from outboxkit_sqlite import SQLiteStore
+    from outboxkit_sqlite.tables import TableNames
+
+    path = tmp_path / "app.db"
+    with closing(sqlite3.connect(path, isolation_level=None)) as conn:
+        conn.execute("BEGIN IMMEDIATE")
+        schema.migrate(conn, TableNames(), applied_at=0, where=str(path), target=6)
+        conn.execute(
+            "INSERT INTO outbox_events (topic, payload, headers, created_at, available_at,"
+            " attempts, failed_at, last_error) VALUES ('t', '1', '{}', 0, 0, 1, 0, ?)",
+            ("h: RuntimeError: down 1",),
+        )
+        conn.execute("COMMIT")
+    clock = FrozenClock("2030-01-01T00:00:00Z")
+    bus = EventBus()
+
+    @bus.handler("t", name="h")
+    def h(event: object, ctx: object) -> None:
+        raise RuntimeError("down again")
+
+    with SQLiteStore(path) as store:  # migrates to the current version
+        outbox = Outbox(store, bus, clock=clock, max_retries=0, load_entry_points=False)
+        (dead,) = [letter.event.id for letter in store.dead_letters()]
+        assert outbox.attempt_errors(dead) == []
+        with store.transaction() as tx:
+            later = outbox.enqueue(tx, "t", 2)
+        outbox.poller().run_once()
+        (error,) = outbox.attempt_errors(later)
+        assert (error.attempt, error.at, error.error) == (
+            1,
+            clock.now(),
+            "h: RuntimeError: down again",
+        )

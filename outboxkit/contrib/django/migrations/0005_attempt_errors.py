@@ -1,5 +1,5 @@
-"""The error of each failed attempt (PostgreSQL schema version 6: ``errors``, which the
-settlements append to): the store's own migration brings the tables up to its current schema
+"""The error of each failed attempt (PostgreSQL schema version 6, SQLite 7: ``errors``, which
+the settlements append to): the store's own migration brings the tables up to its current schema
 version, as 0001 to 0004 do; ``Store.migrate`` is idempotent."""
 
 from __future__ import annotations

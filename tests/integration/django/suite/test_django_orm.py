@@ -74,6 +74,9 @@ def test_a_failed_attempt_rolls_back_the_orm_writes_then_the_retry_commits_them(
     (event,) = outbox_drain.enqueued("order.audit")
     records = outbox.store.records(event.id)
     assert [(r.handler, r.outcome) for r in records] == [("audit", Outcome.SUCCEEDED)]
+    (failed,) = outbox.attempt_errors(event.id)  # the first attempt's error, kept
+    assert failed.attempt == 1 and failed.error.startswith("audit: ")
+    assert outbox.store.capabilities.error_history
 
 
 def test_a_rejection_rolls_back_the_orm_writes_and_is_recorded(outbox, outbox_drain):
