@@ -74,6 +74,11 @@ VALUES (%(topic)s, %(payload)s, %(headers)s, %(key)s,
         %(message_id)s, %(dedupe_key)s)
 ON DUPLICATE KEY UPDATE id = LAST_INSERT_ID(id)
 
+-- name: last_insert_id
+-- The id insert_event wrote, or (R16) the holder's of its taken dedupe key, in this session: what
+-- an enqueue through SQLAlchemy reads after each event (portable_enqueue).
+SELECT LAST_INSERT_ID()
+
 -- name: claim
 -- R3: due rows, oldest first, locked (others skip them), leased. R15: a keyed event only
 -- while no earlier one of its key (key_seq: commit order) is unsettled (%(hold)s: unpublished).

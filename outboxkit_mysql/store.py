@@ -276,24 +276,18 @@ class MySQLStore(SQLStore):
         self, events: Sequence[NewEvent], now: datetime | None
     ) -> list[tuple[str, dict[str, Any]]]:
         """``enqueue``'s statements for a connection another library drives (SQLAlchemy's),
-        with ``:name`` parameters; the last returns the new ids (by message id) as its rows.
+        with ``:name`` parameters: after each event's insert, ``last_insert_id`` returns its id
+        (or its dedupe key's holder's) as its one row, in the same session.
 
         Raises:
             ConfigurationError: ``now`` is naive.
         """
-        statements = [
-            (_PARAMETER.sub(r":\1", sql), params)
-            for sql, params in self.inserts(events, self.dialect.instant(now))
-        ]
-        drawn = {
-            f"m{i}": params["message_id"]
-            for i, (_, params) in enumerate(statements)
-            if "message_id" in params
-        }
-        table = f"`{self.dialect.connect['database']}`.`{self.options['events_table']}`"
-        names = ", ".join(f":{name}" for name in drawn)
-        where = f"message_id IN ({names}) ORDER BY id"
-        statements.append((f"SELECT id FROM {table} WHERE {where}", drawn))  # noqa: S608
+        (last_id,) = self.dialect.queries["last_insert_id"]
+        statements: list[tuple[str, dict[str, Any]]] = []
+        for sql, params in self.inserts(events, self.dialect.instant(now)):
+            statements.append((_PARAMETER.sub(r":\1", sql), params))
+            if "message_id" in params:  # an event's insert (not a key's upsert)
+                statements.append((last_id, {}))
         return statements
 
     # -- deliveries -----------------------------------------------------------------------------

@@ -46,6 +46,17 @@ INSERT INTO {events} (topic, payload, headers, key, created_at, available_at, de
 -- NULL: their identity stays their decimal id, which their messages carried before.
 ALTER TABLE {events} ADD COLUMN message_id BLOB
 
+-- name: empty_tables
+-- Every event and record gone, ids from 1 again: the test kit's emptying of a kept test file,
+-- and the Django test store's between tests (statements run one by one).
+DELETE FROM {deliveries};
+DELETE FROM {events};
+DELETE FROM sqlite_sequence WHERE name = :events_table
+
+-- name: take_lock
+-- A write that changes nothing: as a transaction's first statement it takes the write lock.
+UPDATE {events} SET id = id WHERE 0
+
 -- name: create_errors
 -- Schema version 7: the error of each failed attempt (capabilities.error_history), a JSON array
 -- of [attempt, at, error] that settle_many appends to when it keeps an error (a retry or a dead

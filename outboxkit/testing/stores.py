@@ -147,9 +147,8 @@ def _emptied_sqlite(store: SQLiteStore) -> bool:
             made = {row[0] for row in conn.execute(_SQLITE_OBJECTS)}
             if made != _template_objects():
                 return False
-            conn.execute(f'DELETE FROM "{tables.deliveries}"')  # noqa: S608
-            conn.execute(f'DELETE FROM "{tables.events}"')  # noqa: S608
-            conn.execute("DELETE FROM sqlite_sequence WHERE name = ?", (tables.events,))
+            for statement in store.dialect.queries["empty_tables"].split(";"):
+                conn.execute(statement, {"events_table": tables.events})
     except Exception:
         return False
     return True

@@ -47,9 +47,8 @@ class DjangoSQLiteDialect(SQLiteDialect):
         self.memory = False
         self.alias = alias
         self.where = f"{database} (Django database {alias!r})"
-        events = tables.events.replace('"', '""')
         # A write that changes nothing: the transaction's first statement takes the lock.
-        self.take_lock = f'UPDATE "{events}" SET id = id WHERE 0'  # noqa: S608
+        self.take_lock = self.queries["take_lock"]
 
     def raw(self) -> sqlite3.Connection:
         raw: sqlite3.Connection = django_connection(self.alias).connection
@@ -157,9 +156,10 @@ class OnSQLite:
             raise instead from exc
 
     def clear(self) -> None:
+        tables = self.sql.tables
         with self.dialect.write("clear the outbox tables") as raw:
-            for table in (self.sql.tables.deliveries, self.sql.tables.events):
-                raw.execute('DELETE FROM "{}"'.format(table.replace('"', '""')))  # noqa: S608
+            for statement in self.dialect.queries["empty_tables"].split(";"):
+                raw.execute(statement, {"events_table": tables.events})
 
 
 class SQLiteBatchOnDjango(BatchBase):

@@ -18,6 +18,7 @@ from outboxkit import (
     EventBus,
     FrozenClock,
     HandlerCrashed,
+    Message,
     Outbox,
     Outcome,
     StoreUnavailable,
@@ -274,9 +275,15 @@ def test_sqlalchemy_sessions_enqueue_in_their_transaction(
             outbox.enqueue(session, "t", {"n": 2})
             session.rollback()
         with engine.begin() as conn:
-            outbox.enqueue(conn, "t", {"n": 3})
+            third = outbox.enqueue(conn, "t", {"n": 3})
+        with Session(engine) as session, session.begin():  # a batch: each id in its place
+            batch = outbox.enqueue_many(
+                session,
+                [Message("t", {"n": 4}, key="k"), Message("t", {"n": 5}), Message("t", {"n": 6})],
+            )
     finally:
         engine.dispose()
     events = store.events()
-    assert [e.payload["n"] for e in events] == [1, 3]
+    assert [e.payload["n"] for e in events] == [1, 3, 4, 5, 6]
     assert events[0].id == kept and events[0].key == "k"
+    assert [third, *batch] == [e.id for e in events[1:]]
