@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import re
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -58,6 +59,9 @@ log = logging.getLogger("outboxkit")
 AHEAD = 3
 """Partitions kept ready above the one holding the newest event."""
 
+_LOCK_SPACE = 0x6F70  # first key of the maintenance's advisory lock: "op"
+
+_NUMBER = re.compile(r"_p(\d+)$")
 _BOUND = re.compile(r"FROM \((MINVALUE|'?(-?\d+)'?)\) TO \((MAXVALUE|'?(-?\d+)'?)\)")
 
 
@@ -130,15 +134,15 @@ def _run(
 def partitions(conn: psycopg.Connection[Any], names: Names) -> list[Partition]:
     """The events table's partitions, lowest range first (none: not partitioned)."""
     found = []
-    prefix = index_name(names.events, "p")
     for relname, bound, pending in _run(conn, "partitions", names.slots()):
-        match = _BOUND.search(bound)
-        if match is None or not relname.startswith(prefix):
+        match, number = _BOUND.search(bound), _NUMBER.search(relname)
+        if match is None or number is None:
             continue  # not one of ours (a partition attached by hand): left alone
+        if relname != index_name(names.events, f"p{number.group(1)}"):
+            continue
         lower = None if match.group(2) is None else int(match.group(2))
         upper = int(match.group(4)) if match.group(4) is not None else 2**63 - 1
-        number = int(relname[len(prefix) :]) if relname[len(prefix) :].isdigit() else -1
-        found.append(Partition(number, lower, upper, bool(pending)))
+        found.append(Partition(int(number.group(1)), lower, upper, bool(pending)))
     return sorted(found, key=lambda p: (p.lower is not None, p.lower or 0))
 
 
@@ -192,30 +196,51 @@ def maintain(store: PostgresStore, *, before: datetime | None) -> int:
         for part in found:
             if part.upper > newest:
                 break  # ids below its bound may still be handed out
-            if part.detaching:  # an interrupted detach: finish it, then decide
-                _detach(conn, names, part, finalize=True)
-            else:
-                done, _ = _run(conn, "finished", _slots(names, part), {"before": before})[0]
-                if not done:
-                    continue
-                _detach(conn, names, part, finalize=False)
-            dropped += _drop_or_reattach(conn, names, part, before)
+            try:
+                dropped += _retire(conn, names, part, before)
+            except (psycopg.errors.UndefinedTable, psycopg.errors.ObjectNotInPrerequisiteState):
+                # Another maintenance detached it meanwhile, or is detaching it (an interrupted
+                # one is finished by the next maintenance, which sees it pending).
+                log.info("partition %d of %s: detached elsewhere", part.number, names.events)
     return dropped
+
+
+def _retire(conn: psycopg.Connection[Any], names: Names, part: Partition, before: datetime) -> int:
+    """Detach and drop one range if every event of it was published before ``before`` (an
+    interrupted detach is finished first); how many events went."""
+    if part.detaching:
+        _detach(conn, names, part, finalize=True)
+    else:
+        done, _ = _run(conn, "finished", _slots(names, part), {"before": before})[0]
+        if not done:
+            return 0
+        _detach(conn, names, part, finalize=False)
+    return _drop_or_reattach(conn, names, part, before)
 
 
 def _make_ahead(
     conn: psycopg.Connection[Any], names: Names, size: int, found: list[Partition], newest: int
 ) -> None:
-    top = max((p.upper for p in found), default=0)
+    """Make the partitions up to ``AHEAD`` above the one ``newest`` is in; under a lock, so a
+    maintenance running at the same time in another process makes none twice."""
     wanted = (newest // size + 1 + AHEAD) * size
-    while top < wanted:
-        part = Partition(top // size, top, top + size)
-        with conn.transaction():
+    if max((p.upper for p in found), default=0) >= wanted:
+        return
+    with conn.transaction():
+        key = zlib.crc32(f"{names.schema}.{names.events}".encode()) - (1 << 31)
+        _run(conn, "lock_maintenance", {}, {"lock_space": _LOCK_SPACE, "lock_key": key})
+        top = max((p.upper for p in partitions(conn, names)), default=0)  # made meanwhile?
+        while top < wanted:
+            part = Partition(top // size, top, top + size)
             _run(conn, "create", _slots(names, part))
-        log.info(
-            "partition %d of %s made (ids %d to %d)", part.number, names.events, top, top + size - 1
-        )
-        top += size
+            log.info(
+                "partition %d of %s made (ids %d to %d)",
+                part.number,
+                names.events,
+                top,
+                top + size - 1,
+            )
+            top += size
 
 
 def _detach(

@@ -88,6 +88,11 @@ SELECT c.relname, pg_catalog.pg_get_expr(c.relpartbound, c.oid), i.inhdetachpend
 -- until its transaction ends; partitions are made ahead of it.
 SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END FROM {events_seq}
 
+-- name: lock_maintenance
+-- Transaction-scoped (a transaction pooler keeps it): two maintenances making partitions ahead
+-- at once take turns, and the second finds them made.
+SELECT pg_advisory_xact_lock(%(lock_space)s::integer, %(lock_key)s::integer)
+
 -- name: create
 -- A partition made apart and then attached: ATTACH takes a SHARE UPDATE EXCLUSIVE lock on the
 -- partitioned table, which claims, enqueues and deliveries do not wait for (CREATE TABLE ...

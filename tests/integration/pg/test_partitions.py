@@ -331,3 +331,35 @@ def test_the_doctor_names_a_store_short_of_partitions_ahead_with_the_fix(
     store.maintain_partitions()
     assert partitions_finding().severity == "ok"
     store.close()
+
+
+def test_two_maintenances_at_once_make_each_partition_once_and_drop_each_once(
+    pg_url: str, schema: str
+) -> None:
+    # The pollers of several processes run the retention each minute, possibly at once: the
+    # partitions ahead are made under a lock, and a range another one detached is left to it.
+    store, _, clock = _published(pg_url, schema, 34)
+    others = [PostgresStore(pg_url, schema=schema, partition_size=10) for _ in range(2)]
+    ready = threading.Barrier(2)
+    dropped: list[int] = []
+    failures: list[BaseException] = []
+
+    def maintain(other: PostgresStore) -> None:
+        try:
+            ready.wait(30)
+            dropped.append(other.maintain_partitions(before=clock.now() + timedelta(hours=1)))
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=maintain, args=(other,)) for other in others]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    for other in others:
+        other.close()
+    assert failures == []
+    assert sum(dropped) == 9 + 10 + 10  # ranges 0, 1 and 2, each dropped by one of the two
+    ranges = _ranges(store)
+    assert ranges == [(30, 40), (40, 50), (50, 60), (60, 70)]  # none twice, none missing
+    store.close()
