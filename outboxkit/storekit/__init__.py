@@ -88,6 +88,8 @@ The defaults (override any of them)
 - ``record_many(handler, claims, *, now)`` (``DeliveriesBase``, so on batches too): one
   ``delivery`` and ``record`` per claim, False where ``LeaseLostError``.
 - ``make_waiter()``: None. ``async_store()``: raises ``ConfigurationError`` (no asyncio side).
+- ``attempt_errors(event_id)``: none kept (``[]``); a store declaring ``error_history``
+  returns each failed attempt's ``AttemptError``, oldest first.
 
 A batch transaction (``capabilities.batches``) derives from ``BatchBase``: ``delivery`` (a
 savepoint of the batch), ``extend`` and ``settle_many`` in the batch's one transaction, with
@@ -109,6 +111,8 @@ Capabilities (``Capabilities``; ``CAPABILITIES`` says what each promises)
   enqueue with a ``key`` and ``Outbox(..., dead_key="hold")`` (``ConfigurationError``).
 - ``dedupe``: dedupe keys (R16). Without it ``Outbox`` refuses an enqueue with a
   ``dedupe_key``.
+- ``error_history``: ``attempt_errors(event_id)`` lists the error of each failed attempt
+  (``Outbox.attempt_errors``, the dashboard's event page).
 - ``transactional_handlers`` (true by default), ``concurrent_claimers``,
   ``concurrent_batches``, ``multiprocess``, ``database_clock``: what the store is safe for.
 
