@@ -149,6 +149,12 @@ class SQLiteDialect(Dialect):
         rows: list[Row] = conn.execute(self.queries[name], params).fetchall()
         return rows
 
+    def empty_tables(self, conn: Any) -> None:
+        """Delete every event and record on ``conn`` (in its transaction), ids from 1 again:
+        the test stores' emptying between tests."""
+        for statement in self.queries["empty_tables"].split(";"):
+            conn.execute(statement, {"events_table": self.tables.events})
+
     # -- values ---------------------------------------------------------------------------------
 
     def instant(self, at: datetime | None) -> int:

@@ -504,6 +504,16 @@ class Tables:
         if row.published_at is not None:
             self._unkey(row)
 
+    def watch(self, waiter: Wakeable) -> None:
+        """Wake ``waiter`` at every commit that adds events, until ``unwatch`` (or until it is
+        collected: held weakly)."""
+        with self.lock:
+            self.waiters.add(waiter)
+
+    def unwatch(self, waiter: Wakeable) -> None:
+        with self.lock:
+            self.waiters.discard(waiter)
+
     def _unkey(self, row: Row) -> None:
         """A published (or purged) event no longer holds its key up."""
         if row.key is not None and row.id in (ids := self.keyed.get(row.key, [])):
@@ -518,12 +528,10 @@ class CommitWaiter(ThreadWaiter):
     def __init__(self, tables: Tables) -> None:
         super().__init__()
         self._tables = tables
-        with tables.lock:
-            tables.waiters.add(self)
+        tables.watch(self)
 
     def close(self) -> None:
-        with self._tables.lock:
-            self._tables.waiters.discard(self)
+        self._tables.unwatch(self)
 
     def __repr__(self) -> str:
         return "CommitWaiter()"
@@ -535,12 +543,10 @@ class AsyncCommitWaiter(LoopWaiter):
     def __init__(self, tables: Tables) -> None:
         super().__init__()
         self._tables = tables
-        with tables.lock:
-            tables.waiters.add(self)
+        tables.watch(self)
 
     async def close(self) -> None:
-        with self._tables.lock:
-            self._tables.waiters.discard(self)
+        self._tables.unwatch(self)
 
     def __repr__(self) -> str:
         return "AsyncCommitWaiter()"

@@ -141,14 +141,12 @@ def _emptied_sqlite(store: SQLiteStore) -> bool:
     app's tables: the next test gets a fresh file, as it would without keeping)."""
     if store.dialect.connections.closed:
         return False
-    tables = store.tables  # validated identifiers (TableNames); the values are bound
     try:
         with store.transaction() as conn:
             made = {row[0] for row in conn.execute(_SQLITE_OBJECTS)}
             if made != _template_objects():
                 return False
-            for statement in store.dialect.queries["empty_tables"].split(";"):
-                conn.execute(statement, {"events_table": tables.events})
+            store.dialect.empty_tables(conn)
     except Exception:
         return False
     return True

@@ -156,10 +156,8 @@ class OnSQLite:
             raise instead from exc
 
     def clear(self) -> None:
-        tables = self.sql.tables
         with self.dialect.write("clear the outbox tables") as raw:
-            for statement in self.dialect.queries["empty_tables"].split(";"):
-                raw.execute(statement, {"events_table": tables.events})
+            self.dialect.empty_tables(raw)
 
 
 class SQLiteBatchOnDjango(BatchBase):
