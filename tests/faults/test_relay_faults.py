@@ -261,15 +261,22 @@ async def test_redis_connection_killed_mid_relay(tmp_path, capsys):
     async with redis_streams() as broker:
         outbox = make_outbox(tmp_path, broker)
         client = broker.extra["client"]
+        failed = RelayFailures()
+        outbox.add_observer(failed)
 
         async def kill() -> None:
-            # Killed a few times in a row: redis-py opens a new connection at once for a
-            # pipeline whose connection was killed between batches.
-            for _ in range(50):
+            # Killed again and again until a batch fails: redis-py opens a new connection at
+            # once for a pipeline whose connection was killed between batches, so only a kill
+            # that lands while a batch is in flight fails it. Stopped at the first failure (one
+            # batch of duplicates at most per fault), and bounded (about two seconds).
+            start = failed.count
+            for _ in range(1000):
                 for entry in await client.client_list():
                     if entry.get("name") == f"okt-{broker.prefix}":
                         await client.client_kill_filter(_id=entry["id"])
                 await asyncio.sleep(0.002)
+                if failed.count > start:
+                    return
 
         await relay_through(outbox, broker, [kill, kill])
         await check(outbox, broker, "client-kill-redis", 2 * BATCH, capsys)
