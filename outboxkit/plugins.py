@@ -61,7 +61,16 @@ class _PluginManager(pluggy.PluginManager):
     def parse_hookspec_opts(self, module_or_class: Any, name: str) -> pluggy.HookspecOpts | None:
         if not name.startswith(_HOOK_PREFIX):
             return None
-        return super().parse_hookspec_opts(module_or_class, name)
+        key = (module_or_class, name)
+        if key not in _SPEC_OPTS:
+            _SPEC_OPTS[key] = super().parse_hookspec_opts(module_or_class, name)
+        opts = _SPEC_OPTS[key]
+        return None if opts is None else pluggy.HookspecOpts(**opts)  # each manager its own
+
+
+_SPEC_OPTS: dict[tuple[Any, str], pluggy.HookspecOpts | None] = {}
+"""Each hook specification's options, read once per process (a static look-up per hook
+that every manager repeated)."""
 
 
 _HOOK_PREFIX = f"{hookspecs.PROJECT}_"

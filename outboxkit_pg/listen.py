@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import select
 import socket
@@ -32,6 +33,13 @@ log = logging.getLogger("outboxkit")
 _CONNECT_TIMEOUT = 5
 
 C = TypeVar("C", psycopg.Connection[Any], psycopg.AsyncConnection[Any])
+
+
+@functools.lru_cache(maxsize=64)
+def _sets_timeout(conninfo: str) -> bool:
+    """Whether ``conninfo`` sets its own ``connect_timeout`` (parsed once per conninfo: a
+    poller makes its waiter whenever it is made, a test kit's drain once per drain)."""
+    return "connect_timeout" in psycopg.conninfo.conninfo_to_dict(conninfo)
 
 
 class _Listening(Generic[C]):
@@ -54,7 +62,7 @@ class _Listening(Generic[C]):
     ) -> None:
         self._conninfo = conninfo
         self._kwargs = {**kwargs, "autocommit": True}
-        if "connect_timeout" not in psycopg.conninfo.conninfo_to_dict(conninfo):
+        if not _sets_timeout(conninfo):
             self._kwargs.setdefault("connect_timeout", _CONNECT_TIMEOUT)
         self._listen = listen
         self._where = where

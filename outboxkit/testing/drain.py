@@ -67,7 +67,7 @@ class _Run:
     start: datetime
     horizon: datetime | None
     max_rounds: int
-    advance: Callable[[datetime | None], bool]
+    advance: Callable[[datetime | None, bool, bool], bool]
     record: Callable[[DrainReport, PollReport], None]
     next_due: Callable[[datetime | None], datetime | None]
     cascade: Callable[[DrainReport, int], str]
@@ -78,9 +78,19 @@ class _Run:
     report: DrainReport = field(default_factory=DrainReport)
 
     def on_idle(self) -> bool:
+        """A poll claimed nothing: move the clock to the next due time and poll again."""
         if not self.advance_time:
             return False
-        more = self.advance(self.horizon)
+        return self._advance(after_claim=False)
+
+    def after_short_round(self) -> bool:
+        """A poll claimed less than a batch: poll again if something is due now (a follow-up
+        its handlers enqueued) or, moving the clock, later; else the drain is done without
+        the poll that would claim nothing."""
+        return self._advance(after_claim=True)
+
+    def _advance(self, *, after_claim: bool) -> bool:
+        more = self.advance(self.horizon, after_claim, self.advance_time)
         self.seen = None if more else self.last_read()
         return more
 
@@ -198,7 +208,14 @@ class Drain(DeliverOne):
             )
             poller = self._async_poller(coroutines, outbox)
             on_a_loop_of_its_own(
-                closing(poller, poller.run_until_idle(on_idle=run.on_idle, on_round=run.on_round))
+                closing(
+                    poller,
+                    poller.run_until_idle(
+                        on_idle=run.on_idle,
+                        on_round=run.on_round,
+                        after_short_round=run.after_short_round,
+                    ),
+                )
             )
         else:
             self._run_blocking(run, outbox)
@@ -213,7 +230,9 @@ class Drain(DeliverOne):
             # No prefetch (an app-wide default): a drain's batches are the same on every run.
             try:
                 outbox.poller(prefetch=False).run_until_idle(
-                    on_idle=run.on_idle, on_round=run.on_round
+                    on_idle=run.on_idle,
+                    on_round=run.on_round,
+                    after_short_round=run.after_short_round,
                 )
             except InjectedCrash as crash:
                 run.report.crashes.append(str(crash))
@@ -275,7 +294,9 @@ class Drain(DeliverOne):
             until, max_rounds, topics, handlers, limit, advance_time, fail_fast, ()
         )
         poller = self._async_poller(calls.async_handlers(outbox.bus.specs()), outbox)
-        await poller.run_until_idle(on_idle=run.on_idle, on_round=run.on_round)
+        await poller.run_until_idle(
+            on_idle=run.on_idle, on_round=run.on_round, after_short_round=run.after_short_round
+        )
         return self._end(run, raise_errors)
 
     def _begin(
@@ -418,14 +439,23 @@ class Drain(DeliverOne):
         for count in self._counts:
             count.deliveries += len(round_report.deliveries)
 
-    def _advance_to_next(self, horizon: datetime | None) -> bool:
-        """Move the clock to the next instant something falls due; False when the drain is done.
+    def _advance_to_next(
+        self, horizon: datetime | None, after_claim: bool = False, move: bool = True
+    ) -> bool:
+        """Move the clock to the next instant something falls due (not with ``move`` False);
+        False when the drain is done.
 
-        Also done when nothing can be brought closer by the clock: a poll at the same instant
-        would claim nothing again, and the drain would never end.
+        Something due now is polled for after a poll that claimed something (``after_claim``:
+        a follow-up its handlers enqueued); after a poll that claimed nothing, nothing can be
+        brought closer by the clock: a poll at the same instant would claim nothing again, and
+        the drain would never end.
         """
         next_at = self._next_due(horizon)
-        if next_at is None or next_at <= self.clock.now():
+        if next_at is None:
+            return False
+        if next_at <= self.clock.now():
+            return after_claim
+        if not move:
             return False
         self.clock.set(next_at)
         return True

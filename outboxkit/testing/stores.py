@@ -216,21 +216,27 @@ class _Emptying:
     """
 
     def __init__(self, store: PostgresStore) -> None:
-        from outboxkit_pg.flow import Statement
-        from outboxkit_pg.pipeline import Flight
-
         self.store = store
         self._lease = store.dialect.connection("empty the test store", check_schema=False)
         self._conn = self._lease.__enter__()
-        self._flight = Flight(self._conn)
+        self._statement = _emptying_statement(store, self._conn)
         try:
-            writing = self._flight.send([Statement(_emptying_statement(store, self._conn))])
-            while writing:
-                select.select([], [self._conn.pgconn.socket], [])
-                writing = self._flight.flush()
+            self._send()
         except BaseException as exc:
             self._end(exc)
             raise
+
+    def _send(self) -> None:
+        """Send the emptying, prepared (the server plans it once per connection, not per
+        test); wait only until libpq has written it."""
+        from outboxkit_pg.flow import Statement
+        from outboxkit_pg.pipeline import Flight
+
+        self._flight = Flight(self._conn)
+        writing = self._flight.send([Statement(self._statement, {}, prepare=True)])
+        while writing:
+            select.select([], [self._conn.pgconn.socket], [])
+            writing = self._flight.flush()
 
     @classmethod
     def send(cls, store: PostgresStore) -> _Emptying | None:
@@ -245,16 +251,28 @@ class _Emptying:
 
     def emptied(self) -> bool:
         """Wait for the answer: whether the tables were emptied (the store can be kept)."""
+        from psycopg import errors as pg_errors
+
         try:
-            while (results := self._flight.read()) is None:
-                select.select([self._conn.pgconn.socket], [], [])
-            (result,) = results
-            kept = result.ntuples == 1 and result.get_value(0, 0) == b"0"
+            try:
+                result = self._answer()
+            except pg_errors.InvalidSqlStatementName:
+                # psycopg deallocated every prepared statement of the connection (it does
+                # after a test's ROLLBACK on it): the flight forgot it; prepared again
+                self._send()
+                result = self._answer()
+            kept = bool(result.ntuples == 1 and result.get_value(0, 0) == b"0")
         except BaseException as exc:
             self._end(exc)
             return False
         self._end(None)
         return kept
+
+    def _answer(self) -> Any:
+        while (results := self._flight.read()) is None:
+            select.select([self._conn.pgconn.socket], [], [])
+        (result,) = results
+        return result
 
     def _end(self, exc: BaseException | None) -> None:
         """Hand the connection back to the pool (closed first when it is left in the middle

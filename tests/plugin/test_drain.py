@@ -306,3 +306,49 @@ def test_scheduled_events_due_with_the_last_retry_are_delivered_with_it(
         (b, 60),
     ]
     assert report.pending == []
+
+
+@pytest.mark.parametrize("advance_time", [True, False])
+def test_a_drain_ends_on_a_short_batch_without_a_claim_that_finds_nothing(
+    advance_time: bool, tmp_path: Path
+) -> None:
+    """A poll that claimed less than a batch is followed by one read of what is left, not by a
+    claim that would find nothing: a follow-up due now is still delivered (a round of its
+    own), and a retry in a second is waited out (or, without advancing time, left)."""
+    clock = FrozenClock()
+    bus = EventBus()
+    failed: list[int] = []
+
+    @bus.handler("order", name="orders")
+    def order(event: Any, ctx: Any) -> None:
+        ctx.enqueue("receipt", {"order": event.id})
+
+    @bus.handler("receipt", name="receipts")
+    def receipt(event: Any, ctx: Any) -> None:
+        if not failed:
+            failed.append(event.id)
+            raise RuntimeError("the printer is out of paper")
+
+    with open_test_store("memory://", tmp_path, name="short-batch") as store:
+        outbox = Outbox(store, bus, clock=clock, batch_size=10, load_entry_points=False)
+        claims: list[int] = []
+        claim = store.claim
+
+        def counted(**kwargs: Any) -> Any:
+            claimed = claim(**kwargs)
+            claims.append(len(claimed))
+            return claimed
+
+        store.claim = counted  # type: ignore[method-assign]
+        with store.transaction() as tx:
+            outbox.enqueue_many(tx, [("order", {"n": i}) for i in range(3)])
+        report = Drain(outbox, clock)(advance_time=advance_time, raise_errors=False)
+
+    if advance_time:
+        # the orders, their receipts (one fails), its retry a backoff later; no empty claim
+        assert claims == [3, 3, 1]
+        assert len(report.published) == 6 and not report.pending
+    else:
+        assert claims == [3, 3]
+        assert len(report.published) == 5 and len(report.pending) == 1
+        assert report.advanced == timedelta(0)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import ast
+import contextlib
 import inspect
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
@@ -83,6 +85,49 @@ def test_a_postgres_url_gets_a_schema_of_its_own_emptied_kept_then_dropped(
         assert [e.id for e in again.events()] == [1]
     stores.close_test_stores()  # the session's end
     assert not schema_exists(schema) and not schema_exists(other_schema)
+
+
+@pytest.mark.pg
+def test_a_kept_schema_is_kept_when_its_prepared_emptying_was_deallocated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The emptying runs prepared; psycopg deallocates every prepared statement of a
+    connection after a test's ROLLBACK on it (here: the test deallocates them on every pooled
+    connection), and the emptying is prepared again instead of the schema being dropped."""
+    require_server(pg_url_from_env())
+    url = pg_test_url(pg_url_from_env())
+    stores.close_test_stores()
+    sent: list[bool] = []  # per emptying sent: whether it was a resend
+    send = stores._Emptying._send
+
+    def counted(self: Any) -> None:
+        sent.append(hasattr(self, "_flight"))
+        send(self)
+
+    monkeypatch.setattr(stores._Emptying, "_send", counted)
+    with open_test_store(url, tmp_path) as store:
+        assert isinstance(store, PostgresStore)
+        schema = store.names.schema
+        size = store.dialect.pool.max_size
+    # Every pooled connection takes the emptying (prepared on it) in turn.
+    for _ in range(3 * size):
+        with open_test_store(url, tmp_path) as again:
+            assert again.names.schema == schema
+            enqueue_one(again)
+    assert not any(sent)
+    with open_test_store(url, tmp_path) as again, contextlib.ExitStack() as held:
+        assert isinstance(again, PostgresStore)
+        for _ in range(size):
+            conn = held.enter_context(again.dialect.connection("test", check_schema=False))
+            conn.execute("DEALLOCATE ALL")
+    for _ in range(2 * size):
+        with open_test_store(url, tmp_path) as again:
+            assert again.names.schema == schema  # kept, not dropped for a new one
+            assert again.stats(now=None).total == 0
+            enqueue_one(again)
+    assert any(sent)  # an emptying the server no longer knew, sent again, prepared again
+    stores.close_test_stores()
+    assert not schema_exists(schema)
 
 
 @pytest.mark.pg
