@@ -26,7 +26,6 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import psycopg
-from psycopg import errors as pg_errors
 from psycopg.pq import PipelineStatus
 from psycopg.rows import tuple_row
 
@@ -39,7 +38,7 @@ from outboxkit.storekit.sql import Row
 from .flow import BatchGuard, Flow, Result, Statement, Transaction, check_usable, has_rows
 from .listen import AsyncNotifyWaiter
 from .names import prepared
-from .pipeline import Flight, flight_result, implicit_begin
+from .pipeline import PREPARED_STALE, Flight, flight_result, implicit_begin
 from .pool import AsyncConnection, AsyncPool
 
 if TYPE_CHECKING:
@@ -280,7 +279,7 @@ class AsyncDelivery(Transaction[AsyncConnection]):
         try:
             try:
                 results = await _sync(flow.conn, flow.opening())
-            except pg_errors.InvalidSqlStatementName:  # gone: see ``Flow.reopening``
+            except PREPARED_STALE:  # see ``Flow.reopening``
                 if not await abort_quietly(flow.conn, flow.reopening()):
                     raise
                 results = await _sync(flow.conn, flow.opening())
@@ -383,7 +382,7 @@ async def delivering(
         if batch is not None and not flow.is_open:
             batch.keep(claim, flow.records[0])  # written, fenced, with the batch's settlement
         else:
-            flow.closed(await _sync(conn, flow.closing()))
+            flow.closed(await close(flow, conn))
     except BaseException as exc:
         error = flow.error_for(exc)
         aborted = await abort_quietly(conn, flow.aborting())
@@ -413,6 +412,17 @@ async def restart(
     if not await abort_quietly(conn, resets):
         raise batch.unusable() from failure
     return error
+
+
+async def close(flow: Flow[AsyncConnection], conn: AsyncConnection) -> list[Result]:
+    """``delivery.close`` on the asyncio side."""
+    statements = flow.closing()
+    try:
+        return await _sync(conn, statements)
+    except PREPARED_STALE:
+        if not flow.is_open:
+            raise
+        return await _sync(conn, flow.reclosing())
 
 
 async def _sync(conn: AsyncConnection, statements: Sequence[Statement]) -> list[Result]:

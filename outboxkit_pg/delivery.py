@@ -14,7 +14,6 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import psycopg
-from psycopg import errors as pg_errors
 from psycopg.pq import PipelineStatus, TransactionStatus
 from psycopg.rows import tuple_row
 
@@ -25,7 +24,7 @@ from outboxkit.storekit.rows import record_params
 from outboxkit.storekit.sql import SQLBatch
 
 from .flow import BatchGuard, Flow, Result, Statement, has_rows
-from .pipeline import RecordPipeline, drain, fly, implicit_begin
+from .pipeline import PREPARED_STALE, RecordPipeline, drain, fly, implicit_begin
 from .pool import Connection
 
 if TYPE_CHECKING:
@@ -171,7 +170,7 @@ class Delivery:
             or flow.is_open
             or not round_.send(self._claim, flow.records[0], self._conn)
         ):
-            flow.closed(_sync(self._conn, flow.closing()))
+            flow.closed(close(flow, self._conn))
 
     def _fail(self, flow: Flow[Connection], failure: BaseException) -> None:
         """Roll the delivery back after ``failure``; raise the error it is for the delivery
@@ -264,7 +263,7 @@ def open_flow(flow: Flow[Connection], round_: Round | None = None) -> None:
             round_.before_use()
         try:
             results = _sync(flow.conn, flow.opening())
-        except pg_errors.InvalidSqlStatementName:  # gone: see ``Flow.reopening``
+        except PREPARED_STALE:  # see ``Flow.reopening``
             if not abort_quietly(flow.conn, flow.reopening()):
                 raise
             results = _sync(flow.conn, flow.opening())
@@ -274,6 +273,18 @@ def open_flow(flow: Flow[Connection], round_: Round | None = None) -> None:
         if error is exc:
             raise
         raise error from exc
+
+
+def close(flow: Flow[Connection], conn: Connection) -> list[Result]:
+    """Send ``flow``'s last sync (its records and commit); once more from the savepoint
+    before the records when a record's prepared statement was gone (see ``Flow.reclosing``)."""
+    statements = flow.closing()
+    try:
+        return _sync(conn, statements)
+    except PREPARED_STALE:
+        if not flow.is_open:
+            raise
+        return _sync(conn, flow.reclosing())
 
 
 def _sync(conn: Connection, statements: Sequence[Statement]) -> list[Result]:

@@ -74,6 +74,10 @@ RESET_SESSION = b"RESET ALL"
 end with it; sent after its records (the reset ends their open-delivery mark too), before its
 COMMIT (or the release of its savepoint)."""
 
+_RECORDS_SAVEPOINT = b"SAVEPOINT outboxkit_records"
+_RECORDS_ROLLBACK = b"ROLLBACK TO SAVEPOINT outboxkit_records"
+"""The savepoint before a delivery's records (``Flow.closing``, ``Flow.reclosing``)."""
+
 SESSION_RESETS = (RESET_SESSION, RESET_ROLE)
 """R18 for a delivery that failed: whatever the handler left on its session, taken back."""
 
@@ -274,6 +278,7 @@ class Flow(Generic[C]):
         self._guarding = batch is not None and not batch.guarded
         self._phase = _OPENING
         self.records: list[Mapping[str, Any]] = []  # written with the commit (closing)
+        self._tail: list[Statement] = []  # the last sync from its records on (``reclosing``)
         # A delivery of its own opens lazily: only when the handler first takes the connection
         # (``open_error``: what that opening raised, whatever the handler made of it). One never
         # opened is, at its end, one fenced statement (``closing``).
@@ -310,8 +315,9 @@ class Flow(Generic[C]):
     def reopening(self) -> list[bytes]:
         """The opening failed because the row lock's prepared statement was gone (psycopg
         sends ``DEALLOCATE ALL`` after it saw a handler's ``ROLLBACK``, ``DROP`` or
-        ``ALTER``; a handler may ``DISCARD ALL``): what undoes that opening, before
-        ``opening`` is sent again (it prepares the statement anew). Nothing else ran in it."""
+        ``ALTER``; a handler may ``DISCARD ALL``), or there already (``PREPARED_STALE``):
+        what undoes that opening, before ``opening`` is sent again (it prepares the
+        statement anew, or runs it). Nothing else ran in it."""
         batch = self._batch
         if batch is None:
             return [self.frame.abort[0]]
@@ -399,17 +405,31 @@ class Flow(Generic[C]):
         self._phase = _CLOSING
         insert: bytes = self.dialect.queries["insert_record"]
         last = len(self.records) - 1
-        statements = [Statement(RESET_ROLE)]
-        for i, params in enumerate(self.records):
-            statements.append(Statement(insert, {**params, "last": i == last}))
-        statements.append(Statement(RESET_SESSION))
+        # The records run prepared (planned once per connection, not per delivery), behind a
+        # savepoint: a statement psycopg deallocated under the handler fails only back to it
+        # (``reclosing``), the handler's writes kept.
+        tail: list[Statement] = [
+            Statement(insert, {**params, "last": i == last}, prepare=True)
+            for i, params in enumerate(self.records)
+        ]
+        tail.append(Statement(RESET_SESSION))
         if self.dialect.pool.utc:
             # RESET ALL took the session's zone back to the server's default: the store's own
             # sessions are in UTC (``Pool.utc``), set again in this sync, not by the pool's
             # reset in a round trip of its own when the connection comes back.
-            statements.append(Statement(SET_UTC))
-        statements.append(Statement(self.frame.end))
-        return statements
+            tail.append(Statement(SET_UTC))
+        tail.append(Statement(self.frame.end))
+        self._tail = tail
+        return [Statement(RESET_ROLE), Statement(_RECORDS_SAVEPOINT), *tail]
+
+    def reclosing(self) -> list[Statement]:
+        """The last sync again, after it failed on a record's prepared statement: gone
+        (psycopg sends ``DEALLOCATE ALL`` after it saw a handler roll back to a savepoint of
+        its own, ``DROP`` or ``ALTER``; a handler may deallocate it itself), or there already
+        (prepared by a sync that failed after it). ``pipeline.Flight`` has taken the failure
+        in, so the statement is prepared again, or run as it is; the transaction goes back
+        to the savepoint before the records, which kept the handler's writes."""
+        return [Statement(_RECORDS_ROLLBACK), *self._tail]
 
     def closed(self, results: Sequence[Result]) -> None:
         """Read the last sync's results.

@@ -51,7 +51,15 @@ from .pool import AnyConnection
 if TYPE_CHECKING:
     from .dialect import PostgresDialect
 
-__all__ = ["Flight", "RecordPipeline", "drain", "flight_result", "fly", "implicit_begin"]
+__all__ = [
+    "PREPARED_STALE",
+    "Flight",
+    "RecordPipeline",
+    "drain",
+    "flight_result",
+    "fly",
+    "implicit_begin",
+]
 
 _STATEMENT = "outboxkit_record_{}"
 """The prepared statement's name, with a digest of its text: stores of other schemas or tables
@@ -67,6 +75,8 @@ _TYPES = {
     "reason": pg_types["text"].oid,
 }
 _DUPLICATE_PREPARED = pg_errors.DuplicatePreparedStatement.sqlstate
+_DUPLICATE = b"42P05"  # DuplicatePreparedStatement's, as a result carries it
+_SQLSTATE = pq.DiagnosticField.SQLSTATE
 _TUPLES_OK = pq.ExecStatus.TUPLES_OK
 _COMMAND_OK = pq.ExecStatus.COMMAND_OK
 _PIPELINE_SYNC = pq.ExecStatus.PIPELINE_SYNC
@@ -316,6 +326,11 @@ class _Form:
 _FORMS: dict[bytes, _Form] = {}
 """Each statement's ``_Form``, made at its first flight (a handful: the deliveries')."""
 
+PREPARED_STALE = (pg_errors.InvalidSqlStatementName, pg_errors.DuplicatePreparedStatement)
+"""What a flight raises when what it knew of the connection's prepared statements was stale:
+one it ran was gone, or one it prepared was there already. It knows better now: sent again,
+the flight prepares (or runs) the statement as the server has it."""
+
 _PREPARED: weakref.WeakKeyDictionary[AnyConnection, set[bytes]] = weakref.WeakKeyDictionary()
 """The statements prepared on each connection by its flights (``Statement.prepare``). One
 the server says is gone (psycopg sends ``DEALLOCATE ALL`` after it saw a handler's
@@ -421,11 +436,21 @@ class Flight:
     def _done(self) -> list[pq.abc.PGresult]:
         results: list[pq.abc.PGresult] = []
         failed: pq.abc.PGresult | None = None
+        prepared: list[bytes] = []  # the prepares the server took (kept: not transactional)
+        new = iter(self._new)
         for kind, result in zip(self._kinds, self._got, strict=True):
             if result.status in (_FATAL, _ABORTED) and failed is None:
                 failed = result
             if kind:
                 results.append(result)
+                continue
+            name = next(new)
+            if result.status not in (_FATAL, _ABORTED) or (
+                result.error_field(_SQLSTATE) == _DUPLICATE
+            ):
+                prepared.append(name)  # prepared now, or there already
+        if prepared:
+            _PREPARED.setdefault(self._conn, set()).update(prepared)
         if failed is not None:
             if failed.status == _ABORTED:  # a prepare failed before it: its error came first
                 raise psycopg.OperationalError("a delivery's pipeline was aborted")
@@ -433,8 +458,6 @@ class Flight:
             if isinstance(error, pg_errors.InvalidSqlStatementName):
                 _PREPARED.get(self._conn, set()).difference_update(self._used)
             raise error
-        if self._new:
-            _PREPARED.setdefault(self._conn, set()).update(self._new)
         return results
 
 

@@ -33,22 +33,23 @@ N = 10
 # (statements, round trips) per event, a handler subscribed to its topic.
 BUDGET = {
     # A handler that writes one row through ctx.connection: BEGIN and the row lock (one sync),
-    # the handler's INSERT, then RESET ROLE, the record, RESET ALL, the session's zone set back
-    # to UTC and COMMIT (one sync).
-    ("per_event", "writes"): (8, 3),
+    # the handler's INSERT, then RESET ROLE, the savepoint before the records, the record
+    # (prepared), RESET ALL, the session's zone set back to UTC and COMMIT (one sync).
+    ("per_event", "writes"): (9, 3),
     # A handler that never takes the connection: its record, fenced by the token, alone.
     ("per_event", "noop"): (1, 1),
-    # In a batch: SAVEPOINT and the row lock (one sync), the INSERT, RESET ROLE, the record,
-    # RESET ALL, the zone set back to UTC and RELEASE (one sync).
-    ("per_batch", "writes"): (8, 3),
+    # In a batch: SAVEPOINT and the row lock (one sync), the INSERT, RESET ROLE, the savepoint
+    # before the records, the record, RESET ALL, the zone set back to UTC and RELEASE (one
+    # sync).
+    ("per_batch", "writes"): (9, 3),
     # In a batch, a handler that never takes the connection: its record is kept for the
     # batch's settlement (one statement for all).
     ("per_batch", "noop"): (0, 0),
 }
 ASYNC_BUDGET = {
     # The asyncio poller opens the delivery before the handler runs (``await tx.open()``).
-    ("per_event", "writes"): (8, 3),
-    ("per_batch", "writes"): (8, 3),
+    ("per_event", "writes"): (9, 3),
+    ("per_batch", "writes"): (9, 3),
 }
 
 
@@ -229,13 +230,19 @@ def test_a_delivery_whose_prepared_row_lock_is_gone_prepares_it_again(
     pg_store: PostgresStore, transaction: str, asyncio: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     reopened: list[object] = []
-    reopening = Flow.reopening
+    reclosed: list[object] = []
+    reopening, reclosing = Flow.reopening, Flow.reclosing
 
     def counted(flow: Flow[Any]) -> list[bytes]:
         reopened.append(flow)
         return reopening(flow)
 
+    def counted_closing(flow: Flow[Any]) -> Any:
+        reclosed.append(flow)
+        return reclosing(flow)
+
     monkeypatch.setattr(Flow, "reopening", counted)
+    monkeypatch.setattr(Flow, "reclosing", counted_closing)
     table = sql.Identifier(pg_store.names.schema, "app_rows")
     with pg_store.transaction() as conn:
         conn.execute(sql.SQL("CREATE TABLE {} (event_id bigint PRIMARY KEY)").format(table))
@@ -269,6 +276,10 @@ def test_a_delivery_whose_prepared_row_lock_is_gone_prepares_it_again(
         assert 1 <= len(reopened) <= 4
     else:
         assert len(reopened) == 4  # every delivery after the first found it gone
+    # The records are prepared too: a delivery on a connection that had prepared them found
+    # them gone (its handler deallocated them after its row), went back to the savepoint
+    # before its records and wrote them, its row kept (once: checked above).
+    assert reclosed == reopened
 
 
 def test_per_event_and_batch_row_locks_on_one_connection_a_handler_deallocates(
@@ -299,3 +310,49 @@ def test_per_event_and_batch_row_locks_on_one_connection_a_handler_deallocates(
             assert report.retried == [] and report.dead_lettered == [], report
             published += report.published
         assert published == ids
+
+
+@pytest.mark.parametrize("transaction", ["per_event", "per_batch"])
+def test_a_handler_rolling_back_to_a_savepoint_of_its_own_keeps_its_writes_and_records(
+    pg_url: str, transaction: str
+) -> None:
+    """A handler that tries something in a savepoint of its own and rolls it back (psycopg's
+    ``conn.transaction()`` block raising: psycopg then sends ``DEALLOCATE ALL``, dropping the
+    prepared record with its own statements), then writes again: on one connection, every
+    delivery commits its row and its record once, none retried."""
+    with migrated_store(pg_url, notify=False, pool_min_size=1, pool_max_size=1) as store:
+        table = sql.Identifier(store.names.schema, "app_rows")
+        insert = sql.SQL("INSERT INTO {} (event_id, attempt) VALUES (%s, %s)").format(table)
+        with store.transaction() as conn:
+            conn.execute(
+                sql.SQL("CREATE TABLE {} (event_id bigint PRIMARY KEY, attempt int)").format(table)
+            )
+            ids = store.enqueue(conn, [build_event("t", {"n": n}) for n in range(6)], now=None)
+        bus = EventBus()
+
+        def handle(event: Event, ctx: Any) -> None:
+            conn = ctx.connection
+            with contextlib.suppress(psycopg.errors.UniqueViolation), conn.transaction():
+                conn.execute(insert, (event.id, 0))
+                conn.execute(insert, (event.id, 0))  # fails: back to the savepoint
+            conn.execute(insert, (event.id, ctx.attempt))
+
+        bus.subscribe("t", handle, name="h")
+        outbox = Outbox(store, bus, load_entry_points=False)
+        published = []
+        for _ in ids:
+            report = outbox.poller(transaction=transaction, batch_size=1).run_once()
+            assert report.retried == [] and report.dead_lettered == [], report
+            published += report.published
+        assert published == ids
+        with store.transaction() as conn:
+            rows = conn.execute(
+                sql.SQL("SELECT event_id, attempt FROM {} ORDER BY 1").format(table)
+            )
+            assert rows.fetchall() == [(i, 1) for i in ids]
+            records = conn.execute(
+                sql.SQL("SELECT event_id FROM {} WHERE outcome = 'succeeded' ORDER BY 1").format(
+                    sql.Identifier(store.names.schema, store.names.deliveries)
+                )
+            ).fetchall()
+        assert records == [(i,) for i in ids]
