@@ -75,7 +75,7 @@ _TYPES = {
     "reason": pg_types["text"].oid,
 }
 _DUPLICATE_PREPARED = pg_errors.DuplicatePreparedStatement.sqlstate
-_DUPLICATE = b"42P05"  # DuplicatePreparedStatement's, as a result carries it
+_DUPLICATE = str(_DUPLICATE_PREPARED).encode()  # as a result's error field carries it
 _SQLSTATE = pq.DiagnosticField.SQLSTATE
 _TUPLES_OK = pq.ExecStatus.TUPLES_OK
 _COMMAND_OK = pq.ExecStatus.COMMAND_OK

@@ -22,7 +22,7 @@ from psycopg import sql
 from outboxkit import Event, EventBus, Outbox
 from outboxkit.core.payload import build_event
 from outboxkit_pg import PostgresStore
-from outboxkit_pg.flow import Flow
+from outboxkit_pg.flow import Flow, Statement
 
 from .conftest import migrated_store
 
@@ -356,3 +356,43 @@ def test_a_handler_rolling_back_to_a_savepoint_of_its_own_keeps_its_writes_and_r
                 )
             ).fetchall()
         assert records == [(i,) for i in ids]
+
+
+def test_a_flight_keeps_what_the_server_prepared_when_a_later_statement_failed(
+    pg_url: str,
+) -> None:
+    """A statement prepared in a sync whose execution failed stays prepared (prepared
+    statements are not transactional): the next flight runs it without preparing it again,
+    which the server would refuse, aborting that transaction. A statement prepared or
+    deallocated behind the flights' back fails one flight (``PREPARED_STALE``, what a delivery
+    sends again) and the next one runs."""
+    from outboxkit_pg.pipeline import PREPARED_STALE, fly
+
+    divide = Statement(b"SELECT 10 / %(n)s::integer", {"n": 0}, prepare=True)
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        with pytest.raises(psycopg.errors.DivisionByZero):
+            fly(conn, [divide])
+        (result,) = fly(conn, [Statement(divide.query, {"n": 2}, prepare=True)])
+        assert result.rowcount == 1
+    other = Statement(b"SELECT 12 / %(n)s::integer", {"n": 3}, prepare=True)
+    with (
+        psycopg.connect(pg_url, autocommit=True) as conn,
+        psycopg.connect(pg_url, autocommit=True) as behind,
+    ):
+        (result,) = fly(conn, [other])
+        assert result.rowcount == 1
+        ((name,),) = conn.execute("SELECT name FROM pg_prepared_statements").fetchall()
+        # Prepared there already: refused once, then run as it is.
+        behind.execute(
+            sql.SQL("PREPARE {} AS SELECT 12 / $1::integer").format(sql.Identifier(name))
+        )
+        with pytest.raises(PREPARED_STALE):
+            fly(behind, [other])
+        (result,) = fly(behind, [other])
+        assert result.rowcount == 1
+        # Gone: refused once, then prepared again.
+        conn.execute("DEALLOCATE ALL")
+        with pytest.raises(PREPARED_STALE):
+            fly(conn, [other])
+        (result,) = fly(conn, [other])
+        assert result.rowcount == 1
