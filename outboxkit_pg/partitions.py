@@ -193,15 +193,22 @@ def maintain(store: PostgresStore, *, before: datetime | None) -> int:
         _make_ahead(conn, names, size, found, newest)
         if before is None:
             return 0
-        for part in found:
+        # Interrupted detaches first: PostgreSQL detaches one partition of a table at a time,
+        # so one left pending would refuse every other detach until it is finished.
+        for part in sorted(found, key=lambda part: not part.detaching):
             if part.upper > newest:
-                break  # ids below its bound may still be handed out
+                continue  # ids below its bound may still be handed out
             try:
                 dropped += _retire(conn, names, part, before)
-            except (psycopg.errors.UndefinedTable, psycopg.errors.ObjectNotInPrerequisiteState):
-                # Another maintenance detached it meanwhile, or is detaching it (an interrupted
-                # one is finished by the next maintenance, which sees it pending).
+            except psycopg.errors.UndefinedTable:
+                # Another maintenance detached it meanwhile (and dropped it, or is about to).
                 log.info("partition %d of %s: detached elsewhere", part.number, names.events)
+            except psycopg.errors.ObjectNotInPrerequisiteState:
+                # A detach is pending: another maintenance is retiring partitions right now,
+                # and goes on through the same list; the rest is left to it (or to the next
+                # maintenance, for a range that finished since it listed them).
+                log.info("partitions of %s: another maintenance is retiring them", names.events)
+                break
     return dropped
 
 
