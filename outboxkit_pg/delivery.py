@@ -399,7 +399,7 @@ class Round(DeliveriesBase):
 
     def before_use(self) -> None:
         """Read every pipelined record back before psycopg uses a connection of the round
-        again (it may deallocate the prepared statement, so the next record prepares it).
+        again (it cannot while the connection is in pipeline mode).
 
         Raises:
             StoreError: a record failed, or a connection did (the round ends).
@@ -415,7 +415,6 @@ class Round(DeliveriesBase):
                 self._lost = exc
                 self._release(index, broken=True)
                 raise
-            line.pipeline.forget_prepared()
 
     def extend(
         self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None

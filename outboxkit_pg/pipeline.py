@@ -15,11 +15,14 @@ settlement, fenced by the same token, is refused too: the shell reports the lost
 as it does for a batch's kept records. A record that failed (the database's error) fails the
 round when it is read: the event recovers by its lease, as after any database failure.
 
-The statement is prepared under a name of outboxkit's own, at the first record a connection
-sends after anything else used it (psycopg deallocates every prepared statement after a
-rollback); a duplicate prepare is answered with an error in its own sync, and ignored. Without
-prepared statements (``prepare_threshold=None``, for PgBouncer in transaction mode) a round
-waits for each record as before.
+The statement is prepared under a name of outboxkit's own, once per connection: the
+connection's prepared names are known (``_PREPARED``, the delivery flights' too), so a later
+round sends no prepare the server would refuse (a duplicate prepare is an error in the server's
+log, and its parse is wasted). One that is gone (psycopg sends ``DEALLOCATE ALL`` after it saw
+a ``ROLLBACK``; a handler may run it itself) fails its record in the record's own sync, which
+wrote nothing: the record is sent again behind a new prepare. Without prepared statements
+(``prepare_threshold=None``, for PgBouncer in transaction mode) a round waits for each record
+as before.
 
 ``RecordPipeline`` is the protocol, written once: what is sent, and how the results read so far
 are taken in. The waiting is its callers': ``drain`` here for a blocking connection, and
@@ -84,6 +87,27 @@ _PIPELINE_OFF = pq.PipelineStatus.OFF
 _IDLE = pq.TransactionStatus.IDLE
 _BAD = pq.ConnStatus.BAD
 _PREPARE = None  # what ``sent`` holds for the prepare's sync
+_GONE = pg_errors.InvalidSqlStatementName.sqlstate
+
+_PREPARED: weakref.WeakKeyDictionary[AnyConnection, set[bytes]] = weakref.WeakKeyDictionary()
+"""The statements prepared on each connection by its flights (``Statement.prepare``) and its
+rounds' records (``RecordPipeline``). One the server says is gone (psycopg sends ``DEALLOCATE
+ALL`` after it saw a ``ROLLBACK``, ``DROP`` or ``ALTER``; a handler may run it) is forgotten,
+and only that one: preparing a statement that still exists would fail (an error in the
+server's log), and abort the transaction it is sent in."""
+
+
+class _Record:
+    """A record sent and not read back yet: what it would be sent again with, and after
+    which of the pipeline's prepares it was sent (``RecordPipeline._prepares``)."""
+
+    __slots__ = ("after", "claim", "resent", "values")
+
+    def __init__(self, claim: Claim, values: list[bytes | None], resent: bool) -> None:
+        self.claim = claim
+        self.values = values
+        self.resent = resent
+        self.after = 0
 
 
 class RecordPipeline:
@@ -104,9 +128,9 @@ class RecordPipeline:
         self._name = _STATEMENT.format(digest).encode()
         self._types = [_TYPES[name] for name in self._order]
         self._encoding = conn.info.encoding
-        self._sent: deque[Claim | None] = deque()  # one per sync sent, in order
+        self._sent: deque[_Record | None] = deque()  # one per sync sent, in order
         self._result: pq.abc.PGresult | None = None  # the head sync's result, until its sync
-        self._prepared = False
+        self._prepares = 0  # how many prepares this pipeline sent
         self.refused: set[int] = set()  # events whose record the token refused
         self._error: StoreError | None = None
 
@@ -126,11 +150,6 @@ class RecordPipeline:
         """Whether records were sent whose results are not read yet."""
         return bool(self._sent)
 
-    def forget_prepared(self) -> None:
-        """Something else used the connection (psycopg may have deallocated every prepared
-        statement): the next record prepares the statement again."""
-        self._prepared = False
-
     def send(self, claim: Claim, params: Mapping[str, Any]) -> None:
         """Send ``claim``'s fenced record (``record_params`` and the token) and its sync,
         without waiting; read whatever results have arrived.
@@ -139,25 +158,35 @@ class RecordPipeline:
             StoreUnavailable / StoreError: the connection failed to take it (mapped).
         """
         pg = self.pgconn
+        values = {**params, "token": claim.token}
+        texts = [self._text(values[name]) for name in self._order]
         try:
             if pg.pipeline_status == _PIPELINE_OFF:
                 pg.enter_pipeline_mode()
-            if not self._prepared:
-                pg.send_prepare(self._name, self._query, self._types)
-                pg.pipeline_sync()
-                self._sent.append(_PREPARE)
-                self._prepared = True
-            values = {**params, "token": claim.token}
-            pg.send_query_prepared(self._name, [self._text(values[name]) for name in self._order])
-            pg.pipeline_sync()
-            self._sent.append(claim)
-            pg.flush()  # what the socket does not take now goes with the next flush
+            self._send(_Record(claim, texts, resent=False))
             pg.consume_input()
         except psycopg.Error as exc:
             raise self._dialect.error(
                 exc, f"record the delivery of event {claim.event.id}"
             ) from exc
         self.take_results()
+
+    def _send(self, record: _Record) -> None:
+        """Send ``record`` in a sync of its own, behind the statement's prepare (in a sync of
+        its own too) unless the connection has it."""
+        pg = self.pgconn
+        prepared = _PREPARED.setdefault(self.conn, set())
+        if self._name not in prepared:
+            pg.send_prepare(self._name, self._query, self._types)
+            pg.pipeline_sync()
+            self._sent.append(_PREPARE)
+            self._prepares += 1
+            prepared.add(self._name)  # the records sent behind it find it
+        record.after = self._prepares
+        pg.send_query_prepared(self._name, record.values)
+        pg.pipeline_sync()
+        self._sent.append(record)
+        pg.flush()  # what the socket does not take now goes with the next flush
 
     def _text(self, value: Any) -> bytes | None:
         """A parameter in PostgreSQL's text format.
@@ -211,21 +240,33 @@ class RecordPipeline:
             self.conn,
         )
 
-    def _read(self, sent: Claim | None, result: pq.abc.PGresult | None) -> None:
-        """What one sync's statement came back with: a refused or failed record is kept."""
+    def _read(self, sent: _Record | None, result: pq.abc.PGresult | None) -> None:
+        """What one sync's statement came back with: a refused or failed record is kept; one
+        whose prepared statement was gone is sent again (it wrote nothing)."""
         if result is None:
             return
         if result.status == _TUPLES_OK:
             if sent is not None and result.ntuples == 0:
-                self.refused.add(sent.event.id)
+                self.refused.add(sent.claim.event.id)
             return
         if result.status == _COMMAND_OK:
             return
         error = pg_errors.error_from_result(result, encoding=self._encoding)
-        if sent is _PREPARE and error.sqlstate == _DUPLICATE_PREPARED:
-            return  # prepared in this session already
+        if sent is _PREPARE:
+            if error.sqlstate == _DUPLICATE_PREPARED:
+                return  # prepared in this session already
+            _PREPARED.get(self.conn, set()).discard(self._name)
+        elif error.sqlstate == _GONE and not sent.resent and self._error is None:
+            if sent.after == self._prepares:  # else prepared again since, by a record before it
+                _PREPARED.get(self.conn, set()).discard(self._name)
+            try:
+                self._send(_Record(sent.claim, sent.values, resent=True))
+            except psycopg.Error as exc:
+                error = exc
+            else:
+                return
         if self._error is None:
-            what = "prepare the delivery record" if sent is None else f"event {sent.event.id}"
+            what = "prepare the delivery record" if sent is None else f"event {sent.claim.event.id}"
             if isinstance(error, pg_errors.UniqueViolation):
                 self._error = StoreError(f"{what} already has a delivery record")
             else:
@@ -330,12 +371,6 @@ PREPARED_STALE = (pg_errors.InvalidSqlStatementName, pg_errors.DuplicatePrepared
 """What a flight raises when what it knew of the connection's prepared statements was stale:
 one it ran was gone, or one it prepared was there already. It knows better now: sent again,
 the flight prepares (or runs) the statement as the server has it."""
-
-_PREPARED: weakref.WeakKeyDictionary[AnyConnection, set[bytes]] = weakref.WeakKeyDictionary()
-"""The statements prepared on each connection by its flights (``Statement.prepare``). One
-the server says is gone (psycopg sends ``DEALLOCATE ALL`` after it saw a handler's
-``ROLLBACK``, ``DROP`` or ``ALTER``; a handler may run it) is forgotten, and only that one:
-preparing a statement that still exists would fail, and abort the transaction it is sent in."""
 
 
 class Flight:

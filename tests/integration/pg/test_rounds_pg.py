@@ -29,6 +29,7 @@ from outboxkit_pg.delivery import Round
 from outboxkit_pg.pipeline import RecordPipeline
 
 from .conftest import migrated_store
+from .test_delivery_budget import traced
 
 pytestmark = pytest.mark.pg
 
@@ -285,3 +286,68 @@ def test_the_rounds_old_name_still_opens_one_with_a_deprecation_warning(
         pg_store.deliveries(concurrency=2) as deliveries,
     ):
         assert isinstance(deliveries, Round)
+
+
+def _record_parses_and_errors(trace: str) -> tuple[int, list[str]]:
+    """How often the frontend prepared the record statement, and the SQLSTATEs of the errors
+    the server answered with, in a libpq trace."""
+    parses = sum(
+        1 for line in trace.splitlines() if "\tParse\t" in line and '"outboxkit_record_' in line
+    )
+    errors = [
+        line.split('C "', 1)[1][:5]
+        for line in trace.splitlines()
+        if "\tErrorResponse\t" in line and 'C "' in line
+    ]
+    return parses, errors
+
+
+def test_a_connection_prepares_the_record_statement_once_over_many_rounds(pg_url: str) -> None:
+    """The record statement is prepared at a connection's first round only: a later round
+    sends no prepare the server would refuse (an error in its log, a parse wasted)."""
+    text: list[str] = []
+    with traced(text), migrated_store(pg_url, notify=False, pool_max_size=2) as store:
+        bus = EventBus()
+        bus.subscribe("t", lambda e, ctx: None, name="h", transactional=False)
+        poller = Outbox(store, bus, load_entry_points=False).poller(batch_size=2)
+        published = []
+        for _ in range(5):
+            ids = _enqueue(store, 2)
+            report = poller.run_once()
+            assert sorted(report.published) == ids
+            published += ids
+        with store.transaction() as conn:
+            assert _records(conn, store) == [(i, "h") for i in published]
+    parses, errors = _record_parses_and_errors(text[0])
+    assert errors == []
+    assert 1 <= parses <= 2  # once per connection of the pool that carried a round
+
+
+def test_a_record_whose_prepared_statement_a_handler_dropped_is_sent_again(
+    pg_url: str,
+) -> None:
+    """A handler drops every prepared statement of the round's connection: the next record
+    fails in its own sync (writing nothing) and is sent again behind a new prepare; every
+    event is published once, recorded once, none retried."""
+    text: list[str] = []
+    with traced(text), migrated_store(pg_url, notify=False, pool_max_size=1) as store:
+        bus = EventBus()
+        bus.subscribe("t", lambda e, ctx: None, name="h", transactional=False)
+        bus.subscribe(
+            "drop", lambda e, ctx: ctx.connection.execute("DEALLOCATE ALL"), name="dropper"
+        )
+        outbox = Outbox(store, bus, load_entry_points=False)
+        first = _enqueue(store, 2)
+        assert sorted(outbox.poller(batch_size=2).run_once().published) == first
+        ids = _enqueue(store, 1, topic="drop") + _enqueue(store, 2)
+        report = outbox.poller(batch_size=3).run_once()
+        assert sorted(report.published) == ids
+        assert report.retried == [] and report.dead_lettered == []
+        with store.transaction() as conn:
+            records = _records(conn, store)
+        assert records == sorted([(i, "h") for i in [*first, *ids[1:]]] + [(ids[0], "dropper")])
+    parses, errors = _record_parses_and_errors(text[0])
+    # the first record after the drop, and the second if it was sent before the first's
+    # answer came; prepared again once (no prepare the server refuses as a duplicate)
+    assert errors in (["26000"], ["26000", "26000"])
+    assert parses == 2
