@@ -207,11 +207,14 @@ class Proc:
         return self.stdout_path.read_text(encoding="utf-8", errors="replace")
 
     def wait_for_log(self, text: str, timeout: float = 30.0) -> None:
-        wait_for(
-            lambda: text in self.stderr() or self.popen.poll() is not None,
-            f"{text!r} in the log",
-            timeout,
-        )
+        try:
+            wait_for(
+                lambda: text in self.stderr() or self.popen.poll() is not None,
+                f"{text!r} in the log",
+                timeout,
+            )
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.report()}") from None
         assert text in self.stderr(), self.report()
 
     def report(self) -> str:
