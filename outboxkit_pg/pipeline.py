@@ -98,16 +98,14 @@ server's log), and abort the transaction it is sent in."""
 
 
 class _Record:
-    """A record sent and not read back yet: what it would be sent again with, and after
-    which of the pipeline's prepares it was sent (``RecordPipeline._prepares``)."""
+    """A record sent and not read back yet: what it would be sent again with."""
 
-    __slots__ = ("after", "claim", "resent", "values")
+    __slots__ = ("claim", "resent", "values")
 
     def __init__(self, claim: Claim, values: list[bytes | None], resent: bool) -> None:
         self.claim = claim
         self.values = values
         self.resent = resent
-        self.after = 0
 
 
 class RecordPipeline:
@@ -130,7 +128,6 @@ class RecordPipeline:
         self._encoding = conn.info.encoding
         self._sent: deque[_Record | None] = deque()  # one per sync sent, in order
         self._result: pq.abc.PGresult | None = None  # the head sync's result, until its sync
-        self._prepares = 0  # how many prepares this pipeline sent
         self.refused: set[int] = set()  # events whose record the token refused
         self._error: StoreError | None = None
 
@@ -180,9 +177,7 @@ class RecordPipeline:
             pg.send_prepare(self._name, self._query, self._types)
             pg.pipeline_sync()
             self._sent.append(_PREPARE)
-            self._prepares += 1
             prepared.add(self._name)  # the records sent behind it find it
-        record.after = self._prepares
         pg.send_query_prepared(self._name, record.values)
         pg.pipeline_sync()
         self._sent.append(record)
@@ -257,7 +252,7 @@ class RecordPipeline:
                 return  # prepared in this session already
             _PREPARED.get(self.conn, set()).discard(self._name)
         elif error.sqlstate == _GONE and not sent.resent and self._error is None:
-            if sent.after == self._prepares:  # else prepared again since, by a record before it
+            if _PREPARE not in self._sent:  # else prepared again since, by a record before it
                 _PREPARED.get(self.conn, set()).discard(self._name)
             try:
                 self._send(_Record(sent.claim, sent.values, resent=True))

@@ -23,10 +23,12 @@ from outboxkit import (
     StoreError,
     StoreUnavailable,
 )
+from outboxkit.core.model import Outcome
 from outboxkit.core.payload import build_event
+from outboxkit.storekit.rows import record_params
 from outboxkit_pg import PostgresStore
 from outboxkit_pg.delivery import Round
-from outboxkit_pg.pipeline import RecordPipeline
+from outboxkit_pg.pipeline import RecordPipeline, drain
 
 from .conftest import migrated_store
 from .test_delivery_budget import traced
@@ -351,3 +353,32 @@ def test_a_record_whose_prepared_statement_a_handler_dropped_is_sent_again(
     # answer came; prepared again once (no prepare the server refuses as a duplicate)
     assert errors in (["26000"], ["26000", "26000"])
     assert parses == 2
+
+
+def test_records_in_flight_when_their_statement_was_dropped_prepare_it_again_once(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two records sent before either answer is read, after the statement was dropped: both
+    fail (writing nothing), the first is sent again behind one new prepare, the second behind
+    that same prepare; no prepare the server refuses as a duplicate, both records written."""
+    text: list[str] = []
+    with traced(text), migrated_store(pg_url, notify=False, pool_max_size=1) as store:
+        ids = _enqueue(store, 3)
+        claims = store.claim(batch_size=3, lease=timedelta(seconds=30), now=None)
+        with store.dialect.connection("test") as conn:
+            first = RecordPipeline(store.dialect, conn)
+            first.send(claims[0], record_params(claims[0], "h", Outcome.SUCCEEDED, None, None))
+            drain(first)  # the statement prepared, and known to be
+            conn.execute("DEALLOCATE ALL")
+            pipeline = RecordPipeline(store.dialect, conn)
+            monkeypatch.setattr(pipeline, "take_results", lambda: None)  # read nothing yet
+            for claim in claims[1:]:
+                pipeline.send(claim, record_params(claim, "h", Outcome.SUCCEEDED, None, None))
+            monkeypatch.undo()
+            drain(pipeline)
+            assert pipeline.refused == set()
+        with store.transaction() as tx:
+            assert _records(tx, store) == [(i, "h") for i in ids]
+    parses, errors = _record_parses_and_errors(text[0])
+    assert errors == ["26000", "26000"]
+    assert parses == 2  # the first record's, and once again after the drop
