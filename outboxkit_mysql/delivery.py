@@ -111,13 +111,13 @@ class Delivery:
             steps.append(("XA START %(xid)s", {"xid": self.xid}))
         else:
             steps.append((_SAVEPOINT, None))
-        (owned,) = dialect.queries["owned"]
-        steps.append((owned, {"id": claim.event.id, "token": claim.token}))
+        (check,) = dialect.queries["owned"]
+        steps.append((check, {"id": claim.event.id, "token": claim.token}))
         with dialect.mapped(f"open the delivery of event {claim.event.id}"):
-            found = run_script(conn, steps)
+            owned = run_script(conn, steps)
         conn.dirty = conn.delivering = True
         conn.ended_by_handler = False  # this delivery's own (a batch's connection serves many)
-        if not found:
+        if owned != 1:
             raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
 
     def enqueue(self, events: Sequence[NewEvent]) -> list[int]:

@@ -155,17 +155,18 @@ def parse_url(url: str) -> dict[str, Any]:
     }
 
 
-def run_script(conn: Any, statements: Sequence[tuple[str, Mapping[str, Any] | None]]) -> list[Row]:
+def run_script(conn: Any, statements: Sequence[tuple[str, Mapping[str, Any] | None]]) -> int:
     """Several statements (``(sql, params)``) in one round trip (the store's connections allow
-    it); the rows of the last one. Each is interpolated by PyMySQL's own escaping
-    (``Cursor.mogrify``), as any query of PyMySQL's is."""
+    it); the last one's row count (rows changed, or selected ``INTO`` variables). Each is
+    interpolated by PyMySQL's own escaping (``Cursor.mogrify``), as any query of PyMySQL's is."""
     with conn.cursor() as cur:
-        text = ";".join(cur.mogrify(sql, params) if params else sql for sql, params in statements)
-        cur.execute(text)
-        rows: list[Row] = list(cur.fetchall()) if cur.description else []
+        cur.execute(
+            ";".join(cur.mogrify(sql, params) if params else sql for sql, params in statements)
+        )
         while cur.nextset():
-            rows = list(cur.fetchall()) if cur.description else []
-    return rows
+            pass
+        count: int = cur.rowcount
+    return count
 
 
 class MySQLDialect(Dialect):

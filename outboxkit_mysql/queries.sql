@@ -105,8 +105,9 @@ SELECT {event_columns}, token,
  WHERE id IN %(picked)s
 
 -- name: owned
--- R6: the token check and the row lock, first in a delivery.
-SELECT id FROM {events}
+-- R6: the token check and the row lock, first in a delivery. INTO a variable: the answer is an
+-- OK packet whose row count (1, or 0 for a stale token) says it, not a result set to parse.
+SELECT id INTO @outboxkit_owned FROM {events}
  WHERE id = %(id)s AND token = %(token)s AND published_at IS NULL AND failed_at IS NULL
    FOR UPDATE
 

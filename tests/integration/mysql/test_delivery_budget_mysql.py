@@ -1,8 +1,10 @@
 """The round-trip budget of a delivery on MariaDB/MySQL, per path: every statement flight a
 store connection sends (``StoreConnection.query``: one ``COM_QUERY``, one round trip, however
 many statements it carries), counted as the difference between a drain of 2N events and one of
-N, so that the batch's own claim, records and settlement drop out. A change that adds a round
-trip to a delivery fails here; one that removes some updates the table."""
+N, so that the batch's own claim, records and settlement drop out; and the answers among them
+that carry rows (a result set for PyMySQL to parse, in Python: the dearest answer a statement
+gets). A change that adds a round trip or a result set to a delivery fails here; one that
+removes some updates the table."""
 
 from __future__ import annotations
 
@@ -17,28 +19,41 @@ from .server import migrated_store
 
 N = 10
 
-# Round trips per event, the handler's own statement included.
+# (Round trips, result sets) per event, the handler's own statement included. The token check
+# selects INTO a variable: its answer is an OK packet with a row count, not a result set.
 BUDGET = {
     # XA START with the token check and row lock (after a handler had the connection, the
     # session set back first, in the same flight); the handler's INSERT; the record with XA END
     # and XA COMMIT.
-    ("per_event", "writes"): 3,
+    ("per_event", "writes"): (3, 0),
     # A handler that never takes the connection: its record, fenced by the token, alone.
-    ("per_event", "noop"): 1,
+    ("per_event", "noop"): (1, 0),
     # The savepoint with the token check and row lock; the handler's INSERT (the records are
     # written with the batch's commit, all at once).
-    ("per_batch", "writes"): 2,
-    ("per_batch", "noop"): 0,
+    ("per_batch", "writes"): (2, 0),
+    ("per_batch", "noop"): (0, 0),
 }
 
 
-def round_trips(transaction: str, handler: str, events: int) -> int:
-    counted = [0]
-    original = StoreConnection.query
+def _has_rows(conn: StoreConnection) -> int:
+    result = conn._result  # PyMySQL's answer to the last statement read
+    return int(result is not None and result.description is not None)
+
+
+def round_trips(transaction: str, handler: str, events: int) -> tuple[int, int]:
+    counted = [0, 0]
+    query, next_result = StoreConnection.query, StoreConnection.next_result
 
     def counting(self: StoreConnection, sql: Any, unbuffered: bool = False) -> int:
         counted[0] += 1
-        return original(self, sql, unbuffered)
+        found = query(self, sql, unbuffered)
+        counted[1] += _has_rows(self)
+        return found
+
+    def counting_next(self: StoreConnection, unbuffered: bool = False) -> int:
+        found: int = next_result(self, unbuffered)
+        counted[1] += _has_rows(self)
+        return found
 
     with migrated_store() as store:
         with store.dialect.write("ledger") as conn, conn.cursor() as cur:
@@ -57,15 +72,18 @@ def round_trips(transaction: str, handler: str, events: int) -> int:
         poller = outbox.poller(transaction=transaction, batch_size=100)
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(StoreConnection, "query", counting)
+            patch.setattr(StoreConnection, "next_result", counting_next)
             report = poller.run_once()
         assert len(report.published) == events
-    return counted[0]
+    return counted[0], counted[1]
 
 
 @pytest.mark.parametrize("handler", ["writes", "noop"])
 @pytest.mark.parametrize("transaction", ["per_event", "per_batch"])
 def test_the_delivery_budget(mysql_server: str, transaction: str, handler: str) -> None:
-    per_event = (
-        round_trips(transaction, handler, 2 * N) - round_trips(transaction, handler, N)
-    ) / N
+    (flights_2n, rows_2n), (flights_n, rows_n) = (
+        round_trips(transaction, handler, 2 * N),
+        round_trips(transaction, handler, N),
+    )
+    per_event = ((flights_2n - flights_n) / N, (rows_2n - rows_n) / N)
     assert per_event == BUDGET[(transaction, handler)], per_event
