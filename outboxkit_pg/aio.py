@@ -10,7 +10,8 @@ own:
 
 - connections come from ``pool.AsyncPool``, a ``psycopg_pool.AsyncConnectionPool`` of its own
   (the store's sizes), opened on first use on the running event loop and closed by
-  ``close()`` or by the store's ``close()``;
+  ``close()`` or by the store's ``close()``; a per-event round (``rounds``, ``AsyncRound``)
+  holds its deliveries' connections from one delivery to the next;
 - a transactional handler's ``ctx.connection`` is the delivery's ``psycopg.AsyncConnection``;
 - ``make_waiter()`` listens with psycopg's async notifications (``listen.AsyncNotifyWaiter``).
 """
@@ -20,9 +21,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -31,6 +33,7 @@ from psycopg.rows import tuple_row
 
 from outboxkit.core.model import Claim, NewEvent, Outcome
 from outboxkit.errors import StoreError
+from outboxkit.storekit import AsyncDeliveriesBase, SettleItem
 from outboxkit.storekit.aiosql import AsyncSQLBatch, AsyncSQLStore
 from outboxkit.storekit.rows import inserted_ids, resolve_ids
 from outboxkit.storekit.sql import Row
@@ -44,7 +47,7 @@ from .pool import AsyncConnection, AsyncPool
 if TYPE_CHECKING:
     from .store import PostgresStore
 
-__all__ = ["AsyncBatch", "AsyncDelivery", "AsyncPostgresStore"]
+__all__ = ["AsyncBatch", "AsyncDelivery", "AsyncPostgresStore", "AsyncRound"]
 
 log = logging.getLogger("outboxkit")
 
@@ -213,6 +216,20 @@ class AsyncPostgresStore(AsyncSQLStore):
             yield tx
 
     @asynccontextmanager
+    async def rounds(self, *, concurrency: int = 1) -> AsyncIterator[AsyncRound]:
+        """The deliveries of one per-event round (``PostgresStore.rounds`` for async code):
+        each delivery a transaction of its own, as ``delivery``'s, on a connection the round
+        holds from one delivery to the next (``AsyncRound``): at most ``concurrency`` of them,
+        and never more than ``pool_max_size - 2`` (two stay free for the claims and the
+        settlements)."""
+        size = max(1, min(concurrency, self.dialect.pool.max_size - 2))
+        round_ = AsyncRound(self, size, self._connection)
+        try:
+            yield round_
+        finally:
+            await round_.close()
+
+    @asynccontextmanager
     async def batch(self, *, now: datetime | None) -> AsyncIterator[AsyncBatch]:
         """``PostgresStore.batch`` for async code: one transaction for a claimed batch on a
         pooled async connection, a savepoint per delivery, one commit at the end; begun lazily
@@ -317,6 +334,157 @@ class AsyncDelivery(Transaction[AsyncConnection]):
         """Queue the record; it is written with the commit, in the same sync (or, for a
         delivery never opened, alone in one fenced statement)."""
         self._flow.record(handler, outcome, reason)
+
+
+class _Held:
+    """A pooled connection an ``AsyncRound`` holds, with the pool's lease of it."""
+
+    __slots__ = ("conn", "lease")
+
+    def __init__(self, lease: AbstractAsyncContextManager[AsyncConnection], conn: AsyncConnection):
+        self.lease = lease
+        self.conn = conn
+
+
+class AsyncRound(AsyncDeliveriesBase):
+    """The deliveries of one per-event round on the asyncio side (``AsyncPostgresStore.rounds``).
+
+    Each delivery is a transaction of its own, exactly as ``AsyncPostgresStore.delivery``'s (the
+    same ``delivering``), on a pooled connection the round holds from one delivery to the next
+    instead of taking one from the pool and handing it back each time: the pool's hand-over
+    and return (its locks, its return task, the connection's check) cost more than a delivery
+    whose handler never takes the connection, its one fenced record. The round's lease
+    extensions and settlements run on its connections too.
+
+    It holds at most ``size`` connections: a delivery (an extension, a settlement) takes an idle
+    one, else a new one from the pool while the round holds fewer, else waits for one to come
+    back. Nothing that waits holds a connection, so the waits always end. A connection left
+    unusable (closed, or still in a transaction) goes back to the pool at once, which discards
+    it or rolls it back, and frees its place; the others go back when the round ends.
+    """
+
+    def __init__(
+        self,
+        side: AsyncPostgresStore,
+        size: int,
+        connect: Callable[[str], AbstractAsyncContextManager[AsyncConnection]],
+    ) -> None:
+        self._side = side
+        self._size = size
+        self._connect = connect  # the side's pooled connections (``doing`` names the use)
+        self._held = 0  # connections taken from the pool: idle, or in use
+        self._idle: list[_Held] = []
+        self._waiting: deque[asyncio.Future[_Held | None]] = deque()
+
+    @asynccontextmanager
+    async def delivery(self, claim: Claim, *, now: datetime | None) -> AsyncIterator[AsyncDelivery]:
+        """``AsyncPostgresStore.delivery`` on a connection of the round's."""
+        held = await self._take(f"deliver event {claim.event.id}")
+        try:
+            async with delivering(self._side, held.conn, claim, now) as tx:
+                yield tx
+        finally:
+            await self._done_with(held)
+
+    async def extend(
+        self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None
+    ) -> list[Claim]:
+        if not claims:
+            return []
+        doing = f"extend {len(claims)} lease(s)"
+        held = await self._take(doing)
+        try:
+            with self._side.dialect.mapped(doing, held.conn):
+                return await self._side.extend_on(held.conn, claims, lease, now)
+        finally:
+            await self._done_with(held)
+
+    async def settle_many(self, items: Sequence[SettleItem], *, now: datetime | None) -> list[bool]:
+        if not items:
+            return []
+        doing = f"settle {len(items)} event(s)"
+        held = await self._take(doing)
+        try:
+            with self._side.dialect.mapped(doing, held.conn):
+                return await self._side.settle_many_on(held.conn, items, now)
+        finally:
+            await self._done_with(held)
+
+    @property
+    def waiting(self) -> int:
+        """How many deliveries (extensions, settlements) wait for one of the round's
+        connections now."""
+        return sum(not waiter.done() for waiter in self._waiting)
+
+    async def close(self) -> None:
+        """Hand the idle connections back to the pool (at the round's end, none is in use)."""
+        while self._idle:
+            await self._give_back(self._idle.pop(), usable=True)
+
+    async def _take(self, doing: str) -> _Held:
+        """An idle connection of the round's, else a new one from the pool while the round
+        holds fewer than ``size``, else the next one given back.
+
+        Raises:
+            StoreUnavailable: the pool had none to give (the message says why).
+        """
+        if self._idle:
+            return self._idle.pop()
+        if self._held >= self._size:
+            waiter: asyncio.Future[_Held | None] = asyncio.get_running_loop().create_future()
+            self._waiting.append(waiter)
+            try:
+                given = await waiter
+            except BaseException:  # cancelled: what it was given goes to the next one
+                if waiter.done() and not waiter.cancelled():
+                    self._hand_on(waiter.result())
+                raise
+            if given is not None:
+                return given
+            # None: a place freed (a connection went back to the pool): take a new one.
+        lease = self._connect(doing)
+        self._held += 1
+        try:
+            conn = await lease.__aenter__()
+        except BaseException:
+            self._held -= 1
+            self._hand_on(None)
+            raise
+        return _Held(lease, conn)
+
+    def _hand_on(self, given: _Held | None) -> None:
+        """Give a waiter a connection (or, None, a place to take a new one in); with none
+        waiting, the connection is idle (the place stays free)."""
+        while self._waiting:
+            waiter = self._waiting.popleft()
+            if not waiter.done():
+                waiter.set_result(given)
+                return
+        if given is not None:
+            self._idle.append(given)
+
+    async def _done_with(self, held: _Held) -> None:
+        conn = held.conn
+        if conn.closed or conn.broken or conn.pgconn.transaction_status != _IDLE:
+            await self._give_back(held, usable=False)
+            self._hand_on(None)
+        else:
+            self._hand_on(held)
+
+    async def _give_back(self, held: _Held, *, usable: bool) -> None:
+        self._held -= 1
+        if usable:
+            await held.lease.__aexit__(None, None, None)
+        else:  # the pool rolls it back, or discards it closed
+            await held.lease.__aexit__(_Unusable, _Unusable(), None)
+
+
+class _Unusable(Exception):
+    """Handed to the pool's lease for a connection a delivery left unusable: the pool rolls it
+    back, or discards it closed, instead of keeping it as it is."""
+
+
+_IDLE = psycopg.pq.TransactionStatus.IDLE
 
 
 class AsyncBatch(BatchGuard, AsyncSQLBatch):
