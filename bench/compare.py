@@ -256,6 +256,13 @@ WORKLOADS = [
         1.0,
     ),
     Workload(
+        "pgqueuer-async",
+        "asyncio poller, no-op async handler, at its best concurrency vs pgqueuer (batch 10)",
+        "pgqueuer-10",
+        tuple(ASYNC),
+        1.0,
+    ),
+    Workload(
         "pgqueuer-batch",
         "per_batch vs pgqueuer (batch 100)",
         "pgqueuer-100",

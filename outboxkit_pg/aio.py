@@ -32,7 +32,7 @@ from psycopg.pq import PipelineStatus
 from psycopg.rows import tuple_row
 
 from outboxkit.core.model import Claim, NewEvent, Outcome
-from outboxkit.errors import StoreError
+from outboxkit.errors import StoreError, StoreUnavailable
 from outboxkit.storekit import AsyncDeliveriesBase, SettleItem
 from outboxkit.storekit.aiosql import AsyncSQLBatch, AsyncSQLStore
 from outboxkit.storekit.rows import inserted_ids, resolve_ids
@@ -41,7 +41,7 @@ from outboxkit.storekit.sql import Row
 from .flow import BatchGuard, Flow, Result, Statement, Transaction, check_usable, has_rows
 from .listen import AsyncNotifyWaiter
 from .names import prepared
-from .pipeline import PREPARED_STALE, Flight, flight_result, implicit_begin
+from .pipeline import PREPARED_STALE, Flight, RecordPipeline, flight_result, implicit_begin
 from .pool import AsyncConnection, AsyncPool
 
 if TYPE_CHECKING:
@@ -226,8 +226,10 @@ class AsyncPostgresStore(AsyncSQLStore):
         round_ = AsyncRound(self, size, self._connection)
         try:
             yield round_
-        finally:
-            await round_.close()
+        except BaseException:
+            await round_.close(failed=True)
+            raise
+        await round_.close()
 
     @asynccontextmanager
     async def batch(self, *, now: datetime | None) -> AsyncIterator[AsyncBatch]:
@@ -279,9 +281,12 @@ class AsyncDelivery(Transaction[AsyncConnection]):
     """One async delivery transaction (see ``AsyncPostgresStore.delivery``), or a savepoint of
     a batch's: it opens when ``open`` is awaited (or a follow-up enqueued)."""
 
-    def __init__(self, side: AsyncPostgresStore, flow: Flow[AsyncConnection]) -> None:
+    def __init__(
+        self, side: AsyncPostgresStore, flow: Flow[AsyncConnection], held: _Held | None = None
+    ) -> None:
         super().__init__(flow)
         self._side = side
+        self._held = held  # a round's connection, with the records pipelined on it
 
     async def open(self) -> None:
         """Open the delivery transaction now (its first pipeline sync), if it is not yet.
@@ -294,6 +299,8 @@ class AsyncDelivery(Transaction[AsyncConnection]):
         if flow.is_open:
             return
         try:
+            if self._held is not None:
+                await self._held.drain()  # the round's records on it, read back first
             try:
                 results = await _sync(flow.conn, flow.opening())
             except PREPARED_STALE:  # see ``Flow.reopening``
@@ -337,30 +344,102 @@ class AsyncDelivery(Transaction[AsyncConnection]):
 
 
 class _Held:
-    """A pooled connection an ``AsyncRound`` holds, with the pool's lease of it."""
+    """A pooled connection an ``AsyncRound`` holds, with the pool's lease of it and the fenced
+    records sent on it without waiting (``pipeline.RecordPipeline``), not read back yet."""
 
-    __slots__ = ("conn", "lease")
+    __slots__ = ("conn", "failed", "lease", "pipeline", "where")
 
-    def __init__(self, lease: AbstractAsyncContextManager[AsyncConnection], conn: AsyncConnection):
+    def __init__(
+        self,
+        lease: AbstractAsyncContextManager[AsyncConnection],
+        conn: AsyncConnection,
+        where: str,
+    ) -> None:
         self.lease = lease
         self.conn = conn
+        self.where = where
+        self.pipeline: RecordPipeline | None = None
+        self.failed: StoreError | None = None  # a record or the connection failed: the round ends
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the connection is in pipeline mode (records in flight, or read and not
+        finished): psycopg may not use it until ``drain``."""
+        return self.pipeline is not None and self.conn.pgconn.pipeline_status != _PIPELINE_OFF
+
+    def send(self, side: AsyncPostgresStore, claim: Claim, record: Mapping[str, Any]) -> bool:
+        """Send ``claim``'s fenced record without waiting for it; False when the connection
+        cannot pipeline (no prepared statements: PgBouncer in transaction mode).
+
+        Raises:
+            StoreError: the connection failed taking it (the round ends).
+        """
+        if self.pipeline is None:
+            if not RecordPipeline.usable(self.conn):
+                return False
+            self.pipeline = RecordPipeline(side.dialect, self.conn)
+        try:
+            self.pipeline.send(claim, record)
+        except StoreError as exc:
+            self.failed = exc
+            raise
+        return True
+
+    async def drain(self) -> None:
+        """Read every record pending on the connection back, and leave pipeline mode.
+
+        Raises:
+            StoreError: a record failed, or the connection did (the round ends).
+        """
+        pipeline = self.pipeline
+        if pipeline is None or self.failed is not None:
+            if self.failed is not None:
+                raise self.failed
+            return
+        try:
+            while pipeline.pending:
+                if pipeline.wants_write():
+                    await _ready(pipeline.socket(), write=True)
+                elif pipeline.pgconn.is_busy():
+                    await _ready(pipeline.socket())
+                    pipeline.readable()
+                else:
+                    pipeline.take_results()
+            pipeline.finish()
+        except StoreError as exc:
+            self.failed = exc
+            raise
+        except BaseException:  # cancelled while reading: what was answered is unknown
+            self.failed = StoreUnavailable(
+                f"PostgreSQL at {self.where}: the round stopped with delivery records unread; "
+                "their events recover by their leases"
+            )
+            raise
 
 
 class AsyncRound(AsyncDeliveriesBase):
-    """The deliveries of one per-event round on the asyncio side (``AsyncPostgresStore.rounds``).
+    """The deliveries of one per-event round on the asyncio side (``AsyncPostgresStore.rounds``):
+    the blocking ``delivery.Round``'s rules, on connections several deliveries use at once.
 
     Each delivery is a transaction of its own, exactly as ``AsyncPostgresStore.delivery``'s (the
     same ``delivering``), on a pooled connection the round holds from one delivery to the next
-    instead of taking one from the pool and handing it back each time: the pool's hand-over
-    and return (its locks, its return task, the connection's check) cost more than a delivery
-    whose handler never takes the connection, its one fenced record. The round's lease
-    extensions and settlements run on its connections too.
+    instead of taking one from the pool and handing it back each time (the pool's hand-over
+    and return cost more than a delivery whose handler never takes the connection). Such a
+    delivery sends its fenced record without waiting for it (``pipeline.RecordPipeline``, on
+    the connection it had); the records are read back before the connection serves anything
+    else (a delivery that opens its transaction, a lease extension), before the round settles
+    (every connection's) and when it ends. A record the token refused wrote nothing, and its
+    event's settlement, fenced by the same token, is refused too (the lost lease is reported
+    then); a record or a connection that failed ends the round: every later step raises it,
+    and nothing more is settled (the events recover by their leases).
 
     It holds at most ``size`` connections: a delivery (an extension, a settlement) takes an idle
-    one, else a new one from the pool while the round holds fewer, else waits for one to come
-    back. Nothing that waits holds a connection, so the waits always end. A connection left
-    unusable (closed, or still in a transaction) goes back to the pool at once, which discards
-    it or rolls it back, and frees its place; the others go back when the round ends.
+    one without records in flight, else a new one from the pool while the round holds fewer (the
+    records then commit on several connections at once: one WAL flush serves the commits that
+    wait for it together), else the one idle longest, else waits for one to come back. Nothing
+    that waits holds a connection, so the waits always end. A connection left unusable (closed,
+    still in a transaction, or failed) goes back to the pool at once, which discards it or rolls
+    it back, and frees its place; the others go back when the round ends.
     """
 
     def __init__(
@@ -373,15 +452,17 @@ class AsyncRound(AsyncDeliveriesBase):
         self._size = size
         self._connect = connect  # the side's pooled connections (``doing`` names the use)
         self._held = 0  # connections taken from the pool: idle, or in use
-        self._idle: list[_Held] = []
+        self._idle: deque[_Held] = deque()  # the one idle longest first
         self._waiting: deque[asyncio.Future[_Held | None]] = deque()
+        self._lost: StoreError | None = None
 
     @asynccontextmanager
     async def delivery(self, claim: Claim, *, now: datetime | None) -> AsyncIterator[AsyncDelivery]:
-        """``AsyncPostgresStore.delivery`` on a connection of the round's."""
+        """``AsyncPostgresStore.delivery`` on a connection of the round's; a delivery never
+        opened sends its record pipelined."""
         held = await self._take(f"deliver event {claim.event.id}")
         try:
-            async with delivering(self._side, held.conn, claim, now) as tx:
+            async with delivering(self._side, held.conn, claim, now, held=held) as tx:
                 yield tx
         finally:
             await self._done_with(held)
@@ -394,17 +475,22 @@ class AsyncRound(AsyncDeliveriesBase):
         doing = f"extend {len(claims)} lease(s)"
         held = await self._take(doing)
         try:
+            await held.drain()
             with self._side.dialect.mapped(doing, held.conn):
                 return await self._side.extend_on(held.conn, claims, lease, now)
         finally:
             await self._done_with(held)
 
     async def settle_many(self, items: Sequence[SettleItem], *, now: datetime | None) -> list[bool]:
+        """``AsyncPostgresStore.settle_many`` after every record the round pipelined is read
+        back: a refused record's event is refused here too (the same token)."""
+        await self._drain_idle()
         if not items:
             return []
         doing = f"settle {len(items)} event(s)"
         held = await self._take(doing)
         try:
+            await held.drain()
             with self._side.dialect.mapped(doing, held.conn):
                 return await self._side.settle_many_on(held.conn, items, now)
         finally:
@@ -416,20 +502,62 @@ class AsyncRound(AsyncDeliveriesBase):
         connections now."""
         return sum(not waiter.done() for waiter in self._waiting)
 
-    async def close(self) -> None:
-        """Hand the idle connections back to the pool (at the round's end, none is in use)."""
-        while self._idle:
-            await self._give_back(self._idle.pop(), usable=True)
-
-    async def _take(self, doing: str) -> _Held:
-        """An idle connection of the round's, else a new one from the pool while the round
-        holds fewer than ``size``, else the next one given back.
+    async def close(self, *, failed: bool = False) -> None:
+        """End the round: read back what is pending (unless the round failed), and hand the
+        idle connections back to the pool (at the round's end, none is in use).
 
         Raises:
+            StoreError: a record failed, or a connection was lost with records unread.
+        """
+        try:
+            if not failed:
+                await self._drain_idle()
+        finally:
+            while self._idle:
+                held = self._idle.popleft()
+                if held.pipelined or held.failed is not None:
+                    await self._discard(held)
+                else:
+                    await self._give_back(held, usable=True)
+
+    async def _drain_idle(self) -> None:
+        """Read back the records pending on every idle connection.
+
+        Raises:
+            StoreError: one failed (the round ends: raised by every later step).
+        """
+        if self._lost is not None:
+            raise self._lost
+        for held in list(self._idle):
+            try:
+                await held.drain()
+            except StoreError as exc:
+                self._lost = exc
+                self._idle.remove(held)
+                await self._discard(held)
+                raise
+
+    async def _take(self, doing: str) -> _Held:
+        """An idle connection of the round's without records in flight, else a new one from
+        the pool while the round holds fewer than ``size``, else the one idle longest, else
+        the next one given back.
+
+        Raises:
+            StoreError: the round failed earlier (a record, or a connection with records).
             StoreUnavailable: the pool had none to give (the message says why).
         """
-        if self._idle:
-            return self._idle.pop()
+        if self._lost is not None:
+            raise self._lost
+        idle = self._idle
+        for index, held in enumerate(idle):
+            if not held.pipelined:
+                del idle[index]
+                return held
+        # Every idle one has records in flight: while the round may, a new connection, so
+        # that the records commit on several at once (one WAL flush serves the commits that
+        # wait for it together); else the one idle longest.
+        if idle and self._held >= self._size:
+            return idle.popleft()
         if self._held >= self._size:
             waiter: asyncio.Future[_Held | None] = asyncio.get_running_loop().create_future()
             self._waiting.append(waiter)
@@ -442,6 +570,9 @@ class AsyncRound(AsyncDeliveriesBase):
             if given is not None:
                 return given
             # None: a place freed (a connection went back to the pool): take a new one.
+            if self._lost is not None:
+                self._hand_on(None)
+                raise self._lost
         lease = self._connect(doing)
         self._held += 1
         try:
@@ -450,7 +581,7 @@ class AsyncRound(AsyncDeliveriesBase):
             self._held -= 1
             self._hand_on(None)
             raise
-        return _Held(lease, conn)
+        return _Held(lease, conn, self._side.dialect.where)
 
     def _hand_on(self, given: _Held | None) -> None:
         """Give a waiter a connection (or, None, a place to take a new one in); with none
@@ -464,12 +595,35 @@ class AsyncRound(AsyncDeliveriesBase):
             self._idle.append(given)
 
     async def _done_with(self, held: _Held) -> None:
+        """``held`` back from a delivery (an extension, a settlement): to the next user, or,
+        left unusable, to the pool."""
         conn = held.conn
-        if conn.closed or conn.broken or conn.pgconn.transaction_status != _IDLE:
-            await self._give_back(held, usable=False)
-            self._hand_on(None)
+        if held.failed is not None:
+            if self._lost is None:
+                self._lost = held.failed
+            await self._discard(held)
+        elif conn.closed or conn.broken:
+            await self._discard(held)
+        elif held.pipelined:
+            self._hand_on(held)  # its records are read back by its next user
+        elif conn.pgconn.transaction_status != _IDLE:
+            await self._discard(held)
         else:
             self._hand_on(held)
+
+    async def _discard(self, held: _Held) -> None:
+        """Hand an unusable connection back to the pool, and free its place. One with records
+        unread is closed first (it can neither be read back nor reused), and ends the round."""
+        conn = held.conn
+        if held.pipelined and not conn.closed:
+            if held.pipeline is not None and held.pipeline.pending and self._lost is None:
+                self._lost = StoreUnavailable(
+                    f"PostgreSQL at {held.where}: the connection was lost with delivery "
+                    "records unanswered; their events recover by their leases"
+                )
+            await conn.close()
+        await self._give_back(held, usable=False)
+        self._hand_on(None)
 
     async def _give_back(self, held: _Held, *, usable: bool) -> None:
         self._held -= 1
@@ -528,6 +682,7 @@ async def delivering(
     claim: Claim,
     now: datetime | None,
     batch: AsyncBatch | None = None,
+    held: _Held | None = None,
 ) -> AsyncIterator[AsyncDelivery]:
     """``delivery.delivering`` on an async connection (the same ``Flow``): it opens when
     ``tx.open()`` is awaited, or at its end when what it queued needs the transaction; one that
@@ -540,7 +695,7 @@ async def delivering(
         StoreError: the database failed (never blamed on the handler).
     """
     flow = Flow(side.dialect, conn, claim, now, batch)
-    tx = AsyncDelivery(side, flow)
+    tx = AsyncDelivery(side, flow, held)
     try:
         yield tx
         if flow.open_error is not None:
@@ -549,10 +704,18 @@ async def delivering(
             await tx.open()
         if batch is not None and not flow.is_open:
             batch.keep(claim, flow.records[0])  # written, fenced, with the batch's settlement
-        else:
+        elif held is None or flow.is_open or not held.send(side, claim, flow.records[0]):
+            if held is not None:
+                await held.drain()
             flow.closed(await close(flow, conn))
     except BaseException as exc:
         error = flow.error_for(exc)
+        if held is not None and not flow.is_open:
+            # A round's delivery never opened: it wrote nothing, there is nothing to undo (and
+            # the connection may have records in flight).
+            if error is exc:
+                raise
+            raise error from exc
         aborted = await abort_quietly(conn, flow.aborting())
         if batch is not None:
             if flow.lost_batch(aborted):

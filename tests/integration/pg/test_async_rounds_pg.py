@@ -15,13 +15,22 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from outboxkit import Event, EventBus, FrozenClock, Outbox, Outcome, StoreUnavailable
-from outboxkit.core.payload import build_event
+from outboxkit import (
+    Event,
+    EventBus,
+    FrozenClock,
+    Outbox,
+    Outcome,
+    StoreError,
+    StoreUnavailable,
+)
 from outboxkit_pg import PostgresStore
-from outboxkit_pg.aio import AsyncRound
+from outboxkit_pg.aio import AsyncPostgresStore, AsyncRound
+from outboxkit_pg.pipeline import RecordPipeline
 from outboxkit_pg.pool import AsyncPool
 
 from .conftest import migrated_store
+from .test_rounds_pg import _enqueue, _records
 
 pytestmark = pytest.mark.pg
 
@@ -68,11 +77,6 @@ def ledger(store: PostgresStore, admin: psycopg.Connection[Any]) -> sql.Identifi
     name = sql.Identifier(store.names.schema, "ledger")
     admin.execute(sql.SQL("CREATE TABLE {} (event_id bigint NOT NULL)").format(name))
     return name
-
-
-def _enqueue(store: PostgresStore, n: int) -> list[int]:
-    with store.transaction() as conn:
-        return store.enqueue(conn, [build_event("t", {"n": i}) for i in range(n)], now=None)
 
 
 def _check_once(
@@ -243,3 +247,198 @@ async def _until_waiting(round_: AsyncRound, count: int) -> None:
             return
         await asyncio.sleep(0)  # one turn of the event loop, not a timed wait
     raise AssertionError(f"never {count} deliveries waiting")
+
+
+def _pipelined(monkeypatch: pytest.MonkeyPatch) -> dict[int, list[int]]:
+    """The records sent pipelined, by the backend they went to (event ids, in order)."""
+    sent: dict[int, list[int]] = {}
+    original = RecordPipeline.send
+
+    def send(self: RecordPipeline, claim: Any, params: Any) -> None:
+        sent.setdefault(self.pgconn.backend_pid, []).append(claim.event.id)
+        original(self, claim, params)
+
+    monkeypatch.setattr(RecordPipeline, "send", send)
+    return sent
+
+
+@pytest.mark.parametrize("store", [{"pool_max_size": 6}], indirect=True)
+@pytest.mark.asyncio
+async def test_records_are_pipelined_on_the_rounds_connections_and_read_before_settling(
+    store: PostgresStore, admin: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A handler that never takes the connection: its record is sent without waiting, on up
+    to ``concurrency`` connections (a new one while every idle one has records in flight);
+    the records of every connection are read back before the round settles."""
+    sent = _pipelined(monkeypatch)
+    steps: list[tuple[str, int]] = []
+    finish = RecordPipeline.finish
+
+    def finished(self: RecordPipeline) -> None:
+        steps.append(("read back", self.pgconn.backend_pid))
+        finish(self)
+
+    settle_many_on = AsyncPostgresStore.settle_many_on
+
+    async def settling(self: AsyncPostgresStore, conn: Any, *args: Any) -> Any:
+        steps.append(("settle", conn.info.backend_pid))
+        return await settle_many_on(self, conn, *args)
+
+    monkeypatch.setattr(RecordPipeline, "finish", finished)
+    monkeypatch.setattr(AsyncPostgresStore, "settle_many_on", settling)
+    bus = EventBus()
+    bus.subscribe("t", _noop, name="h", transactional=False)
+    ids = _enqueue(store, 40)
+    report = (
+        await Outbox(store, bus, load_entry_points=False)
+        .async_poller(concurrency=4, batch_size=40)
+        .run_once()
+    )
+    await store.async_store().close()
+    assert sorted(report.published) == ids
+    assert sorted(i for sent_on in sent.values() for i in sent_on) == ids
+    assert 2 <= len(sent) <= 4  # spread over the round's connections, at most concurrency
+    settled_at = steps.index(next(step for step in steps if step[0] == "settle"))
+    assert {pid for what, pid in steps[:settled_at] if what == "read back"} == set(sent)
+    assert _records(admin, store) == [(i, "h") for i in ids]
+
+
+async def _noop(event: Event, ctx: Any) -> None:
+    pass
+
+
+@pytest.mark.asyncio
+async def test_a_record_the_token_refuses_is_a_lost_lease_and_nothing_is_settled(
+    store: PostgresStore, admin: psycopg.Connection[Any]
+) -> None:
+    events = sql.Identifier(store.names.schema, store.names.events)
+    bus = EventBus()
+
+    @bus.handler("t", name="h", transactional=False)
+    async def taken_over(event: Event, ctx: Any) -> None:
+        if event.payload["n"] == 1:  # another poller takes the lease over meanwhile
+            admin.execute(
+                sql.SQL("UPDATE {} SET claim_token = gen_random_uuid() WHERE id = %s").format(
+                    events
+                ),
+                (event.id,),
+            )
+
+    ids = _enqueue(store, 3)
+    report = await Outbox(store, bus, load_entry_points=False).async_poller().run_once()
+    await store.async_store().close()
+    assert sorted(report.published) == [ids[0], ids[2]]
+    assert report.lease_lost == [ids[1]]
+    assert _records(admin, store) == [(ids[0], "h"), (ids[2], "h")]
+    (stolen,) = [e for e in store.events() if e.id == ids[1]]
+    assert stolen.published_at is None
+
+
+@pytest.mark.asyncio
+async def test_a_failed_record_ends_the_round_without_settling_and_recovers_by_the_lease(
+    store: PostgresStore, admin: psycopg.Connection[Any]
+) -> None:
+    clock = FrozenClock()
+    runs: list[int] = []
+    bus = EventBus()
+
+    @bus.handler("t", name="h", transactional=False)
+    async def handler(event: Event, ctx: Any) -> None:
+        runs.append(event.payload["n"])
+        if event.payload["n"] == 1:  # a record of h appears meanwhile: the pipelined
+            deliveries = sql.Identifier(store.names.schema, store.names.deliveries)
+            admin.execute(  # insert fails on the primary key
+                sql.SQL(
+                    "INSERT INTO {} (event_id, handler, outcome, attempt, recorded_at)"
+                    " VALUES (%s, 'h', 'succeeded', 1, now())"
+                ).format(deliveries),
+                (event.id,),
+            )
+
+    ids = _enqueue(store, 3)
+    poller = Outbox(store, bus, clock=clock, load_entry_points=False).async_poller(lease=30)
+    with pytest.raises(StoreError, match=f"event {ids[1]} already has a delivery record"):
+        await poller.run_once()
+    assert store.stats(now=clock.now()).published == 0  # nothing settled
+    clock.advance(timedelta(seconds=31))  # the leases run out
+    report = await poller.run_once()
+    await store.async_store().close()
+    assert sorted(report.published) == ids
+    assert runs == [0, 1, 2]  # each recorded once: none runs again
+    assert _records(admin, store) == [(i, "h") for i in ids]
+
+
+@pytest.mark.asyncio
+async def test_a_connection_lost_with_records_unanswered_settles_nothing(
+    store: PostgresStore, admin: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = FrozenClock()
+    sent = _pipelined(monkeypatch)
+    runs: list[int] = []
+    killed: list[int] = []
+    bus = EventBus()
+
+    @bus.handler("t", name="h", transactional=False)
+    async def handler(event: Event, ctx: Any) -> None:
+        n = event.payload["n"]
+        runs.append(n)
+        if n == 3 and not killed:  # the server ends the connections the records went to
+            killed.extend(sent)
+            for pid in killed:
+                admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+
+    ids = _enqueue(store, 5)
+    poller = Outbox(store, bus, clock=clock, load_entry_points=False).async_poller(lease=30)
+    with pytest.raises(StoreUnavailable):
+        await poller.run_once()
+    assert store.stats(now=clock.now()).published == 0  # nothing settled past the loss
+    recorded = {event_id for event_id, _ in _records(admin, store)}
+    first = list(runs)
+    assert first[:4] == [0, 1, 2, 3]
+    assert {ids[n] for n in first} >= recorded
+    clock.advance(timedelta(seconds=31))
+    report = await poller.run_once()
+    await store.async_store().close()
+    assert sorted(report.published) == ids
+    assert _records(admin, store) == [(i, "h") for i in ids]  # one record each
+    # Run again: exactly the events whose record had not committed before the loss.
+    assert runs[len(first) :] == [n for n, i in enumerate(ids) if i not in recorded]
+
+
+@pytest.mark.asyncio
+async def test_deliveries_that_open_read_the_pipelined_records_back_first(
+    store: PostgresStore, admin: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A transactional handler (its delivery opens) after pipelined records reads them back
+    first; a failing one rolls back, after which psycopg deallocates every prepared statement:
+    the next pipelined record prepares its statement again."""
+    sent = _pipelined(monkeypatch)
+    table = sql.Identifier(store.names.schema, "ledger")
+    admin.execute(sql.SQL("CREATE TABLE {} (n bigint)").format(table))
+    bus = EventBus()
+
+    @bus.handler("t", name="writes")
+    async def writes(event: Event, ctx: Any) -> None:
+        n = event.payload["n"]
+        if n % 3 == 1:
+            await ctx.connection.execute(sql.SQL("INSERT INTO {} VALUES (%s)").format(table), (n,))
+        if n % 3 == 2:
+            await ctx.connection.execute("SELECT 1")
+            raise RuntimeError("rolled back")
+
+    @bus.handler("t", name="notes", transactional=False)
+    async def notes(event: Event, ctx: Any) -> None:
+        pass
+
+    ids = _enqueue(store, 9)
+    report = await Outbox(store, bus, load_entry_points=False).async_poller().run_once()
+    await store.async_store().close()
+    assert sorted(report.published) == [ids[n] for n in range(9) if n % 3 != 2]
+    assert sorted(report.retried) == [ids[n] for n in range(9) if n % 3 == 2]
+    assert sorted(i for on in sent.values() for i in on) == ids  # every "notes" record
+    rows = admin.execute(sql.SQL("SELECT n FROM {} ORDER BY n").format(table)).fetchall()
+    assert [r[0] for r in rows] == [1, 4, 7]
+    expected = [
+        (i, h) for n, i in enumerate(ids) for h in ("notes", "writes") if n % 3 != 2 or h == "notes"
+    ]
+    assert _records(admin, store) == expected
