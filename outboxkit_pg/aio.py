@@ -433,10 +433,11 @@ class AsyncRound(AsyncDeliveriesBase):
     then); a record or a connection that failed ends the round: every later step raises it,
     and nothing more is settled (the events recover by their leases).
 
-    It holds at most ``size`` connections: a delivery (an extension, a settlement) takes an idle
-    one without records in flight, else a new one from the pool while the round holds fewer (the
-    records then commit on several connections at once: one WAL flush serves the commits that
-    wait for it together), else the one idle longest, else waits for one to come back. Nothing
+    It holds at most ``size`` connections: a delivery (an extension, a settlement) takes the one
+    idle longest, unless that one has records in flight and the round holds fewer (then a new
+    one from the pool: the records commit on several connections at once, and one WAL flush
+    serves the commits that wait for it together); with none idle, it waits for one to come
+    back. Nothing
     that waits holds a connection, so the waits always end. A connection left unusable (closed,
     still in a transaction, or failed) goes back to the pool at once, which discards it or rolls
     it back, and frees its place; the others go back when the round ends.
@@ -538,9 +539,9 @@ class AsyncRound(AsyncDeliveriesBase):
                 raise
 
     async def _take(self, doing: str) -> _Held:
-        """An idle connection of the round's without records in flight, else a new one from
-        the pool while the round holds fewer than ``size``, else the one idle longest, else
-        the next one given back.
+        """The connection of the round's idle longest, unless it has records in flight and the
+        round holds fewer than ``size`` (then a new one from the pool); else the next one
+        given back.
 
         Raises:
             StoreError: the round failed earlier (a record, or a connection with records).
@@ -549,14 +550,10 @@ class AsyncRound(AsyncDeliveriesBase):
         if self._lost is not None:
             raise self._lost
         idle = self._idle
-        for index, held in enumerate(idle):
-            if not held.pipelined:
-                del idle[index]
-                return held
-        # Every idle one has records in flight: while the round may, a new connection, so
-        # that the records commit on several at once (one WAL flush serves the commits that
-        # wait for it together); else the one idle longest.
-        if idle and self._held >= self._size:
+        # The one idle longest, unless it has records in flight and the round may take a new
+        # connection: then the records commit on several at once (one WAL flush serves the
+        # commits that wait for it together).
+        if idle and (self._held >= self._size or not idle[0].pipelined):
             return idle.popleft()
         if self._held >= self._size:
             waiter: asyncio.Future[_Held | None] = asyncio.get_running_loop().create_future()
