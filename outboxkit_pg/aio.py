@@ -437,10 +437,9 @@ class AsyncRound(AsyncDeliveriesBase):
     idle longest, unless that one has records in flight and the round holds fewer (then a new
     one from the pool: the records commit on several connections at once, and one WAL flush
     serves the commits that wait for it together); with none idle, it waits for one to come
-    back. Nothing
-    that waits holds a connection, so the waits always end. A connection left unusable (closed,
-    still in a transaction, or failed) goes back to the pool at once, which discards it or rolls
-    it back, and frees its place; the others go back when the round ends.
+    back. Nothing that waits holds a connection, so the waits always end. A connection left
+    unusable (closed, still in a transaction, or failed) goes back to the pool at once, which
+    discards it or rolls it back, and frees its place; the others go back when the round ends.
     """
 
     def __init__(
@@ -612,12 +611,12 @@ class AsyncRound(AsyncDeliveriesBase):
         """Hand an unusable connection back to the pool, and free its place. One with records
         unread is closed first (it can neither be read back nor reused), and ends the round."""
         conn = held.conn
+        if held.pipeline is not None and held.pipeline.pending and self._lost is None:
+            self._lost = StoreUnavailable(
+                f"PostgreSQL at {held.where}: the connection was lost with delivery records "
+                "unanswered; their events recover by their leases"
+            )
         if held.pipelined and not conn.closed:
-            if held.pipeline is not None and held.pipeline.pending and self._lost is None:
-                self._lost = StoreUnavailable(
-                    f"PostgreSQL at {held.where}: the connection was lost with delivery "
-                    "records unanswered; their events recover by their leases"
-                )
             await conn.close()
         await self._give_back(held, usable=False)
         self._hand_on(None)
