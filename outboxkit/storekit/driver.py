@@ -4,7 +4,10 @@
 keeps at most ``size`` idle ones, and closes a connection handed back ``broken`` (or one whose
 ``reset`` fails) instead of keeping it: a connection that failed, or whose transaction is in
 doubt, never serves anyone else. ``reset(conn)`` runs before a connection is kept (R18: a
-handler's session settings end with its delivery); it returns whether it could.
+handler's session settings end with its delivery); it returns whether it could. A pool not
+closed by the time the interpreter exits closes its idle connections then (``atexit``): a
+driver that does not say goodbye when a connection is collected (PyMySQL) would otherwise
+leave the server logging every one as aborted, at each poller's restart.
 
 ``MappedErrors(errors, mapper, doing)`` is a block whose driver errors become outboxkit's
 (what a ``Dialect.mapped`` returns): a plain class, as a hot path enters several per event.
@@ -12,9 +15,11 @@ handler's session settings end with its delivery); it returns whether it could.
 
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from ..errors import StoreError
 
@@ -51,6 +56,8 @@ class ConnectionPool(Generic[C]):
         self.idle: list[C] = []
         self.lock = threading.Lock()
         self.closed = False
+        self._at_exit = _closing_at_exit(weakref.ref(self))
+        atexit.register(self._at_exit)
 
     def take(self) -> C:
         """An idle connection, or a new one.
@@ -80,8 +87,21 @@ class ConnectionPool(Generic[C]):
         with self.lock:
             self.closed = True
             idle, self.idle = self.idle, []
+        atexit.unregister(self._at_exit)
         for conn in idle:
             self.close_one(conn)
+
+
+def _closing_at_exit(pool: weakref.ref[ConnectionPool[Any]]) -> Callable[[], None]:
+    """What closes ``pool`` at the interpreter's exit, if it is still there (a weak reference:
+    the hook does not keep a forgotten pool alive)."""
+
+    def close() -> None:
+        found = pool()
+        if found is not None:
+            found.close()
+
+    return close
 
 
 class MappedErrors:

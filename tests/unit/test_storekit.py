@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import re
+import subprocess
 import sys
 from collections.abc import Iterator
 from dataclasses import fields, replace
@@ -385,3 +386,43 @@ def test_the_old_helpers_still_do_what_they_did() -> None:
     assert store.stats(now=START).published == 1
     assert [r.handler for r in store.records(claim.event.id)] == ["h"]
     store.close()
+
+
+_POOL_AT_EXIT = """
+import sys
+from outboxkit.storekit.driver import ConnectionPool
+
+made = []
+pool = ConnectionPool(
+    lambda: made.append(len(made)) or len(made),
+    2,
+    reset=lambda conn: True,
+    close=lambda conn: print("closed", conn, flush=True),
+    what="the pool",
+)
+first = pool.take()
+pool.give(first)  # idle, kept
+if sys.argv[1] == "close":
+    pool.close()
+    print("closed by hand", flush=True)
+print("exiting", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["forgotten", "close"])
+def test_a_pool_not_closed_closes_its_idle_connections_at_exit_and_once(how: str) -> None:
+    """A driver that does not say goodbye when a connection is collected leaves the server
+    logging it as aborted: the pool closes what it keeps idle when the interpreter exits,
+    unless it was closed already (then nothing is closed twice)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _POOL_AT_EXIT, how],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    lines = done.stdout.splitlines()
+    if how == "close":
+        assert lines == ["closed 1", "closed by hand", "exiting"]
+    else:
+        assert lines == ["exiting", "closed 1"]
