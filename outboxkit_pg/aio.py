@@ -22,10 +22,10 @@ import asyncio
 import logging
 import weakref
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
 from psycopg.pq import PipelineStatus
@@ -50,6 +50,8 @@ if TYPE_CHECKING:
 __all__ = ["AsyncBatch", "AsyncDelivery", "AsyncPostgresStore", "AsyncRound"]
 
 log = logging.getLogger("outboxkit")
+
+_T = TypeVar("_T")
 
 
 class AsyncPostgresStore(AsyncSQLStore):
@@ -219,11 +221,9 @@ class AsyncPostgresStore(AsyncSQLStore):
     async def rounds(self, *, concurrency: int = 1) -> AsyncIterator[AsyncRound]:
         """The deliveries of one per-event round (``PostgresStore.rounds`` for async code):
         each delivery a transaction of its own, as ``delivery``'s, on a connection the round
-        holds from one delivery to the next (``AsyncRound``): at most ``concurrency`` of them,
-        and never more than ``pool_max_size - 2`` (two stay free for the claims and the
-        settlements)."""
-        size = max(1, min(concurrency, self.dialect.pool.max_size - 2))
-        round_ = AsyncRound(self, size, self._connection)
+        holds from one delivery to the next (``AsyncRound``): as many as the blocking round
+        (``PostgresStore.round_connections``)."""
+        round_ = AsyncRound(self, self.store.round_connections(concurrency), self._connection)
         try:
             yield round_
         except BaseException:
@@ -391,10 +391,10 @@ class _Held:
         Raises:
             StoreError: a record failed, or the connection did (the round ends).
         """
+        if self.failed is not None:
+            raise self.failed
         pipeline = self.pipeline
-        if pipeline is None or self.failed is not None:
-            if self.failed is not None:
-                raise self.failed
+        if pipeline is None:
             return
         try:
             while pipeline.pending:
@@ -472,14 +472,10 @@ class AsyncRound(AsyncDeliveriesBase):
     ) -> list[Claim]:
         if not claims:
             return []
-        doing = f"extend {len(claims)} lease(s)"
-        held = await self._take(doing)
-        try:
-            await held.drain()
-            with self._side.dialect.mapped(doing, held.conn):
-                return await self._side.extend_on(held.conn, claims, lease, now)
-        finally:
-            await self._done_with(held)
+        side = self._side
+        return await self._on_one(
+            f"extend {len(claims)} lease(s)", lambda conn: side.extend_on(conn, claims, lease, now)
+        )
 
     async def settle_many(self, items: Sequence[SettleItem], *, now: datetime | None) -> list[bool]:
         """``AsyncPostgresStore.settle_many`` after every record the round pipelined is read
@@ -487,12 +483,18 @@ class AsyncRound(AsyncDeliveriesBase):
         await self._drain_idle()
         if not items:
             return []
-        doing = f"settle {len(items)} event(s)"
+        side = self._side
+        return await self._on_one(
+            f"settle {len(items)} event(s)", lambda conn: side.settle_many_on(conn, items, now)
+        )
+
+    async def _on_one(self, doing: str, work: Callable[[AsyncConnection], Awaitable[_T]]) -> _T:
+        """``work`` on one of the round's connections, its records read back first."""
         held = await self._take(doing)
         try:
             await held.drain()
             with self._side.dialect.mapped(doing, held.conn):
-                return await self._side.settle_many_on(held.conn, items, now)
+                return await work(held.conn)
         finally:
             await self._done_with(held)
 
@@ -701,8 +703,8 @@ async def delivering(
         if batch is not None and not flow.is_open:
             batch.keep(claim, flow.records[0])  # written, fenced, with the batch's settlement
         elif held is None or flow.is_open or not held.send(side, claim, flow.records[0]):
-            if held is not None:
-                await held.drain()
+            # (On a round's connection: an open delivery read the records back as it opened;
+            # one that cannot pipeline has none.)
             flow.closed(await close(flow, conn))
     except BaseException as exc:
         error = flow.error_for(exc)

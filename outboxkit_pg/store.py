@@ -480,6 +480,18 @@ class PostgresStore(SQLStore):
         otherwise, and before the round's settlement. The round holds at most
         ``pool_max_size - 2`` connections (two stay free for the claims, a prefetched one
         included): a higher ``concurrency`` is held to that, said once in the log."""
+        round_ = Round(self, self.round_connections(concurrency))
+        try:
+            yield round_
+        except BaseException:
+            round_.close(failed=True)
+            raise
+        round_.close()
+
+    def round_connections(self, concurrency: int) -> int:
+        """How many connections a per-event round holds at most, on either side: up to
+        ``concurrency``, and ``pool_max_size - 2`` at most (two stay free for the claims, a
+        prefetched one included); a ``concurrency`` held to less is said once in the log."""
         max_size = self.dialect.pool.max_size
         lines = max(1, min(concurrency, max_size - 2))
         if lines < concurrency and not self._capped:
@@ -492,13 +504,7 @@ class PostgresStore(SQLStore):
                 lines,
                 max_size,
             )
-        round_ = Round(self, lines)
-        try:
-            yield round_
-        except BaseException:
-            round_.close(failed=True)
-            raise
-        round_.close()
+        return lines
 
     def deliveries(self, *, concurrency: int = 1) -> AbstractContextManager[Round]:
         """Deprecated: ``rounds`` (the name every store has now)."""

@@ -30,6 +30,7 @@ from outboxkit_pg.pipeline import RecordPipeline
 from outboxkit_pg.pool import AsyncPool
 
 from .conftest import migrated_store
+from .test_async_poller import two_handlers
 from .test_rounds_pg import _enqueue, _records
 
 pytestmark = pytest.mark.pg
@@ -46,23 +47,6 @@ def _takes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     monkeypatch.setattr(AsyncPool, "connection", connection)
     return taken
-
-
-def _bus(ledger: sql.Identifier) -> EventBus:
-    """A transactional handler writing a row through ``ctx.connection``, and one that never
-    takes the connection (its record is one fenced statement)."""
-    bus = EventBus()
-    insert = sql.SQL("INSERT INTO {} (event_id) VALUES (%s)").format(ledger)
-
-    @bus.handler("t", name="ledger")
-    async def write(event: Event, ctx: Any) -> None:
-        await ctx.connection.execute(insert, (event.id,))
-
-    @bus.handler("t", name="noop", transactional=False)
-    async def noop(event: Event, ctx: Any) -> None:
-        pass
-
-    return bus
 
 
 @pytest.fixture
@@ -91,7 +75,7 @@ def _check_once(
     assert [r[0] for r in rows] == ids
     for event_id in ids:
         recorded = sorted(r.handler for r in store.records(event_id))
-        assert recorded == (handlers or ["ledger", "noop"])
+        assert recorded == (handlers or ["ledger", "mailer"])
     stats = store.stats(now=None)
     assert (stats.published, stats.pending, stats.claimed) == (len(ids), 0, 0)
 
@@ -114,8 +98,8 @@ async def test_a_round_takes_its_connections_from_the_pool_once(
     concurrency: int,
     held: int,
 ) -> None:
-    ids = _enqueue(store, 30)
-    outbox = Outbox(store, _bus(ledger), load_entry_points=False)
+    ids = _enqueue(store, 30, topic="order")
+    outbox = Outbox(store, two_handlers(ledger, []), load_entry_points=False)
     side = store.async_store()
     async with side.transaction():
         pass  # the pool opened, the schema checked
@@ -140,9 +124,9 @@ async def test_with_one_connection_in_the_pool_the_deliveries_take_turns(
     and its settlement wait for that one, never for the pool (which would time out)."""
     clock = FrozenClock()
     extended: list[int] = []
-    bus = _bus(ledger)
+    bus = two_handlers(ledger, [])
 
-    @bus.handler("t", name="slow", transactional=False)
+    @bus.handler("order", name="slow", transactional=False)
     async def slow(event: Event, ctx: Any) -> None:
         clock.advance(20)  # past half the lease: the next handler's start extends it
 
@@ -152,7 +136,7 @@ async def test_with_one_connection_in_the_pool_the_deliveries_take_turns(
         extended.append(len(claims))
         return await original(self, claims, **kwargs)
 
-    ids = _enqueue(store, 12)
+    ids = _enqueue(store, 12, topic="order")
     outbox = Outbox(store, bus, clock=clock, load_entry_points=False)
     poller = outbox.async_poller(concurrency=4, batch_size=12, lease=30)
     with pytest.MonkeyPatch.context() as patch:
@@ -161,7 +145,7 @@ async def test_with_one_connection_in_the_pool_the_deliveries_take_turns(
     await store.async_store().close()
     assert sorted(report.published) == ids
     assert extended  # the extensions ran on the round (its one connection)
-    _check_once(store, admin, ledger, ids, handlers=["ledger", "noop", "slow"])
+    _check_once(store, admin, ledger, ids, handlers=["ledger", "mailer", "slow"])
 
 
 @pytest.mark.parametrize("store", [{"pool_max_size": 3}], indirect=True)
