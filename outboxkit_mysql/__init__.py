@@ -1,6 +1,6 @@
 """The MariaDB/MySQL store for outboxkit (``mysql://user:pass@host:3306/db``), on PyMySQL.
 
-Built only on the public store seam, ``outboxkit.storekit``. See ``MySQLStore``, imported on
+Built only on the public store seam, ``outboxkit.storekit``. ``MySQLStore`` is imported on
 first use: the entry point (``plugin``) loads this package in every process, with or without
 PyMySQL installed.
 """
@@ -17,7 +17,7 @@ __all__ = ["MySQLStore"]
 
 def __getattr__(name: str) -> Any:
     if name == "MySQLStore":
-        from .store import MySQLStore
+        from .plugin import MYSQL_STORE
 
-        return MySQLStore
+        return MYSQL_STORE.load()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,29 +19,24 @@ import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 from datetime import datetime
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import pymysql
 
 from outboxkit.storekit import (
     Claim,
-    HandlerCrashed,
     LeaseLostError,
     NewEvent,
-    Outcome,
-    Reject,
-    StoreError,
 )
-from outboxkit.storekit.rows import record_params
+from outboxkit.storekit.driver import InBatch, LazyDelivery, PooledDelivery
 from outboxkit.storekit.sql import SQLBatch
 
-from .dialect import SESSION, UNAVAILABLE, StoreConnection, code_of, map_error, restored, run_script
+from .dialect import SESSION, StoreConnection, restored, run_script
 
 if TYPE_CHECKING:
     from .store import MySQLStore
 
-__all__ = ["Batch", "Delivery", "batch_on", "xa_end"]
+__all__ = ["Batch", "Delivery", "batch_on", "delivery_of", "xa_end"]
 
 _SAVEPOINT = "SAVEPOINT outboxkit_delivery"
 _ROLLBACK_TO = "ROLLBACK TO SAVEPOINT outboxkit_delivery"
@@ -66,9 +61,12 @@ def xa_end(conn: StoreConnection, xid: str, *, commit: bool, before: Sequence[An
                 raise
 
 
-class Delivery:
+class Delivery(LazyDelivery):
     """One delivery (``DeliveryTransaction``): an XA transaction of its own on a store
-    connection, or (``xid`` None) a savepoint of the batch open on it; opened lazily."""
+    connection, or (``xid`` None) a savepoint of the batch open on it; opened lazily
+    (``LazyDelivery``). ``connection`` is the store's PyMySQL connection."""
+
+    conn: StoreConnection
 
     def __init__(
         self,
@@ -79,26 +77,10 @@ class Delivery:
         xid: str | None,
         batch: Batch | None = None,
     ) -> None:
+        super().__init__(store.dialect, conn, claim, store.dialect.instant(now))
         self.store = store
         self.batch = batch
-        self.conn = conn
-        self.claim = claim
-        self.now = store.dialect.instant(now)
         self.xid = xid
-        self.opened = False
-        self.kept: list[dict[str, Any]] = []
-
-    @property
-    def connection(self) -> StoreConnection:
-        """The store's PyMySQL connection inside the delivery transaction (``ctx.connection``),
-        opened now if it is not yet.
-
-        Raises:
-            LeaseLostError: the token is stale (nothing is opened).
-        """
-        if not self.opened:
-            self.open()
-        return self.conn
 
     def open(self) -> None:
         """Open the transaction (or the savepoint) and check the token, locking the row."""
@@ -125,23 +107,6 @@ class Delivery:
         self.check_kept()
         return self.store.insert(self.connection, events, self.now)
 
-    def record(self, handler: str, outcome: Outcome, *, reason: str | None = None) -> None:
-        """The delivery record of ``handler``: written as the delivery commits."""
-        self.kept.append(record_params(self.claim, handler, outcome, reason, self.now))
-
-    def check_kept(self) -> None:
-        """R17: the handler did not try to end its delivery transaction.
-
-        Raises:
-            HandlerCrashed: it tried to (the server refused it).
-        """
-        if self.conn.ended_by_handler:
-            raise HandlerCrashed(
-                f"event {self.claim.event.id}: a handler tried to commit, roll back or close "
-                "its delivery transaction (refused: outboxkit commits it with the delivery "
-                "record); nothing of this delivery was committed and it runs again"
-            )
-
     def finish(self) -> None:
         """The normal end: the records and the commit (or the savepoint's release)."""
         self.conn.delivering = False
@@ -166,122 +131,25 @@ class Delivery:
         else:
             run_script(self.conn, [(_ROLLBACK_TO, None)])
 
-    def failure(self, exc: BaseException) -> BaseException | None:
-        """What the delivery raises instead of ``exc``, its block's exception: the database's
-        failure under the handler (a deadlock, a lost connection) is the store's, never the
-        handler's; an attempt to end the transaction is ``HandlerCrashed``. None: ``exc``."""
-        seen: BaseException | None = exc
-        while seen is not None:
-            if isinstance(seen, StoreError):
-                return None
-            if code_of(seen) in UNAVAILABLE:
-                return map_error(
-                    seen,
-                    self.store.dialect.where,
-                    f"deliver event {self.claim.event.id} (the database failed under a handler)",
-                )
-            seen = seen.__cause__ or seen.__context__
-        if self.conn.ended_by_handler and not isinstance(exc, HandlerCrashed | Reject):
-            return HandlerCrashed(
-                f"event {self.claim.event.id}: a handler may not commit or roll back its "
-                f"delivery transaction; its writes were rolled back: {exc}"
-            )
-        return None
-
-
-class EventDelivery:
-    """``MySQLStore.delivery``: a store connection for the block, and on it a ``Delivery`` in
-    an XA transaction of its own. A class (one is made per delivery)."""
-
-    def __init__(self, store: MySQLStore, claim: Claim, now: datetime | None) -> None:
-        self.store = store
-        self.claim = claim
-        self.now = now
-
-    def __enter__(self) -> Delivery:
-        dialect = self.store.dialect
-        with dialect.mapped(f"deliver event {self.claim.event.id}"):
-            conn = dialect.pool.take()
-        self.tx = Delivery(self.store, conn, self.claim, self.now, f"okx{uuid.uuid4().hex}")
-        return self.tx
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        tx, pool = self.tx, self.store.dialect.pool
-        broken = True
-        try:
-            if exc is None and not tx.opened and len(tx.kept) == 1:
-                self.fenced(tx.kept[0])
-            else:
-                _end(tx, exc)
-            broken = False
-        finally:
-            pool.give(tx.conn, broken=broken)
-
     def fenced(self, params: dict[str, Any]) -> None:
         """The one record of a delivery never opened, fenced by the token, autocommitted."""
         dialect, claim = self.store.dialect, self.claim
         with dialect.mapped(f"record a delivery of event {claim.event.id}"):
             written, _ = dialect.execute(
-                restored(self.tx.conn), "insert_record_fenced", {**params, "token": claim.token}
+                restored(self.conn), "insert_record_fenced", {**params, "token": claim.token}
             )
         if written != 1:
             raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
 
 
-def _end(tx: Delivery, exc: BaseException | None) -> None:
-    """End an opened (or to-be-opened) delivery: commit on a normal exit, else roll back and
-    raise what ``Delivery.failure`` says."""
-    if exc is None:
-        if not tx.opened:
-            tx.open()
-        try:
-            tx.finish()
-            return
-        except BaseException as failed:
-            exc = failed
-            _undo_quietly(tx)
-            raise
-    if tx.opened:
-        _undo_quietly(tx)
-    instead = tx.failure(exc) if isinstance(exc, Exception) else None
-    if instead is not None:
-        raise instead from exc
-
-
-def _undo_quietly(tx: Delivery) -> None:
-    try:
-        tx.undo()
-    except pymysql.err.MySQLError:
-        tx.conn.ended_by_handler = True  # the pool closes it rather than keep it
-
-
-class BatchDelivery:
-    """``Batch.delivery``: a savepoint of the batch, opened lazily; a delivery never opened
-    keeps its one record for the batch's ``write_kept``."""
-
-    def __init__(self, batch: Batch, claim: Claim, now: datetime | None) -> None:
-        self.batch = batch
-        self.tx = Delivery(batch.store, batch.conn, claim, now, None, batch)
-
-    def __enter__(self) -> Delivery:
-        return self.tx
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        tx = self.tx
-        if exc is None and not tx.opened and len(tx.kept) == 1:
-            self.batch.keep(tx.claim, tx.kept[0])
-            return
-        _end(tx, exc)
+def delivery_of(store: MySQLStore, claim: Claim, now: datetime | None) -> PooledDelivery[Delivery]:
+    """``MySQLStore.delivery``: a store connection for the block, and on it a ``Delivery`` in
+    an XA transaction of its own."""
+    return PooledDelivery(
+        store.dialect,
+        lambda conn: Delivery(store, conn, claim, now, f"okx{uuid.uuid4().hex}"),
+        f"deliver event {claim.event.id}",
+    )
 
 
 class Batch(SQLBatch):
@@ -291,8 +159,8 @@ class Batch(SQLBatch):
     store: MySQLStore
     conn: StoreConnection
 
-    def delivery(self, claim: Claim, *, now: datetime | None) -> BatchDelivery:
-        return BatchDelivery(self, claim, now)
+    def delivery(self, claim: Claim, *, now: datetime | None) -> InBatch[Delivery]:
+        return InBatch(self, Delivery(self.store, self.conn, claim, now, None, self))
 
 
 @contextmanager

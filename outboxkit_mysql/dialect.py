@@ -12,30 +12,31 @@ error table, its values, and the statements of ``queries.sql`` with the store's 
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager, suppress
-from datetime import UTC, datetime, timedelta
+from collections.abc import Mapping, Sequence
+from contextlib import suppress
+from datetime import timedelta
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
 import pymysql
 from pymysql.constants import CLIENT
 
 from outboxkit.storekit import (
-    ConfigurationError,
     SchemaError,
     StoreError,
     StoreUnavailable,
     migrate_hint,
 )
-from outboxkit.storekit.driver import ConnectionPool, MappedErrors
-from outboxkit.storekit.names import validate_identifier
+from outboxkit.storekit.driver import (
+    ConnectionPool,
+    GuardedConnection,
+    PooledDialect,
+    parse_server_url,
+)
 from outboxkit.storekit.queries import load_queries, run_steps, split_steps
 from outboxkit.storekit.rows import EVENT_COLUMNS
-from outboxkit.storekit.sql import Dialect, Row
+from outboxkit.storekit.sql import JSONRows, NaiveUTC, Row
 
-__all__ = ["SESSION", "MySQLDialect", "StoreConnection", "map_error", "parse_url", "run_script"]
+__all__ = ["SESSION", "MySQLDialect", "StoreConnection", "map_error", "restored", "run_script"]
 
 SESSION = (
     "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED;"
@@ -83,42 +84,15 @@ def map_error(exc: BaseException, where: str, doing: str) -> StoreError:
     return StoreError(message)
 
 
-class StoreConnection(pymysql.connections.Connection):
-    """A PyMySQL connection of the store's. While it serves a delivery (``delivering``) its
-    ``commit``, ``rollback``, ``begin`` and ``close`` are refused, and so is any statement the
-    server refuses inside the delivery's XA transaction (``COMMIT``, ``ROLLBACK``, ``BEGIN``,
-    DDL: error 1399): ``ended_by_handler`` notes the attempt (R17), whatever the handler makes
-    of the refusal. ``dirty``: a handler had it, so the session is set again (R18)."""
+class StoreConnection(GuardedConnection, pymysql.connections.Connection):
+    """A PyMySQL connection of the store's (``GuardedConnection``): the server's own refusal of
+    a statement that would end the delivery's XA transaction (``COMMIT``, ``ROLLBACK``,
+    ``BEGIN``, DDL: error 1399) is noted as an attempt to end it too (R17)."""
 
-    delivering = False
-    ended_by_handler = False
-    dirty = False
-
-    def _refuse(self, what: str) -> None:
-        self.ended_by_handler = True
-        raise pymysql.err.OperationalError(
-            XA_REFUSED, f"outboxkit: a handler may not {what} its delivery transaction"
-        )
-
-    def commit(self) -> None:
-        if self.delivering:
-            self._refuse("commit")
-        super().commit()
-
-    def rollback(self) -> None:
-        if self.delivering:
-            self._refuse("roll back")
-        super().rollback()
-
-    def begin(self) -> None:
-        if self.delivering:
-            self._refuse("begin another transaction instead of")
-        super().begin()
-
-    def close(self) -> None:
-        if self.delivering:
-            self._refuse("close the connection of")
-        super().close()
+    def refusal(self, what: str) -> BaseException:
+        message = f"outboxkit: a handler may not {what} its delivery transaction"
+        refused: BaseException = pymysql.err.OperationalError(XA_REFUSED, message)
+        return refused
 
     def query(self, sql: Any, unbuffered: bool = False) -> int:
         try:
@@ -128,31 +102,6 @@ class StoreConnection(pymysql.connections.Connection):
                 self.ended_by_handler = True
             raise
         return result
-
-
-def parse_url(url: str) -> dict[str, Any]:
-    """PyMySQL's connection arguments from ``mysql://user:pass@host:port/database``.
-
-    Raises:
-        ConfigurationError: not a mysql/mariadb URL, or no database named (the URL is shown
-            without its password).
-    """
-    parts = urlsplit(url) if isinstance(url, str) else None
-    if parts is None or parts.scheme.lower() not in ("mysql", "mariadb"):
-        raise ConfigurationError(f"a MySQL store URL starts with 'mysql://', got {url!r:.80}")
-    database = unquote(parts.path.lstrip("/"))
-    shown = f"{parts.scheme}://{parts.hostname or ''}:{parts.port or 3306}/{database}"
-    if not database or "/" in database:
-        raise ConfigurationError(
-            f"a MySQL store URL names its database: mysql://user:pass@host:3306/db, got {shown}"
-        )
-    return {
-        "host": parts.hostname or "127.0.0.1",
-        "port": parts.port or 3306,
-        "user": unquote(parts.username) if parts.username else "root",
-        "password": unquote(parts.password) if parts.password else "",
-        "database": validate_identifier(database, "the URL's database"),
-    }
 
 
 def run_script(conn: Any, statements: Sequence[tuple[str, Mapping[str, Any] | None]]) -> int:
@@ -169,7 +118,7 @@ def run_script(conn: Any, statements: Sequence[tuple[str, Mapping[str, Any] | No
     return count
 
 
-class MySQLDialect(Dialect):
+class MySQLDialect(NaiveUTC, JSONRows, PooledDialect):
     """The MariaDB/MySQL store's dialect (see the module docstring).
 
     Args:
@@ -183,14 +132,17 @@ class MySQLDialect(Dialect):
     """
 
     name = "mysql"
+    driver_error = pymysql.err.Error
+    pool: ConnectionPool[StoreConnection]
 
     def __init__(self, url: str, tables: Sequence[str], *, pool_size: int) -> None:
-        self.connect = parse_url(url)
-        db = self.connect["database"]
-        self.where = f"MySQL {self.connect['host']}:{self.connect['port']}/{db}"
-        self.url = (
-            f"mysql://{self.connect['user']}@{self.connect['host']}:{self.connect['port']}/{db}"
+        server = parse_server_url(
+            url, schemes=("mysql", "mariadb"), port=3306, user="root", store="MySQL"
         )
+        self.connect = server.connect_args()
+        db = server.database
+        self.where = f"MySQL {server.host}:{server.port}/{db}"
+        self.url = f"mysql://{server.user}@{server.host}:{server.port}/{db}"
         self.tables = tuple(tables)
         names = dict(zip(("events", "deliveries", "keys", "schema"), self.tables, strict=True))
         slots = {k: f"`{db}`.`{v}`" for k, v in names.items()}
@@ -199,18 +151,20 @@ class MySQLDialect(Dialect):
             name: split_steps(text.replace("{now}", _NOW).format(**slots))
             for name, text in load_queries("outboxkit_mysql").items()
         }
-        self.pool: ConnectionPool[StoreConnection] = ConnectionPool(
+        self.pool = ConnectionPool(
             self.new_connection, pool_size, reset=_reset, close=_close, what="the MySQL store"
         )
 
     # -- statements ---------------------------------------------------------------------------
 
-    def mapped(self, doing: str, conn: Any = None) -> MappedErrors:
-        return MappedErrors(pymysql.err.Error, self.map_error, doing)
-
     def map_error(self, exc: BaseException, doing: str) -> StoreError:
-        """``map_error`` naming this database."""
         return map_error(exc, self.where, doing)
+
+    def outage(self, exc: BaseException) -> bool:
+        return code_of(exc) in UNAVAILABLE
+
+    def checkout(self, conn: StoreConnection) -> StoreConnection:
+        return restored(conn)
 
     def new_connection(self) -> StoreConnection:
         """A new connection of the store's (the pool's ``connect``)."""
@@ -244,67 +198,6 @@ class MySQLDialect(Dialect):
             cur.execute(sql, params)
             return cur.rowcount, cur.lastrowid
 
-    # -- values ---------------------------------------------------------------------------------
-
-    def instant(self, at: datetime | None) -> datetime | None:
-        if at is None:
-            return None
-        if at.tzinfo is None or at.utcoffset() is None:
-            raise ConfigurationError(f"instants must be timezone-aware, got {at!r}")
-        return at.astimezone(UTC).replace(tzinfo=None)
-
-    def stored_instant(self, raw: Any) -> datetime:
-        instant: datetime = raw.replace(tzinfo=UTC)
-        return instant
-
-    def duration(self, delta: timedelta) -> int:
-        return delta // _MICROSECOND
-
-    def array(self, values: Sequence[Any]) -> tuple[Any, ...]:
-        return tuple(values)
-
-    def done(self, raw: Any) -> list[Sequence[str]]:
-        pairs: list[Sequence[str]] = json.loads(raw) if raw else []
-        return pairs
-
-    def settle_params(self, rows: Sequence[tuple[Any, ...]]) -> dict[str, Any]:
-        return {"items": json.dumps(rows)}
-
-    def records_params(self, rows: Sequence[tuple[Any, ...]]) -> dict[str, Any]:
-        return {"items": json.dumps(rows, default=_json_instant)}
-
-    # -- transactions ---------------------------------------------------------------------------
-
-    @contextmanager
-    def connection(self, doing: str) -> Iterator[StoreConnection]:
-        """One of the store's connections for the block, its errors mapped; one that failed
-        is closed rather than kept."""
-        conn: StoreConnection | None = None
-        try:
-            with self.mapped(doing):
-                conn = restored(self.pool.take())
-                yield conn
-        except BaseException:
-            if conn is not None:
-                self.pool.give(conn, broken=True)
-            raise
-        self.pool.give(conn)
-
-    @contextmanager
-    def write(self, doing: str) -> Iterator[StoreConnection]:
-        """A short transaction: BEGIN ... COMMIT on a store connection."""
-        with self.connection(doing) as conn:
-            conn.begin()
-            yield conn
-            conn.commit()
-
-    def read(self, doing: str) -> Any:
-        """A store connection (READ COMMITTED, autocommit: each statement its own snapshot)."""
-        return self.connection(doing)
-
-    def close(self) -> None:
-        self.pool.close()
-
 
 def _reset(conn: StoreConnection) -> bool:
     """Keep a connection unless a handler tried to end its delivery. One a handler had stays
@@ -325,9 +218,3 @@ def _close(conn: StoreConnection) -> None:
     conn.delivering = False
     with suppress(pymysql.err.Error):  # already gone
         conn.close()
-
-
-def _json_instant(value: Any) -> str:
-    if isinstance(value, datetime):
-        return value.isoformat(sep=" ")
-    raise TypeError(f"not JSON: {type(value).__name__}")

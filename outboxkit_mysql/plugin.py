@@ -4,35 +4,24 @@ and a missing one is reported as ``MissingDependency`` ("install outboxkit[mysql
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from outboxkit.storekit import RegisterStore, hookimpl
+from outboxkit.storekit.plugin import StoreClass
 
-from outboxkit.storekit import MissingDependency, RegisterStore, hookimpl
+__all__ = ["MYSQL_STORE"]
 
-if TYPE_CHECKING:
-    from .store import MySQLStore
-
-__all__ = ["open_mysql_store"]
-
-
-def open_mysql_store(url: str, **options: Any) -> MySQLStore:
-    """``open_store("mysql://user:pass@host:3306/db", **options)``: see ``MySQLStore.from_url``.
-
-    Raises:
-        MissingDependency: PyMySQL is not installed.
-        ConfigurationError: a bad URL or option.
-    """
-    try:
-        from .store import MySQLStore
-    except ImportError as exc:
-        if (exc.name or "").split(".")[0] != "pymysql":
-            raise
-        raise MissingDependency(
-            "the MySQL store needs PyMySQL (pymysql is missing): install outboxkit[mysql]"
-        ) from exc
-    return MySQLStore.from_url(url, **options)
+MYSQL_STORE = StoreClass(
+    "outboxkit_mysql.store",
+    "MySQLStore",
+    drivers=("pymysql",),
+    needs="PyMySQL",
+    extra="mysql",
+    what="the MySQL store",
+)
+"""``MySQLStore``, imported on first use: ``open_store("mysql://user:pass@host:3306/db")``
+opens it (see ``MySQLStore.from_url``)."""
 
 
 @hookimpl
 def outboxkit_register_stores(register: RegisterStore) -> None:
     """Register ``mysql://`` and ``mariadb://``."""
-    register("mysql", open_mysql_store, schemes=("mysql", "mariadb"))
+    register("mysql", MYSQL_STORE.open, schemes=("mysql", "mariadb"))

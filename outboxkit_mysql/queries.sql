@@ -5,11 +5,13 @@
 -- No UPDATE ... RETURNING: a block of steps (each ending with ';' at a line's end) is run by
 -- run_steps: a step's rows, picked and locked FOR UPDATE, are %(picked)s for the steps after.
 
--- name: create_tables
+-- name: create_versions
 CREATE TABLE IF NOT EXISTS {schema} (
     version INT NOT NULL PRIMARY KEY,
     applied_at DATETIME(6) NOT NULL
-) ENGINE=InnoDB;
+) ENGINE=InnoDB
+
+-- name: migration_1
 -- R15: one row per ordering key (upsert_key).
 CREATE TABLE IF NOT EXISTS {keys} (
     `key` VARCHAR(255) NOT NULL PRIMARY KEY,

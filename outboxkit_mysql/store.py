@@ -31,8 +31,8 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
-from datetime import UTC, datetime, timedelta
+from contextlib import AbstractContextManager
+from datetime import datetime
 from typing import Any
 
 import pymysql
@@ -42,9 +42,7 @@ from outboxkit.storekit import (
     Capabilities,
     Claim,
     ConfigurationError,
-    Migration,
     NewEvent,
-    SchemaError,
     StoreError,
 )
 from outboxkit.storekit.names import (
@@ -56,13 +54,12 @@ from outboxkit.storekit.names import (
 from outboxkit.storekit.rows import encode_headers
 from outboxkit.storekit.sql import SQLStore
 
-from .delivery import Batch, Delivery, EventDelivery, batch_on
+from .delivery import Batch, Delivery, batch_on, delivery_of
 from .dialect import MySQLDialect, StoreConnection, map_error
 
 __all__ = ["SCHEMA_VERSION", "MySQLStore"]
 
 SCHEMA_VERSION = 1
-_MICROSECOND = timedelta(microseconds=1)
 _PARAMETER = re.compile(r"%\((\w+)\)s")
 _OPTIONS = frozenset(
     {"table_prefix", "events_table", "deliveries_table", "schema_table", "keys_table", "pool_size"}
@@ -76,7 +73,10 @@ class MySQLStore(SQLStore):
         url: ``mysql://user:password@host:port/database`` (``mariadb://`` too).
         table_prefix: prefix of the four table names (``outbox_events``, ``outbox_deliveries``,
             ``outbox_keys``, ``outbox_schema``).
-        events_table, deliveries_table, keys_table, schema_table: one table name each.
+        events_table: the events table's name, instead of the prefix's.
+        deliveries_table: the delivery records'.
+        keys_table: the ordering keys'.
+        schema_table: the schema versions'.
         pool_size: how many idle connections the store keeps (default 10).
 
     Raises:
@@ -87,6 +87,7 @@ class MySQLStore(SQLStore):
     """The SQL dialect of the store's database, by SQLAlchemy's name for it."""
 
     dialect: MySQLDialect
+    schema_version = SCHEMA_VERSION
 
     def __init__(
         self,
@@ -144,68 +145,21 @@ class MySQLStore(SQLStore):
     def __repr__(self) -> str:
         return f"MySQLStore({self.dialect.where!r})"
 
-    def __enter__(self) -> MySQLStore:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-    # -- schema -------------------------------------------------------------------------------
-
-    def migrate(self) -> Migration:
-        """Create the tables if they are missing. Idempotent.
-
-        Raises:
-            SchemaError: the schema is newer than this code.
-            StoreError: the database failed.
-        """
-        dialect = self.dialect
-        with dialect.connection("migrate the schema") as conn:
-            dialect.rows(conn, "create_tables", {})
-            ((found,),) = dialect.rows(conn, "schema_version", {})
-            if found > SCHEMA_VERSION:
-                raise SchemaError(
-                    f"{dialect.where} has outboxkit schema version {found}, newer than version "
-                    f"{SCHEMA_VERSION} this outboxkit knows: upgrade outboxkit"
-                )
-            dialect.execute(conn, "record_version", {"version": SCHEMA_VERSION})
-        return Migration(before=found, after=SCHEMA_VERSION)
-
     def drop_tables(self) -> None:
         """Drop the store's four tables (tests, and uninstalling)."""
         with self.dialect.connection("drop the tables") as conn:
             self.dialect.execute(conn, "drop_tables", {})
 
-    def close(self) -> None:
-        """Close the store's connections; closing twice is fine."""
-        self.dialect.close()
-
-    def now(self) -> datetime:
-        """The database's clock (``UTC_TIMESTAMP(6)``): every host's pollers and cutoffs share it.
-
-        Raises:
-            StoreError: the database failed.
-        """
-        with self.dialect.read("read the database clock") as conn:
-            ((at,),) = self.dialect.rows(conn, "clock", {})
-        return self.dialect.stored_instant(at)
-
     # -- enqueue --------------------------------------------------------------------------------
 
-    @contextmanager
-    def transaction(self) -> Iterator[StoreConnection]:
+    def transaction(self) -> AbstractContextManager[StoreConnection]:
         """A store connection in a transaction: committed when the block ends, rolled back if it
         raises. ``enqueue`` accepts it.
 
         Raises:
             StoreError: the transaction could not begin or commit.
         """
-        with self.dialect.write("run a transaction") as conn:
-            try:
-                yield conn
-            except BaseException:
-                conn.rollback()
-                raise
+        return self.dialect.write("run a transaction")
 
     def enqueue(self, conn: Any, events: Sequence[NewEvent], *, now: datetime | None) -> list[int]:
         """Insert ``events`` through the app's connection, in its open transaction (R1).
@@ -244,8 +198,9 @@ class MySQLStore(SQLStore):
         """The statements of an enqueue, in order: the keys upserted sorted first (R15: two
         transactions enqueueing the same keys never deadlock), again for a key's later
         events, and one ``insert_event`` per event (its parameters carry ``message_id``)."""
-        (upsert,) = self.dialect.queries["upsert_key"]
-        (insert,) = self.dialect.queries["insert_event"]
+        dialect = self.dialect
+        (upsert,) = dialect.queries["upsert_key"]
+        (insert,) = dialect.queries["insert_event"]
         fresh = sorted({e.key for e in events if e.key is not None})
         yield from ((upsert, {"key": key}) for key in fresh)
         for event in events:
@@ -253,7 +208,20 @@ class MySQLStore(SQLStore):
                 yield upsert, {"key": event.key}
             if event.key in fresh:
                 fresh.remove(event.key)
-            yield insert, _values(event, now)
+            yield (
+                insert,
+                {
+                    "topic": event.topic,
+                    "payload": event.payload_json,
+                    "headers": encode_headers(event.headers),
+                    "key": event.key,
+                    "now": now,
+                    "at": dialect.instant(event.available_at),
+                    "delay": dialect.duration(event.delay),
+                    "message_id": str(uuid.uuid4()),
+                    "dedupe_key": event.dedupe_key,
+                },
+            )
 
     def insert(self, conn: Any, events: Sequence[NewEvent], now: datetime | None) -> list[int]:
         """``enqueue`` on ``conn``, the instant already bound; the new ids."""
@@ -307,25 +275,9 @@ class MySQLStore(SQLStore):
                 connection), whatever the handler raised.
             StoreError: the database failed.
         """
-        return EventDelivery(self, claim, now)
+        return delivery_of(self, claim, now)
 
     def batch(self, *, now: datetime | None) -> AbstractContextManager[Batch]:
         """One XA transaction for a claimed batch (``transaction="per_batch"``), a savepoint
         per delivery, committed once."""
         return batch_on(self)
-
-
-def _values(event: NewEvent, now: datetime | None) -> dict[str, Any]:
-    """``insert_event``'s parameters for ``event`` (the instant of the enqueue bound)."""
-    at = event.available_at
-    return {
-        "topic": event.topic,
-        "payload": event.payload_json,
-        "headers": encode_headers(event.headers),
-        "key": event.key,
-        "now": now,
-        "at": None if at is None else at.astimezone(UTC).replace(tzinfo=None),
-        "delay": event.delay // _MICROSECOND,
-        "message_id": str(uuid.uuid4()),
-        "dedupe_key": event.dedupe_key,
-    }

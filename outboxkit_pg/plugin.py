@@ -9,15 +9,22 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from outboxkit.errors import MissingDependency
 from outboxkit.hookspecs import RegisterStore, hookimpl
+from outboxkit.storekit.plugin import StoreClass
 
 if TYPE_CHECKING:
     from .store import PostgresStore
 
-__all__ = ["load_store_class", "open_postgres_store"]
+__all__ = ["POSTGRES_STORE", "load_store_class", "open_postgres_store"]
 
-_DRIVERS = frozenset({"psycopg", "psycopg_pool"})
+POSTGRES_STORE = StoreClass(
+    "outboxkit_pg.store",
+    "PostgresStore",
+    drivers=("psycopg", "psycopg_pool"),
+    needs="psycopg 3 and psycopg-pool",
+    extra="pg",
+    what="the PostgreSQL store",
+)
 
 
 def load_store_class() -> type[PostgresStore]:
@@ -26,16 +33,8 @@ def load_store_class() -> type[PostgresStore]:
     Raises:
         MissingDependency: psycopg 3 or psycopg-pool is not installed.
     """
-    try:
-        from .store import PostgresStore
-    except ImportError as exc:
-        if (exc.name or "").split(".")[0] not in _DRIVERS:
-            raise
-        raise MissingDependency(
-            f"the PostgreSQL store needs psycopg 3 and psycopg-pool ({exc.name} is missing): "
-            "install outboxkit[pg]"
-        ) from exc
-    return PostgresStore
+    store: type[PostgresStore] = POSTGRES_STORE.load()
+    return store
 
 
 def open_postgres_store(url: str, **options: Any) -> PostgresStore:

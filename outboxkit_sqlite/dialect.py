@@ -25,7 +25,7 @@ from typing import Any
 from outboxkit.core.model import NewEvent
 from outboxkit.errors import ConfigurationError, SchemaError, StoreError, migrate_hint
 from outboxkit.storekit.rows import encode_headers, inserted_ids, resolve_ids
-from outboxkit.storekit.sql import Dialect, Row
+from outboxkit.storekit.sql import Dialect, JSONRows, Row
 
 from . import schema
 from .connections import (
@@ -97,7 +97,7 @@ class _Mapped:
             raise map_error(exc, self._dialect.where, self._what) from exc
 
 
-class SQLiteDialect(Dialect):
+class SQLiteDialect(JSONRows, Dialect):
     """The SQLite store's dialect (see the module docstring).
 
     Args:
@@ -164,21 +164,8 @@ class SQLiteDialect(Dialect):
     def stored_instant(self, raw: Any) -> datetime:
         return _from_us(raw)
 
-    def duration(self, delta: timedelta) -> int:
-        return delta // _MICROSECOND
-
     def array(self, values: Sequence[Any]) -> str:
         return json.dumps(list(values))
-
-    def done(self, raw: Any) -> list[Sequence[str]]:
-        pairs: list[Sequence[str]] = json.loads(raw) if raw and raw != "[]" else []
-        return pairs
-
-    def records_params(self, rows: Sequence[tuple[Any, ...]]) -> dict[str, Any]:
-        return {"items": json.dumps(rows)}
-
-    def settle_params(self, rows: Sequence[tuple[Any, ...]]) -> dict[str, Any]:
-        return {"items": json.dumps(rows)}
 
     # -- connections and transactions -----------------------------------------------------------
 

@@ -200,12 +200,6 @@ class SQLiteStore(SQLStore):
     def __repr__(self) -> str:
         return f"SQLiteStore({self.dialect.where!r})"
 
-    def __enter__(self) -> SQLiteStore:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
     # -- what the store was opened with (kept by its dialect) -----------------------------------
 
     @property

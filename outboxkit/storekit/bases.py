@@ -8,7 +8,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, nullcontext
 from datetime import UTC, datetime, timedelta
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from ..capabilities import Capabilities
 from ..core.model import (
@@ -217,6 +217,13 @@ class StoreBase(DeliveriesBase):
 
     def close(self) -> None:
         """Release what the store holds. Default: nothing."""
+
+    def __enter__(self) -> Self:
+        """The store, closed when the block ends (``with open_store(url) as store:``)."""
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def now(self) -> datetime:
         """The store's production clock. Default: this host's wall clock, in UTC."""

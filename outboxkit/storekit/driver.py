@@ -11,6 +11,19 @@ leave the server logging every one as aborted, at each poller's restart.
 
 ``MappedErrors(errors, mapper, doing)`` is a block whose driver errors become outboxkit's
 (what a ``Dialect.mapped`` returns): a plain class, as a hot path enters several per event.
+
+``PooledDialect`` is a ``Dialect`` whose connections are such a pool's: its ``connection``,
+``read``, ``write``, ``mapped`` and ``close``, from the driver's error class and the store's
+``map_error``. ``GuardedConnection`` is the mixin of the store's connection class that keeps a
+handler from ending its delivery transaction through the driver's API (R17), and notes that a
+handler had the connection (R18). ``parse_server_url`` reads a database server's URL.
+
+``LazyDelivery`` is the delivery transaction (``DeliveryTransaction``) of such a store, opened
+when its handler first takes the connection; the store writes how it opens, commits and rolls
+back. ``PooledDelivery`` is the context manager ``Store.delivery`` returns for it (a
+connection from the pool for the block), ``InBatch`` the one a batch's ``delivery`` returns:
+a delivery never opened ends with its one record in a single fenced statement
+(``LazyDelivery.fenced``), or kept for the batch's ``write_kept``.
 """
 
 from __future__ import annotations
@@ -18,12 +31,35 @@ from __future__ import annotations
 import atexit
 import threading
 import weakref
-from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from urllib.parse import unquote, urlsplit
 
-from ..errors import StoreError
+from ..core.model import Claim, Outcome
+from ..errors import ConfigurationError, HandlerCrashed, Reject, StoreError
+from .names import validate_identifier
+from .rows import record_params
+from .sql import Dialect
 
-__all__ = ["ConnectionPool", "MappedErrors"]
+if TYPE_CHECKING:
+    from .sql import KeptRecords
+
+__all__ = [
+    "ConnectionPool",
+    "GuardedConnection",
+    "InBatch",
+    "LazyDelivery",
+    "MappedErrors",
+    "PooledDelivery",
+    "PooledDialect",
+    "ServerURL",
+    "parse_server_url",
+]
 
 C = TypeVar("C")
 
@@ -132,3 +168,393 @@ class MappedErrors:
     def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> None:
         if isinstance(exc, self.errors):
             raise self.mapper(exc, self.doing) from exc
+
+
+class PooledDialect(Dialect):
+    """A dialect whose connections are a ``ConnectionPool``'s (``pool``), DB-API connections in
+    autocommit mode whose driver errors derive from ``driver_error``: the blocks of the seam,
+    its errors mapped by ``map_error``. ``checkout`` makes a connection taken from the pool fit
+    for the block (by default it is already)."""
+
+    pool: ConnectionPool[Any]
+    driver_error: type[BaseException] | tuple[type[BaseException], ...] = Exception
+
+    @abstractmethod
+    def map_error(self, exc: BaseException, doing: str) -> StoreError:
+        """The driver's error ``exc`` as outboxkit's, naming the database and ``doing``."""
+
+    def outage(self, exc: BaseException) -> bool:
+        """Whether the driver's error ``exc`` is an outage that may pass (a deadlock, a lost
+        connection: ``map_error`` makes it ``StoreUnavailable``). By default none is."""
+        return False
+
+    def mapped(self, doing: str, conn: Any = None) -> MappedErrors:
+        return MappedErrors(self.driver_error, self.map_error, doing)
+
+    def checkout(self, conn: Any) -> Any:
+        """``conn``, taken from the pool, made fit for a block of the store's own."""
+        return conn
+
+    @contextmanager
+    def connection(self, doing: str) -> Iterator[Any]:
+        """One of the pool's connections for the block, its errors mapped; one that failed is
+        closed rather than kept."""
+        conn = None
+        try:
+            with self.mapped(doing):
+                conn = self.checkout(self.pool.take())
+                yield conn
+        except BaseException:
+            if conn is not None:
+                self.pool.give(conn, broken=True)
+            raise
+        self.pool.give(conn)
+
+    @contextmanager
+    def write(self, doing: str) -> Iterator[Any]:
+        """A connection in a transaction (``BEGIN``) for the block: committed when it ends,
+        rolled back if it raises."""
+        with self.connection(doing) as conn:
+            cursor = conn.cursor()
+            try:
+                cursor.execute("BEGIN")
+            finally:
+                cursor.close()
+            try:
+                yield conn
+            except BaseException:
+                conn.rollback()
+                raise
+            conn.commit()
+
+    def read(self, doing: str) -> Any:
+        """A connection in autocommit mode (each statement its own snapshot)."""
+        return self.connection(doing)
+
+    def close(self) -> None:
+        """Close the pool's connections."""
+        self.pool.close()
+
+
+if TYPE_CHECKING:
+
+    class _DriverConnection:
+        """What ``GuardedConnection`` overrides of a driver's connection class."""
+
+        def commit(self) -> None: ...
+        def rollback(self) -> None: ...
+        def begin(self) -> None: ...
+        def close(self) -> None: ...
+
+else:
+    _DriverConnection = object
+
+
+class GuardedConnection(_DriverConnection):
+    """The mixin of a store's connection class, before the driver's
+    (``class StoreConnection(GuardedConnection, driver.Connection)``): while it serves a
+    delivery (``delivering``), ``commit``, ``rollback``, ``begin`` and ``close`` raise
+    ``refusal(what)`` (R17: outboxkit commits the delivery, with its record), and
+    ``ended_by_handler`` notes the attempt, whatever the handler makes of the refusal.
+    ``dirty``: a handler had the connection, so its session is set again before its next use
+    (R18)."""
+
+    delivering = False
+    ended_by_handler = False
+    dirty = False
+
+    def refusal(self, what: str) -> BaseException:
+        """The error a refused ``what`` raises (by default a ``StoreError``; a store raises its
+        driver's, which a handler's own error handling expects)."""
+        return StoreError(f"outboxkit: a handler may not {what} its delivery transaction")
+
+    def _guard(self, what: str) -> None:
+        if self.delivering:
+            self.ended_by_handler = True
+            raise self.refusal(what)
+
+    def commit(self) -> None:
+        self._guard("commit")
+        super().commit()
+
+    def rollback(self) -> None:
+        self._guard("roll back")
+        super().rollback()
+
+    def begin(self) -> None:
+        self._guard("begin another transaction instead of")
+        super().begin()
+
+    def close(self) -> None:
+        self._guard("close the connection of")
+        super().close()
+
+
+@dataclass(frozen=True, slots=True)
+class ServerURL:
+    """A database server's URL, parsed (``parse_server_url``)."""
+
+    scheme: str
+    host: str
+    port: int
+    user: str
+    password: str = field(repr=False)
+    database: str
+
+    @property
+    def shown(self) -> str:
+        """The URL without its password, for messages."""
+        return f"{self.scheme}://{self.user}@{self.host}:{self.port}/{self.database}"
+
+    def connect_args(self) -> dict[str, Any]:
+        """``host``, ``port``, ``user``, ``password``, ``database``: a DB-API driver's
+        ``connect`` arguments."""
+        return {
+            "host": self.host,
+            "port": self.port,
+            "user": self.user,
+            "password": self.password,
+            "database": self.database,
+        }
+
+
+def parse_server_url(
+    url: str, *, schemes: Sequence[str], port: int, user: str, store: str
+) -> ServerURL:
+    """``scheme://user:password@host:port/database``, percent-decoded, with the defaults
+    ``127.0.0.1``, ``port`` and ``user`` (and no password) for what it leaves out.
+
+    Raises:
+        ConfigurationError: another scheme, no database, or a database name that is not a
+            plain identifier (the message shows the URL without its password).
+    """
+    parts = urlsplit(url) if isinstance(url, str) else None
+    scheme = parts.scheme.lower() if parts is not None else ""
+    if parts is None or scheme not in schemes:
+        shown = _without_password(url) if isinstance(url, str) else type(url).__name__
+        raise ConfigurationError(
+            f"a {store} store URL starts with '{schemes[0]}://', got {shown!r:.80}"
+        )
+    found = ServerURL(
+        scheme=scheme,
+        host=parts.hostname or "127.0.0.1",
+        port=parts.port or port,
+        user=unquote(parts.username) if parts.username else user,
+        password=unquote(parts.password) if parts.password else "",
+        database=unquote(parts.path.lstrip("/")),
+    )
+    if not found.database or "/" in found.database:
+        raise ConfigurationError(
+            f"a {store} store URL names its database: {schemes[0]}://user:pass@host:{port}/db, "
+            f"got {found.shown}"
+        )
+    validate_identifier(found.database, "the URL's database")
+    return found
+
+
+def _without_password(url: str) -> str:
+    """``url`` with the password of its authority, if any, replaced by ``***``."""
+    scheme, sep, rest = url.partition("://")
+    authority, slash, path = rest.partition("/")
+    credentials, at, host = authority.rpartition("@")
+    if not sep or not at or ":" not in credentials:
+        return url
+    return f"{scheme}://{credentials.split(':', 1)[0]}:***@{host}{slash}{path}"
+
+
+class LazyDelivery(ABC):
+    """A delivery transaction on one connection (``conn``) of ``dialect``'s, opened (``open``)
+    when its handler first takes ``connection`` or enqueues a follow-up; ``record`` keeps the
+    records for ``finish``. The store writes ``open``, ``finish`` (the records and the commit),
+    ``undo`` (the rollback) and ``fenced`` (the one record of a delivery never opened, inserted
+    only if the token still holds). ``failure`` tells what the block raises instead of a
+    handler's exception. ``broken``: ``undo`` failed, so the connection is in doubt."""
+
+    def __init__(
+        self, dialect: PooledDialect, conn: Any, claim: Claim, now: datetime | None
+    ) -> None:
+        self.dialect = dialect
+        self.conn = conn
+        self.claim = claim
+        self.now = now  # as the dialect binds it
+        self.opened = False
+        self.broken = False
+        self.kept: list[dict[str, Any]] = []
+
+    @property
+    def connection(self) -> Any:
+        """The connection inside the delivery transaction (``ctx.connection``), opened now if
+        it is not yet.
+
+        Raises:
+            LeaseLostError: the token is stale (nothing is opened).
+        """
+        if not self.opened:
+            self.open()
+        return self.conn
+
+    def record(self, handler: str, outcome: Outcome, *, reason: str | None = None) -> None:
+        """The delivery record of ``handler``: written as the delivery commits."""
+        self.kept.append(record_params(self.claim, handler, outcome, reason, self.now))
+
+    @property
+    def single(self) -> dict[str, Any] | None:
+        """The one record of a delivery never opened (None: it opened, or has several)."""
+        return self.kept[0] if not self.opened and len(self.kept) == 1 else None
+
+    @abstractmethod
+    def open(self) -> None:
+        """Open the transaction and check the token, locking the event's row (``opened``
+        set first: a failed opening is undone).
+
+        Raises:
+            LeaseLostError: the token is stale.
+        """
+
+    @abstractmethod
+    def finish(self) -> None:
+        """The normal end of an opened delivery: its records and the commit."""
+
+    @abstractmethod
+    def undo(self) -> None:
+        """Roll the opened delivery back."""
+
+    @abstractmethod
+    def fenced(self, params: dict[str, Any]) -> None:
+        """Write the one record of a delivery never opened, if the token still holds.
+
+        Raises:
+            LeaseLostError: it does not (nothing was written).
+        """
+
+    def check_kept(self) -> None:
+        """R17: the handler did not try to end its delivery transaction (a
+        ``GuardedConnection`` noted no attempt).
+
+        Raises:
+            HandlerCrashed: it tried to.
+        """
+        if getattr(self.conn, "ended_by_handler", False):
+            raise HandlerCrashed(
+                f"event {self.claim.event.id}: a handler tried to commit, roll back or close "
+                "its delivery transaction (refused: outboxkit commits it with the delivery "
+                "record); nothing of this delivery was committed and it runs again"
+            )
+
+    def failure(self, exc: BaseException) -> BaseException | None:
+        """What the block raises instead of ``exc`` (None: ``exc`` itself): an outage of the
+        database under the handler (``PooledDialect.outage``, anywhere in ``exc``'s causes) is
+        the store's failure, never the handler's; an attempt to end the transaction (see
+        ``check_kept``) is ``HandlerCrashed``."""
+        seen: BaseException | None = exc
+        while seen is not None:
+            if isinstance(seen, StoreError):
+                return None
+            if self.dialect.outage(seen):
+                return self.dialect.map_error(
+                    seen,
+                    f"deliver event {self.claim.event.id} (the database failed under a handler)",
+                )
+            seen = seen.__cause__ or seen.__context__
+        if getattr(self.conn, "ended_by_handler", False) and not isinstance(
+            exc, HandlerCrashed | Reject
+        ):
+            return HandlerCrashed(
+                f"event {self.claim.event.id}: a handler may not commit or roll back its "
+                f"delivery transaction; its writes were rolled back: {exc}"
+            )
+        return None
+
+    def close(self, exc: BaseException | None, batch: KeptRecords | None = None) -> None:
+        """End the block that had the delivery (``exc``: its exception): the one record of a
+        delivery never opened is written fenced, or kept by ``batch``; any other delivery
+        ends (``end``)."""
+        single = self.single if exc is None else None
+        if single is None:
+            self.end(exc)
+        elif batch is None:
+            self.fenced(single)
+        else:
+            batch.keep(self.claim, single)
+
+    def end(self, exc: BaseException | None) -> None:
+        """End the delivery: on a normal exit open it if it is not yet, and finish it; else
+        (or if finishing fails) undo what opened, and raise what ``failure`` says."""
+        if exc is None:
+            if not self.opened:
+                self.open()
+            try:
+                self.finish()
+                return
+            except BaseException:
+                self._undo_quietly()
+                raise
+        if self.opened:
+            self._undo_quietly()
+        instead = self.failure(exc) if isinstance(exc, Exception) else None
+        if instead is not None:
+            raise instead from exc
+
+    def _undo_quietly(self) -> None:
+        try:
+            self.undo()
+        except Exception:  # the error the block raises is the one that made it undo
+            self.broken = True  # the connection is in doubt: closed, not kept
+
+
+D = TypeVar("D", bound=LazyDelivery)
+
+
+class PooledDelivery(Generic[D]):
+    """What ``Store.delivery`` returns: a connection from ``dialect``'s pool for the block, and
+    on it the delivery ``make(conn)`` makes; the connection back to the pool afterwards
+    (closed if ending the delivery failed). A class: one is made per delivery."""
+
+    __slots__ = ("dialect", "doing", "make", "tx")
+
+    def __init__(self, dialect: PooledDialect, make: Callable[[Any], D], doing: str) -> None:
+        self.dialect = dialect
+        self.make = make
+        self.doing = doing
+
+    def __enter__(self) -> D:
+        with self.dialect.mapped(self.doing):
+            conn = self.dialect.pool.take()
+        self.tx: D = self.make(conn)
+        return self.tx
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        tx = self.tx
+        broken = True
+        try:
+            tx.close(exc)
+            broken = tx.broken
+        finally:
+            self.dialect.pool.give(tx.conn, broken=broken)
+
+
+class InBatch(Generic[D]):
+    """What a batch's ``delivery`` returns: ``tx``, a delivery on the batch's connection; a
+    delivery never opened keeps its one record for the batch's ``write_kept``."""
+
+    __slots__ = ("batch", "tx")
+
+    def __init__(self, batch: KeptRecords, tx: D) -> None:
+        self.batch = batch
+        self.tx = tx
+
+    def __enter__(self) -> D:
+        return self.tx
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.tx.close(exc, self.batch)

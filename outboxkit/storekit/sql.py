@@ -48,11 +48,12 @@ read by the store's ``Statements``: only its connections and the waiting are its
 
 from __future__ import annotations
 
+import json
 import operator
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from ..core.machine import Publish, blocks_key
@@ -63,11 +64,13 @@ from ..core.model import (
     DeadLetter,
     DeliveryRecord,
     Event,
+    Migration,
     Outcome,
     State,
     Stats,
     make_claim,
 )
+from ..errors import ConfigurationError, SchemaError
 from ..store import SettleItem
 from .bases import BatchBase, StoreBase
 from .rows import (
@@ -142,6 +145,10 @@ class Dialect(ABC):
         """Run the named statement of ``queries.sql`` on ``conn``; its rows (none for one that
         returns none)."""
 
+    def close(self) -> None:
+        """Close the dialect's connections (``SQLStore.close``). By default nothing."""
+        return None
+
     # -- values ---------------------------------------------------------------------------------
 
     def instant(self, at: datetime | None) -> Any:
@@ -175,6 +182,52 @@ class Dialect(ABC):
     @abstractmethod
     def records_params(self, rows: Sequence[tuple[Any, ...]]) -> dict[str, Any]:
         """``insert_records_fenced``'s parameters for rows of ``RECORD_COLUMNS``."""
+
+
+class JSONRows:
+    """The values of a database without arrays or intervals (a ``Dialect`` mixin, before
+    ``Dialect``): durations as integer microseconds, the claim's ``done`` as JSON text of
+    (handler, outcome) pairs, and the rows of ``settle_many`` and ``insert_records_fenced`` as
+    JSON text, ``%(items)s`` (instants in them as ISO text)."""
+
+    def duration(self, delta: timedelta) -> Any:
+        return delta // _MICROSECOND
+
+    def done(self, raw: Any) -> Iterable[Sequence[str]]:
+        pairs: list[Sequence[str]] = json.loads(raw) if raw else []
+        return pairs
+
+    def settle_params(self, rows: Sequence[tuple[Any, ...]]) -> dict[str, Any]:
+        return {"items": json.dumps(rows)}
+
+    def records_params(self, rows: Sequence[tuple[Any, ...]]) -> dict[str, Any]:
+        return {"items": json.dumps(rows, default=_iso_instant)}
+
+
+class NaiveUTC:
+    """Instants of a database whose timestamps have no zone (a ``Dialect`` mixin, before
+    ``Dialect``): bound as naive datetimes in UTC (None as it is: the database's clock), read
+    back aware."""
+
+    def instant(self, at: datetime | None) -> Any:
+        if at is None:
+            return None
+        if at.tzinfo is None or at.utcoffset() is None:
+            raise ConfigurationError(f"instants must be timezone-aware, got {at!r}")
+        return at.astimezone(UTC).replace(tzinfo=None)
+
+    def stored_instant(self, raw: Any) -> datetime:
+        instant: datetime = raw.replace(tzinfo=UTC)
+        return instant
+
+
+_MICROSECOND = timedelta(microseconds=1)
+
+
+def _iso_instant(value: Any) -> str:
+    if isinstance(value, datetime):
+        return value.isoformat(sep=" ")
+    raise TypeError(f"not JSON: {type(value).__name__}")
 
 
 class Statements:
@@ -301,9 +354,59 @@ class SQLStore(StoreBase):
         statements: the statements' builder (default: ``Statements(dialect)``).
     """
 
+    schema_version = 0
+    """The newest schema version this store's code knows (``migrate``); 0: none."""
+
     def __init__(self, dialect: Dialect, statements: Statements | None = None) -> None:
         self.dialect = dialect
         self.statements = statements if statements is not None else Statements(dialect)
+
+    # -- schema and clock -----------------------------------------------------------------------
+
+    def migrate(self) -> Migration | None:
+        """Bring the schema to ``schema_version`` (None when that is 0): ``create_versions``
+        (idempotent) makes the table of applied versions, ``schema_version`` reads the highest
+        (0: none), and each ``migration_N`` above it runs in order, ``record_version`` noting
+        ``version`` N after it. The statements of ``queries.sql`` must bear being run by two
+        processes at once (``IF NOT EXISTS``, an ignored duplicate version), or
+        ``create_versions`` must take a lock until the transaction ends.
+
+        Raises:
+            SchemaError: the database's schema is newer than this code.
+            StoreError: the database failed.
+        """
+        newest, dialect = self.schema_version, self.dialect
+        if not newest:
+            return None
+        with dialect.write("migrate the schema") as conn:
+            dialect.rows(conn, "create_versions", {})
+            ((found,),) = dialect.rows(conn, "schema_version", {})
+            if found > newest:
+                raise SchemaError(
+                    f"{dialect.where} has outboxkit schema version {found}, newer than version "
+                    f"{newest} this outboxkit knows: upgrade outboxkit"
+                )
+            for version in range(found + 1, newest + 1):
+                dialect.rows(conn, f"migration_{version}", {})
+                dialect.rows(conn, "record_version", {"version": version})
+        return Migration(before=found, after=max(found, newest))
+
+    def now(self) -> datetime:
+        """With ``capabilities.database_clock``, the database's clock (``clock``: one row, one
+        instant); else this host's (``StoreBase.now``).
+
+        Raises:
+            StoreError: the database failed.
+        """
+        if not self.capabilities.database_clock:
+            return super().now()
+        with self.dialect.read("read the database clock") as conn:
+            ((at,),) = self.dialect.rows(conn, "clock", {})
+        return self.dialect.stored_instant(at)
+
+    def close(self) -> None:
+        """Close the dialect's connections (``Dialect.close``)."""
+        self.dialect.close()
 
     # -- claims and leases ----------------------------------------------------------------------
 
