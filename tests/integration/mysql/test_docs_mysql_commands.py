@@ -1,5 +1,7 @@
 """The "Writing a store" page's MariaDB conformance run: its command, from the project's root,
-prints what the page shows (the declared capabilities and the counts)."""
+prints what the page shows (the declared capabilities and the counts). It is the MariaDB
+store's conformance run: every test of the suite, in every mode the store declares, each in a
+database of its own (``server.make_store``); a failure shows the run's output."""
 
 from __future__ import annotations
 
