@@ -389,6 +389,18 @@ class OrderingFleet(Fleet):
         self.freezes += 1
         return True
 
+    def kill_holding(self, process: Any) -> bool:
+        """SIGKILL ``process`` if, once stopped, its trace shows a claim in hand (the claim is
+        then never settled: its lease runs out). Else it goes on at once, not killed, and False
+        is returned: a fast drain settles its claims between the look at the traces and the
+        signal, and a kill that holds nothing leaves no lease to expire."""
+        os.kill(process.pid, signal.SIGSTOP)
+        if not holds(self, self.processes.index(process)):
+            os.kill(process.pid, signal.SIGCONT)
+            return False
+        self.kill(process)
+        return True
+
     def runs(self) -> list[Path]:
         return sorted(self.trace_dir.glob("runs-*.jsonl"))
 
@@ -455,8 +467,8 @@ def chaos(
     rounds): SIGKILL a live poller and spawn a new one, or freeze one past its lease, in a
     shuffled order until both counts are spent, ``every`` seconds apart. Each fault goes to a
     poller holding a claim (``holding_victim``); the first waits for one (the fleet's first
-    claims), and a freeze is checked once its victim is stopped (``freeze_holding``), so the
-    freezes leave leases to run out however fast the fleet drains."""
+    claims), and the victim is checked once stopped (``kill_holding``, ``freeze_holding``), so
+    the faults leave leases to run out however fast the fleet drains."""
     plan = ["kill"] * kills + ["freeze"] * freezes
     rng.shuffle(plan)
     deadline = time.monotonic() + timeout
@@ -467,19 +479,24 @@ def chaos(
         within = min(timeout, 30.0) if first else every
         victim = holding_victim(fleet, rng, within=within)
         first = False
-        if fault == "kill":
-            fleet.kill(victim)
-            fleet.spawn()
-        else:
-            # A freeze checks its victim once stopped, and tries again on a holder (until
-            # ``within`` runs out): a fast drain settles its claims between the look at the
-            # traces and the signal, and a freeze that holds nothing leaves no lease to expire.
-            tries_until = time.monotonic() + within
-            while not fleet.freeze_holding(victim, freeze_for):
-                if time.monotonic() >= tries_until:
+        # A fault checks its victim once stopped, and tries again on a holder (until ``within``
+        # runs out): a fast drain settles its claims between the look at the traces and the
+        # signal, and a fault on a poller that holds nothing leaves no lease to expire.
+        tries_until = time.monotonic() + within
+        while not (
+            fleet.kill_holding(victim)
+            if fault == "kill"
+            else fleet.freeze_holding(victim, freeze_for)
+        ):
+            if time.monotonic() >= tries_until:
+                if fault == "kill":
+                    fleet.kill(rng.choice(fleet.live()))
+                else:
                     fleet.freeze(rng.choice(fleet.live()), freeze_for)
-                    break
-                victim = holding_victim(fleet, rng, within=max(0.0, tries_until - time.monotonic()))
+                break
+            victim = holding_victim(fleet, rng, within=max(0.0, tries_until - time.monotonic()))
+        if fault == "kill":
+            fleet.spawn()
         pause.wait(every)  # the fault schedule, not a check
 
 
