@@ -61,17 +61,15 @@ def compare(
     commit: Callable[[], None],
     args: argparse.Namespace,
 ) -> None:
-    kit = bare = 0.0
+    spent = {"bare": 0.0, "kit": 0.0}
+    sides = [("bare", bare_insert), ("kit", enqueue_one)]
     for n in range(max(1, args.ops // ROUND)):
-        # Alternate, so drift hits both alike, and take turns going first: whichever runs
+        # Alternate, so drift hits both alike, and take turns going first: whichever ran
         # second after the switch was measured 10-15 % slower on SQLite (a fixed order put
         # that on one side only).
-        if n % 2:
-            kit += _time_ops(enqueue_one, commit, ROUND, args.commit_every)
-            bare += _time_ops(bare_insert, commit, ROUND, args.commit_every)
-        else:
-            bare += _time_ops(bare_insert, commit, ROUND, args.commit_every)
-            kit += _time_ops(enqueue_one, commit, ROUND, args.commit_every)
+        for side, op in sides if n % 2 == 0 else sides[::-1]:
+            spent[side] += _time_ops(op, commit, ROUND, args.commit_every)
+    kit, bare = spent["kit"], spent["bare"]
     done = max(1, args.ops // ROUND) * ROUND
     print(
         f"{label}: enqueue {kit / done * 1e6:7.1f} us/op | bare INSERT {bare / done * 1e6:7.1f} "

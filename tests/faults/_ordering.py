@@ -376,30 +376,15 @@ class OrderingFleet(Fleet):
         os.kill(process.pid, signal.SIGCONT)
         self.freezes += 1
 
-    def freeze_holding(self, process: Any, seconds: float) -> bool:
-        """``freeze`` ``process`` if, once stopped, its trace shows a claim in hand (stopped,
-        it can neither settle it nor write more): its lease then runs out. Else it goes on at
-        once, not counted, and False is returned."""
+    def stopped_holding(self, process: Any) -> bool:
+        """Stop ``process`` (SIGSTOP) and tell whether its trace shows a claim in hand: stopped,
+        it can neither settle it nor write more, so a kill or a freeze now leaves its lease to
+        run out. If not, it goes on at once (SIGCONT) and False is returned."""
         os.kill(process.pid, signal.SIGSTOP)
-        if not holds(self, self.processes.index(process)):
-            os.kill(process.pid, signal.SIGCONT)
-            return False
-        threading.Event().wait(seconds)  # fault injection: the frozen span, not a check
+        if holds(self, self.processes.index(process)):
+            return True
         os.kill(process.pid, signal.SIGCONT)
-        self.freezes += 1
-        return True
-
-    def kill_holding(self, process: Any) -> bool:
-        """SIGKILL ``process`` if, once stopped, its trace shows a claim in hand (the claim is
-        then never settled: its lease runs out). Else it goes on at once, not killed, and False
-        is returned: a fast drain settles its claims between the look at the traces and the
-        signal, and a kill that holds nothing leaves no lease to expire."""
-        os.kill(process.pid, signal.SIGSTOP)
-        if not holds(self, self.processes.index(process)):
-            os.kill(process.pid, signal.SIGCONT)
-            return False
-        self.kill(process)
-        return True
+        return False
 
     def runs(self) -> list[Path]:
         return sorted(self.trace_dir.glob("runs-*.jsonl"))
@@ -467,8 +452,8 @@ def chaos(
     rounds): SIGKILL a live poller and spawn a new one, or freeze one past its lease, in a
     shuffled order until both counts are spent, ``every`` seconds apart. Each fault goes to a
     poller holding a claim (``holding_victim``); the first waits for one (the fleet's first
-    claims), and the victim is checked once stopped (``kill_holding``, ``freeze_holding``), so
-    the faults leave leases to run out however fast the fleet drains."""
+    claims), and the victim is checked once stopped (``stopped_holding``), so the faults
+    leave leases to run out however fast the fleet drains."""
     plan = ["kill"] * kills + ["freeze"] * freezes
     rng.shuffle(plan)
     deadline = time.monotonic() + timeout
@@ -483,20 +468,16 @@ def chaos(
         # runs out): a fast drain settles its claims between the look at the traces and the
         # signal, and a fault on a poller that holds nothing leaves no lease to expire.
         tries_until = time.monotonic() + within
-        while not (
-            fleet.kill_holding(victim)
-            if fault == "kill"
-            else fleet.freeze_holding(victim, freeze_for)
-        ):
+        while not fleet.stopped_holding(victim):
             if time.monotonic() >= tries_until:
-                if fault == "kill":
-                    fleet.kill(rng.choice(fleet.live()))
-                else:
-                    fleet.freeze(rng.choice(fleet.live()), freeze_for)
+                victim = rng.choice(fleet.live())
                 break
             victim = holding_victim(fleet, rng, within=max(0.0, tries_until - time.monotonic()))
         if fault == "kill":
+            fleet.kill(victim)  # a stopped process is killed as any
             fleet.spawn()
+        else:
+            fleet.freeze(victim, freeze_for)  # stopped already, or stopped now
         pause.wait(every)  # the fault schedule, not a check
 
 
