@@ -291,8 +291,15 @@ class Lazily(AbstractContextManager[Delivery]):
             stack.enter_context(self._opening(self.tx))
         except BaseException as exc:
             self._failed = exc
+            # Taken again, refused again; records are kept, never written (R6, if the handler
+            # swallowed the refusal: ``__exit__`` raises it).
+            self.tx.opener = self._refuse
             raise
         self._stack = stack
+
+    def _refuse(self) -> None:
+        assert self._failed is not None
+        raise self._failed
 
     def __enter__(self) -> Delivery:
         return self.tx

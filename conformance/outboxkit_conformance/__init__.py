@@ -110,7 +110,7 @@ __all__ = [
     "load_factory",
 ]
 
-SUITE_VERSION = "1.10.0"
+SUITE_VERSION = "1.11.0"
 
 
 class StoreConformance(

@@ -3,6 +3,7 @@ delivery, settlements and lease extensions inside it, everything committed once.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 import pytest
@@ -187,6 +188,32 @@ class BatchTests(ConformanceBase):
                     tx.record("h", Outcome.SUCCEEDED)
             except LeaseLostError:
                 pass  # refused at once: as good
+            with batch.delivery(mine, now=later) as tx:
+                tx.record("h", Outcome.SUCCEEDED)
+            settled = batch.settle_many(
+                [(stale, Publish(), None), (mine, Publish(), None)], now=later
+            )
+        assert settled == [False, True]
+        assert store.records(event_id) == []
+        assert [r.handler for r in store.records(other)] == ["h"]
+        assert settle_one(store, fresh, Publish(), error=None, now=later) is True
+
+    def test_a_swallowed_refusal_in_a_batch_writes_nothing(
+        self, store: Store, clock: FrozenClock
+    ) -> None:
+        """R6 in a batch: a handler that catches the ``LeaseLostError`` of its stale
+        ``tx.connection`` and goes on, has nothing of its delivery committed; the batch's other
+        deliveries commit."""
+        self.require(store, "batches")
+        (event_id, other) = self.put(store, clock.now(), ("t", 1), ("t", 2))
+        (stale, mine) = self.claim(store, clock.now())
+        later = clock.now() + LEASE
+        (fresh,) = self.claim(store, later, batch_size=1)
+        with store.batch(now=later) as batch:
+            with pytest.raises(LeaseLostError), batch.delivery(stale, now=later) as tx:
+                with contextlib.suppress(LeaseLostError):
+                    _ = tx.connection
+                tx.record("h", Outcome.SUCCEEDED)
             with batch.delivery(mine, now=later) as tx:
                 tx.record("h", Outcome.SUCCEEDED)
             settled = batch.settle_many(

@@ -3,6 +3,7 @@ tokens; extend and release; a stale token changes nothing."""
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 
 import pytest
@@ -108,3 +109,19 @@ class ClaimTests(ConformanceBase):
         # The new owner is unaffected.
         assert settle_one(store, fresh, Publish(), error=None, now=later) is True
         assert store.stats(now=later).published == 1
+
+    def test_a_refused_connection_stays_refused_when_the_refusal_is_swallowed(
+        self, store: Store, clock: FrozenClock
+    ) -> None:
+        """R6: a handler that catches the ``LeaseLostError`` its stale ``tx.connection`` raised
+        and goes on, writes nothing: the delivery still ends refused, its record unwritten."""
+        (event_id,) = self.put(store, clock.now(), ("t", 1))
+        (stale,) = self.claim(store, clock.now())
+        later = clock.now() + LEASE
+        (fresh,) = self.claim(store, later)
+        with pytest.raises(LeaseLostError), store.delivery(stale, now=later) as tx:
+            with contextlib.suppress(LeaseLostError):
+                _ = tx.connection
+            tx.record("h", Outcome.SUCCEEDED)
+        assert store.records(event_id) == []
+        assert settle_one(store, fresh, Publish(), error=None, now=later) is True

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from urllib.parse import unquote, urlsplit
 
 from ..core.model import Claim, Outcome
-from ..errors import ConfigurationError, HandlerCrashed, Reject, StoreError
+from ..errors import ConfigurationError, HandlerCrashed, LeaseLostError, Reject, StoreError
 from .names import validate_identifier
 from .rows import record_params
 from .sql import Dialect
@@ -379,6 +379,7 @@ class LazyDelivery(ABC):
         self.now = now  # as the dialect binds it
         self.opened = False
         self.broken = False
+        self.refused: LeaseLostError | None = None
         self.kept: list[dict[str, Any]] = []
 
     @property
@@ -390,7 +391,11 @@ class LazyDelivery(ABC):
             LeaseLostError: the token is stale (nothing is opened).
         """
         if not self.opened:
-            self.open()
+            try:
+                self.open()
+            except LeaseLostError as refusal:
+                self.refused = refusal  # R6: stays refused, if the handler swallows it
+                raise
         return self.conn
 
     def record(self, handler: str, outcome: Outcome, *, reason: str | None = None) -> None:
@@ -480,6 +485,9 @@ class LazyDelivery(ABC):
     def end(self, exc: BaseException | None) -> None:
         """End the delivery: on a normal exit open it if it is not yet, and finish it; else
         (or if finishing fails) undo what opened, and raise what ``failure`` says."""
+        if exc is None and self.refused is not None:  # a handler swallowed the refusal
+            self._undo_quietly()
+            raise LeaseLostError(str(self.refused)) from self.refused
         if exc is None:
             if not self.opened:
                 self.open()

@@ -52,7 +52,7 @@ def test_store_conformance_composes_every_mixin_and_no_test_hides_another() -> N
 
 def test_the_suite_exports_the_public_recorder() -> None:
     assert suite.Recorder is Recorder
-    assert suite.SUITE_VERSION == "1.10.0"
+    assert suite.SUITE_VERSION == "1.11.0"
 
 
 def test_require_takes_the_capabilities_field_names() -> None:

@@ -178,7 +178,7 @@ def test_wheel_installs_exactly_the_five_top_level_packages(wheel: Path) -> None
 def test_wheel_ships_the_suite_and_a_third_party_store_passes(venv_with_wheel: Path) -> None:
     result = run_conformance(venv_with_wheel, "mystore:make_store")
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "outboxkit conformance suite 1.10.0 against mystore:make_store" in result.stdout
+    assert "outboxkit conformance suite 1.11.0 against mystore:make_store" in result.stdout
     assert (
         "declared capabilities: asyncio, batches, concurrent_batches, concurrent_claimers, "
         "dedupe, error_history, ordering, transactional_handlers" in result.stdout
