@@ -7,10 +7,11 @@ cannot end the transaction it was given (R17): it keeps the row lock the token c
 ``StoreConnection`` notes the attempt, which fails the delivery whatever the handler made of
 the refusal. Savepoints work inside it, for a handler's own recovery and for a batch.
 
-A delivery opens lazily, when its handler first takes ``ctx.connection`` or enqueues a
-follow-up: the opening, the token check and the row lock are one round trip; the records, the
-``XA END`` and the commit another. A delivery that never opened ends with its one record in a
-single autocommitted statement fenced by the token (in a batch: kept for ``write_kept``).
+A delivery opens lazily (``LazyDelivery.defer``): its opening, the token check and the row
+lock go to the server with the handler's first statement, in its round trip
+(``StoreConnection.query``); the records, the ``XA END`` and the commit in another. A delivery
+that never opened ends with its one record in a single autocommitted statement fenced by the
+token (in a batch: kept for ``write_kept``).
 """
 
 from __future__ import annotations
@@ -83,24 +84,17 @@ class Delivery(LazyDelivery):
         self.xid = xid
 
     def open(self) -> None:
-        """Open the transaction (or the savepoint) and check the token, locking the row."""
-        self.opened = True
-        dialect, claim, conn = self.store.dialect, self.claim, self.conn
+        """Open the transaction (or the savepoint), check the token and lock the row: sent
+        with the handler's first statement (``StoreConnection.query``), else alone."""
         steps: list[Any] = []
         if self.xid is not None:
-            if conn.dirty:
-                steps.append((SESSION, None))  # R18
+            if self.conn.dirty:
+                steps += [(sql, None) for sql in SESSION.split(";")]  # R18
             steps.append(("XA START %(xid)s", {"xid": self.xid}))
         else:
             steps.append((_SAVEPOINT, None))
-        (check,) = dialect.queries["owned"]
-        steps.append((check, {"id": claim.event.id, "token": claim.token}))
-        with dialect.mapped(f"open the delivery of event {claim.event.id}"):
-            owned = run_script(conn, steps)
-        conn.dirty = conn.delivering = True
-        conn.ended_by_handler = False  # this delivery's own (a batch's connection serves many)
-        if owned != 1:
-            raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
+        (check,) = self.store.dialect.queries["owned"]
+        self.defer([*steps, (check, {"id": self.claim.event.id, "token": self.claim.token})])
 
     def enqueue(self, events: Sequence[NewEvent]) -> list[int]:
         """Follow-up events, inserted in the delivery transaction."""

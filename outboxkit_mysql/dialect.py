@@ -18,7 +18,7 @@ from datetime import timedelta
 from typing import Any
 
 import pymysql
-from pymysql.constants import CLIENT
+from pymysql.constants import CLIENT, COMMAND
 
 from outboxkit.storekit import (
     SchemaError,
@@ -30,13 +30,22 @@ from outboxkit.storekit.driver import (
     ConnectionPool,
     GuardedConnection,
     PooledDialect,
+    Script,
     parse_server_url,
 )
 from outboxkit.storekit.queries import load_queries, run_steps, split_steps
 from outboxkit.storekit.rows import EVENT_COLUMNS
 from outboxkit.storekit.sql import JSONRows, NaiveUTC, Row
 
-__all__ = ["SESSION", "MySQLDialect", "StoreConnection", "map_error", "restored", "run_script"]
+__all__ = [
+    "SESSION",
+    "MySQLDialect",
+    "StoreConnection",
+    "map_error",
+    "restored",
+    "run_script",
+    "script_text",
+]
 
 SESSION = (
     "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED;"
@@ -96,22 +105,61 @@ class StoreConnection(GuardedConnection, pymysql.connections.Connection):
 
     def query(self, sql: Any, unbuffered: bool = False) -> int:
         try:
-            result: int = super().query(sql, unbuffered)
+            if self.ahead is None:
+                result: int = super().query(sql, unbuffered)
+            else:
+                result = self._query_ahead(sql, unbuffered)
         except pymysql.err.MySQLError as exc:
             if self.delivering and code_of(exc) == XA_REFUSED:
                 self.ended_by_handler = True
             raise
         return result
 
+    def _query_ahead(self, sql: str | bytes, unbuffered: bool) -> int:
+        """``query(sql)`` with the ``ahead`` delivery's opening before it, in one round trip;
+        the opening's answers read first. A stale token (the check's count 0): the answer to
+        ``sql`` is read and dropped, ``LeaseLostError`` raised instead (what ``sql`` did is
+        undone with the delivery, R6)."""
+        ahead, self.ahead = self.ahead, None
+        assert ahead is not None
+        opening = script_text(self, ahead.opening).encode(self.encoding)
+        if isinstance(sql, str):
+            sql = sql.encode(self.encoding, "surrogateescape")
+        owned = 0
+        try:
+            self._execute_command(COMMAND.COM_QUERY, opening + b";" + sql)
+            for _ in ahead.opening:
+                owned = self._read_query_result()
+        except pymysql.err.MySQLError as exc:
+            raise ahead.failed(exc) from exc
+        try:
+            answer: int = self._read_query_result(unbuffered=unbuffered)
+        except pymysql.err.MySQLError:
+            if owned == 1:
+                raise
+        else:
+            self._affected_rows = answer
+            if owned == 1:
+                return answer
+            if unbuffered:  # its rows unread: the connection closes (the server rolls back)
+                self._force_close()
+            while not unbuffered and self._result is not None and self._result.has_next:
+                self.next_result()
+        raise ahead.stale()
 
-def run_script(conn: Any, statements: Sequence[tuple[str, Mapping[str, Any] | None]]) -> int:
-    """Several statements (``(sql, params)``) in one round trip (the store's connections allow
-    it); the last one's row count (rows changed, or selected ``INTO`` variables). Each is
-    interpolated by PyMySQL's own escaping (``Cursor.mogrify``), as any query of PyMySQL's is."""
+
+def script_text(conn: Any, statements: Script) -> str:
+    """``statements`` as one text, each interpolated by PyMySQL's own escaping
+    (``Cursor.mogrify``)."""
+    mogrify = conn.cursor().mogrify
+    return ";".join(mogrify(sql, params) if params else sql for sql, params in statements)
+
+
+def run_script(conn: Any, statements: Script) -> int:
+    """Several statements in one round trip (the store's connections allow it); the last
+    one's row count (rows changed, or selected ``INTO`` variables)."""
     with conn.cursor() as cur:
-        cur.execute(
-            ";".join(cur.mogrify(sql, params) if params else sql for sql, params in statements)
-        )
+        cur.execute(script_text(conn, statements))
         while cur.nextset():
             pass
         count: int = cur.rowcount
@@ -160,6 +208,9 @@ class MySQLDialect(NaiveUTC, JSONRows, PooledDialect):
     def map_error(self, exc: BaseException, doing: str) -> StoreError:
         return map_error(exc, self.where, doing)
 
+    def script(self, conn: Any, statements: Script) -> int:
+        return run_script(conn, statements)
+
     def outage(self, exc: BaseException) -> bool:
         return code_of(exc) in UNAVAILABLE
 
@@ -203,6 +254,7 @@ def _reset(conn: StoreConnection) -> bool:
     """Keep a connection unless a handler tried to end its delivery. One a handler had stays
     ``dirty``: its next user sets the session first (R18), a delivery with its XA START."""
     conn.delivering = False
+    conn.ahead = None
     return not conn.ended_by_handler
 
 

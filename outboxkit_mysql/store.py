@@ -262,8 +262,9 @@ class MySQLStore(SQLStore):
 
     def delivery(self, claim: Claim, *, now: datetime | None) -> AbstractContextManager[Delivery]:
         """A delivery transaction: an XA transaction on a store connection, opened (and the
-        claim's token checked, the event's row locked) when ``tx.connection`` is first taken;
-        a block that never takes it ends with its record in one fenced statement.
+        claim's token checked, the event's row locked) with the handler's first statement on
+        ``tx.connection``, in its round trip (a stale token: ``LeaseLostError`` instead of its
+        answer); a block that never takes it ends with its record in one fenced statement.
 
         ``tx.connection`` is the store's PyMySQL connection; the handler may read, write and
         use savepoints on it, but not commit, roll back or close it (R17).

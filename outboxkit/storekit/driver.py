@@ -32,7 +32,7 @@ import atexit
 import threading
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -57,6 +57,7 @@ __all__ = [
     "MappedErrors",
     "PooledDelivery",
     "PooledDialect",
+    "Script",
     "ServerURL",
     "parse_server_url",
 ]
@@ -170,6 +171,12 @@ class MappedErrors:
             raise self.mapper(exc, self.doing) from exc
 
 
+Script = Sequence[tuple[str, "Mapping[str, Any] | None"]]
+"""Statements, one each, as ``(sql, params)``."""
+
+Refusal = TypeVar("Refusal", LeaseLostError, StoreError)
+
+
 class PooledDialect(Dialect):
     """A dialect whose connections are a ``ConnectionPool``'s (``pool``), DB-API connections in
     autocommit mode whose driver errors derive from ``driver_error``: the blocks of the seam,
@@ -194,6 +201,11 @@ class PooledDialect(Dialect):
     def checkout(self, conn: Any) -> Any:
         """``conn``, taken from the pool, made fit for a block of the store's own."""
         return conn
+
+    def script(self, conn: Any, statements: Script) -> int:
+        """Run ``statements`` (``(sql, params)`` each) on ``conn``, in one round trip if the
+        driver can; the last one's row count. Needed by ``LazyDelivery.defer``."""
+        raise NotImplementedError(f"{type(self).__name__} runs no scripts")
 
     @contextmanager
     def connection(self, doing: str) -> Iterator[Any]:
@@ -262,6 +274,9 @@ class GuardedConnection(_DriverConnection):
     delivering = False
     ended_by_handler = False
     dirty = False
+    ahead: LazyDelivery | None = None
+    """A delivery whose opening goes with the connection's next statement, in its round trip
+    (``LazyDelivery.defer``): the store's connection class sends and reads it."""
 
     def refusal(self, what: str) -> BaseException:
         """The error a refused ``what`` raises (by default a ``StoreError``; a store raises its
@@ -379,7 +394,8 @@ class LazyDelivery(ABC):
         self.now = now  # as the dialect binds it
         self.opened = False
         self.broken = False
-        self.refused: LeaseLostError | None = None
+        self.refused: LeaseLostError | StoreError | None = None
+        self.opening: Script = ()
         self.kept: list[dict[str, Any]] = []
 
     @property
@@ -393,10 +409,55 @@ class LazyDelivery(ABC):
         if not self.opened:
             try:
                 self.open()
-            except LeaseLostError as refusal:
+            except (LeaseLostError, StoreError) as refusal:
                 self.refused = refusal  # R6: stays refused, if the handler swallows it
                 raise
         return self.conn
+
+    def refuse(self, refusal: Refusal) -> Refusal:
+        """Note that opening the delivery failed (``refusal``), and return it to raise: the
+        delivery ends with it even if the handler swallows it (R6: nothing is written)."""
+        self.refused = refusal
+        return refusal
+
+    def defer(self, opening: Script) -> None:
+        """``open`` for a store whose connection (a ``GuardedConnection``) sends a delivery's
+        ``opening`` (the transaction or savepoint begun, then the token check and row lock,
+        whose row count 1 says the token holds) ahead of the handler's first statement, in its
+        round trip: kept on the connection (``ahead``) for that; ``flush`` sends it alone."""
+        self.opened = True
+        self.opening = opening
+        conn = self.conn
+        conn.ahead = self
+        conn.dirty = conn.delivering = True
+        conn.ended_by_handler = False  # this delivery's own (a batch's connection serves many)
+
+    def flush(self) -> None:
+        """Send the deferred opening now if it has not gone (the handler took the connection
+        and never used it), in a round trip of its own.
+
+        Raises:
+            LeaseLostError: the token is stale.
+        """
+        if getattr(self.conn, "ahead", None) is not self:
+            return
+        self.conn.ahead = None
+        with self.dialect.mapped(self.opening_what):
+            owned = self.dialect.script(self.conn, self.opening)
+        if owned != 1:
+            raise self.stale()
+
+    def stale(self) -> LeaseLostError:
+        """The refusal of a stale token, kept (``refuse``)."""
+        return self.refuse(LeaseLostError(f"event {self.claim.event.id}: claim token is stale"))
+
+    def failed(self, exc: BaseException) -> StoreError:
+        """The driver's error ``exc`` from a deferred opening, as the store's, kept."""
+        return self.refuse(self.dialect.map_error(exc, self.opening_what))
+
+    @property
+    def opening_what(self) -> str:
+        return f"open the delivery of event {self.claim.event.id}"
 
     def record(self, handler: str, outcome: Outcome, *, reason: str | None = None) -> None:
         """The delivery record of ``handler``: written as the delivery commits."""
@@ -486,12 +547,14 @@ class LazyDelivery(ABC):
         """End the delivery: on a normal exit open it if it is not yet, and finish it; else
         (or if finishing fails) undo what opened, and raise what ``failure`` says."""
         if exc is None and self.refused is not None:  # a handler swallowed the refusal
-            self._undo_quietly()
-            raise LeaseLostError(str(self.refused)) from self.refused
+            if self.opened:
+                self._undo_quietly()
+            raise self.refused
         if exc is None:
             if not self.opened:
                 self.open()
             try:
+                self.flush()
                 self.finish()
                 return
             except BaseException:
@@ -504,6 +567,9 @@ class LazyDelivery(ABC):
             raise instead from exc
 
     def _undo_quietly(self) -> None:
+        if getattr(self.conn, "ahead", None) is self:  # a deferred opening never sent
+            self.conn.ahead = None
+            return
         try:
             self.undo()
         except Exception:  # the error the block raises is the one that made it undo

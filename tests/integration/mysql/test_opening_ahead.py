@@ -1,0 +1,176 @@
+"""A delivery's opening (XA START or the batch's savepoint, the token check and row lock) goes
+to the server with the handler's first statement, in its round trip (``LazyDelivery.defer``,
+``StoreConnection.query``): the handler gets its own statement's answer; with a stale token it
+gets ``LeaseLostError`` instead, and nothing of its statement commits, whatever it does next
+(R6). Every test runs in a database of its own."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from datetime import timedelta
+from typing import Any
+
+import pymysql.cursors
+import pytest
+
+from outboxkit import LeaseLostError, Outcome
+from outboxkit.storekit import Claim
+from outboxkit_mysql import MySQLStore
+
+from .server import migrated_store
+
+LEASE = timedelta(seconds=30)
+
+
+@pytest.fixture
+def store(mysql_server: str) -> Iterator[MySQLStore]:
+    with migrated_store() as made:
+        with made.dialect.write("ledger") as conn, conn.cursor() as cur:
+            cur.execute("CREATE TABLE ledger (event_id BIGINT NOT NULL) ENGINE=InnoDB")
+        yield made
+
+
+def claims(store: MySQLStore, count: int) -> tuple[list[Claim], Any]:
+    """``count`` fresh claims, and the instant they were claimed at."""
+    with store.transaction() as tx:
+        store.enqueue(tx, [_event(n) for n in range(count)], now=None)
+    now = store.now()
+    return store.claim(batch_size=count, lease=LEASE, now=now), now
+
+
+def _event(n: int) -> Any:
+    from outboxkit.core.payload import build_event
+
+    return build_event("t", {"n": n})
+
+
+def ledger(store: MySQLStore) -> list[int]:
+    with store.dialect.read("ledger") as conn, conn.cursor() as cur:
+        cur.execute("SELECT event_id FROM ledger ORDER BY event_id")
+        return [row[0] for row in cur.fetchall()]
+
+
+Deliveries = Callable[[MySQLStore, Claim, Any], AbstractContextManager[Any]]
+
+
+@contextlib.contextmanager
+def in_batch(store: MySQLStore, claim: Claim, now: Any) -> Iterator[Any]:
+    with store.batch(now=now) as batch, batch.delivery(claim, now=now) as tx:
+        yield tx
+
+
+def per_event(store: MySQLStore, claim: Claim, now: Any) -> AbstractContextManager[Any]:
+    return store.delivery(claim, now=now)
+
+
+MODES = pytest.mark.parametrize("deliver", [per_event, in_batch], ids=["per_event", "per_batch"])
+
+
+@MODES
+def test_the_handler_gets_its_own_statements_answer(store: MySQLStore, deliver: Deliveries) -> None:
+    (claim,), now = claims(store, 1)
+    with deliver(store, claim, now) as tx:
+        with tx.connection.cursor() as cur:
+            assert cur.execute("SELECT 7, 'seven' UNION ALL SELECT 8, 'eight'") == 2
+            assert cur.fetchall() == ((7, "seven"), (8, "eight"))
+            cur.execute("INSERT INTO ledger (event_id) VALUES (%s)", (claim.event.id,))
+            assert cur.rowcount == 1
+        tx.record("h", Outcome.SUCCEEDED)
+    assert ledger(store) == [claim.event.id]
+    assert [r.handler for r in store.records(claim.event.id)] == ["h"]
+
+
+@MODES
+def test_an_unbuffered_first_statement_streams_its_rows(
+    store: MySQLStore, deliver: Deliveries
+) -> None:
+    (claim,), now = claims(store, 1)
+    with deliver(store, claim, now) as tx:
+        with tx.connection.cursor(pymysql.cursors.SSCursor) as cur:
+            cur.execute("SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3")
+            assert [row[0] for row in cur] == [1, 2, 3]
+        with tx.connection.cursor() as cur:
+            cur.execute("INSERT INTO ledger (event_id) VALUES (%s)", (claim.event.id,))
+        tx.record("h", Outcome.SUCCEEDED)
+    assert ledger(store) == [claim.event.id]
+
+
+def _stale(store: MySQLStore) -> tuple[Claim, Claim, Any]:
+    (stale,), now = claims(store, 1)
+    later = now + LEASE
+    (fresh,) = store.claim(batch_size=1, lease=LEASE, now=later)
+    return stale, fresh, later
+
+
+@MODES
+@pytest.mark.parametrize(
+    "first",
+    [
+        "INSERT INTO ledger (event_id) VALUES (%(id)s)",
+        "SELECT 1 UNION ALL SELECT 2",
+        "INSERT INTO ledger (event_id) VALUES (%(id)s); INSERT INTO ledger VALUES (%(id)s)",
+        "INSERT INTO no_such_table VALUES (1)",
+    ],
+    ids=["write", "read", "two-statements", "failing"],
+)
+def test_a_stale_token_refuses_the_first_statement_and_commits_nothing(
+    store: MySQLStore, deliver: Deliveries, first: str
+) -> None:
+    stale, fresh, later = _stale(store)
+    refused: list[BaseException] = []
+    with pytest.raises(LeaseLostError), deliver(store, stale, later) as tx:
+        with tx.connection.cursor() as cur:
+            try:
+                cur.execute(first, {"id": stale.event.id})
+            except LeaseLostError as exc:  # a handler that swallows it, and goes on
+                refused.append(exc)
+        tx.record("h", Outcome.SUCCEEDED)
+    assert len(refused) == 1
+    assert ledger(store) == []
+    assert store.records(stale.event.id) == []
+    # The connection serves on: the new owner's delivery commits.
+    with store.delivery(fresh, now=later) as tx:
+        with tx.connection.cursor() as cur:
+            cur.execute("INSERT INTO ledger (event_id) VALUES (%s)", (fresh.event.id,))
+        tx.record("h", Outcome.SUCCEEDED)
+    assert ledger(store) == [fresh.event.id]
+
+
+@MODES
+def test_a_connection_taken_and_never_used_opens_at_the_end(
+    store: MySQLStore, deliver: Deliveries
+) -> None:
+    (claim,), now = claims(store, 1)
+    with deliver(store, claim, now) as tx:
+        assert tx.connection is not None
+        tx.record("h", Outcome.SUCCEEDED)
+    assert [r.handler for r in store.records(claim.event.id)] == ["h"]
+
+
+@MODES
+def test_a_stale_connection_taken_and_never_used_is_refused_at_the_end(
+    store: MySQLStore, deliver: Deliveries
+) -> None:
+    stale, _, later = _stale(store)
+    with pytest.raises(LeaseLostError), deliver(store, stale, later) as tx:
+        assert tx.connection is not None
+        tx.record("h", Outcome.SUCCEEDED)
+    assert store.records(stale.event.id) == []
+
+
+def test_a_batch_goes_on_after_a_stale_delivery(store: MySQLStore) -> None:
+    (stale, mine), now = claims(store, 2)
+    later = now + LEASE
+    (fresh,) = store.claim(batch_size=1, lease=LEASE, now=later)
+    assert fresh.event.id == stale.event.id
+    with store.batch(now=later) as batch:
+        for claim in (stale, mine):
+            with contextlib.suppress(LeaseLostError), batch.delivery(claim, now=later) as tx:
+                with tx.connection.cursor() as cur:
+                    cur.execute("INSERT INTO ledger (event_id) VALUES (%s)", (claim.event.id,))
+                tx.record("h", Outcome.SUCCEEDED)
+    assert ledger(store) == [mine.event.id]
+    assert store.records(stale.event.id) == []
+    assert [r.handler for r in store.records(mine.event.id)] == ["h"]
