@@ -131,7 +131,7 @@ class StoreConnection(GuardedConnection, pymysql.connections.Connection):
             for _ in ahead.opening:
                 owned = self._read_query_result()
         except pymysql.err.MySQLError as exc:
-            raise ahead.failed(exc) from exc
+            raise ahead.opening_failed(exc) from exc
         try:
             answer: int = self._read_query_result(unbuffered=unbuffered)
         except pymysql.err.MySQLError:
@@ -141,11 +141,12 @@ class StoreConnection(GuardedConnection, pymysql.connections.Connection):
             self._affected_rows = answer
             if owned == 1:
                 return answer
-            if unbuffered:  # its rows unread: the connection closes (the server rolls back)
+            if unbuffered and self._result is not None:  # its rows unread: the connection
+                self._result.unbuffered_active = False  # closes (the server rolls back)
                 self._force_close()
             while not unbuffered and self._result is not None and self._result.has_next:
                 self.next_result()
-        raise ahead.stale()
+        raise ahead.stale_token()
 
 
 def script_text(conn: Any, statements: Script) -> str:

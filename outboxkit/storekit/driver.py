@@ -445,13 +445,13 @@ class LazyDelivery(ABC):
         with self.dialect.mapped(self.opening_what):
             owned = self.dialect.script(self.conn, self.opening)
         if owned != 1:
-            raise self.stale()
+            raise self.stale_token()
 
-    def stale(self) -> LeaseLostError:
+    def stale_token(self) -> LeaseLostError:
         """The refusal of a stale token, kept (``refuse``)."""
         return self.refuse(LeaseLostError(f"event {self.claim.event.id}: claim token is stale"))
 
-    def failed(self, exc: BaseException) -> StoreError:
+    def opening_failed(self, exc: BaseException) -> StoreError:
         """The driver's error ``exc`` from a deferred opening, as the store's, kept."""
         return self.refuse(self.dialect.map_error(exc, self.opening_what))
 

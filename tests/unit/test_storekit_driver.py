@@ -34,6 +34,7 @@ from outboxkit.storekit.driver import (
     LazyDelivery,
     PooledDelivery,
     PooledDialect,
+    Script,
     parse_server_url,
 )
 from outboxkit.storekit.plugin import StoreClass
@@ -94,7 +95,20 @@ class Driver(sqlite3.Connection):
 
 
 class Guarded(GuardedConnection, Driver):
-    """A store's connection class: the mixin before the driver's."""
+    """A store's connection class: the mixin before the driver's. A deferred delivery's
+    opening (``ahead``) runs before its next statement (sqlite3 sends one statement at a time:
+    two calls here, where PyMySQL's store sends one flight)."""
+
+    def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            try:
+                owned = Dialect.script(ahead.dialect, self, ahead.opening)
+            except sqlite3.Error as exc:
+                raise ahead.opening_failed(exc) from exc
+            if owned != 1:
+                raise ahead.stale_token()
+        return super().execute(sql, *args)
 
 
 class Dialect(NaiveUTC, JSONRows, PooledDialect):
@@ -131,6 +145,12 @@ class Dialect(NaiveUTC, JSONRows, PooledDialect):
     def rows(self, conn: Any, name: str, params: Mapping[str, Any]) -> list[Row]:
         return list(conn.execute(name, dict(params)).fetchall())
 
+    def script(self, conn: Any, statements: Script) -> int:
+        count = 0
+        for sql, params in statements:
+            count = sqlite3.Connection.execute(conn, sql, dict(params or {})).rowcount
+        return count
+
 
 class Delivery(LazyDelivery):
     """A delivery in a transaction of its own (or, in a batch, a savepoint of it)."""
@@ -166,6 +186,16 @@ class Delivery(LazyDelivery):
         self.steps.append(f"fenced {params['handler']}")
         if self.stale:
             raise LeaseLostError("stale")
+
+
+class Deferred(Delivery):
+    """A delivery whose opening (BEGIN, then the token check: a row count of 1) is deferred to
+    the handler's first statement (``LazyDelivery.defer``)."""
+
+    def open(self) -> None:
+        self.steps.append("defer")
+        check = "UPDATE rows SET n = n WHERE n = :n"
+        self.defer([("BEGIN", None), (check, {"n": -1 if self.stale else 0})])
 
 
 @pytest.fixture
@@ -352,3 +382,55 @@ def test_a_store_class_is_imported_on_first_use_and_a_missing_driver_named() -> 
     other = StoreClass("okx_no_such_module", "S", drivers=("x",), needs="X", extra="x", what="it")
     with pytest.raises(ModuleNotFoundError):  # not the driver's: propagated as it is
         other.load()
+
+
+def deferred(dialect: Dialect, **options: Any) -> PooledDelivery[Deferred]:
+    with dialect.write("the row the check finds") as conn:
+        conn.execute("INSERT OR IGNORE INTO rows VALUES (0)")
+    return PooledDelivery(dialect, lambda conn: Deferred(dialect, conn, **options), "deliver")
+
+
+def test_a_deferred_opening_goes_with_the_first_statement(dialect: Dialect) -> None:
+    block = deferred(dialect)
+    with block as tx:
+        conn = tx.connection  # nothing sent yet
+        assert conn.ahead is block.tx and not conn.in_transaction
+        conn.execute("INSERT INTO rows VALUES (1)")
+        assert conn.ahead is None and conn.in_transaction
+        tx.record("h", Outcome.SUCCEEDED)
+    assert block.tx.steps == ["defer", "finish 1"]
+    assert count(dialect) == 2
+
+
+def test_a_deferred_opening_never_sent_is_sent_alone_at_the_end(dialect: Dialect) -> None:
+    block = deferred(dialect)
+    with block as tx:
+        assert tx.connection.ahead is block.tx
+        tx.record("h", Outcome.SUCCEEDED)
+    assert block.tx.steps == ["defer", "finish 1"]
+    assert block.tx.conn.ahead is None
+
+
+def test_a_deferred_opening_refused_stays_refused(dialect: Dialect) -> None:
+    block = deferred(dialect, stale=True)
+    with pytest.raises(LeaseLostError), block as tx:
+        with contextlib.suppress(LeaseLostError):  # a handler that swallows it
+            tx.connection.execute("INSERT INTO rows VALUES (1)")
+        tx.record("h", Outcome.SUCCEEDED)
+    assert block.tx.steps == ["defer", "undo"]  # the BEGIN it sent, rolled back
+    assert count(dialect) == 1
+    never = deferred(dialect, stale=True)
+    with pytest.raises(LeaseLostError), never as tx:
+        assert tx.connection is not None  # taken, never used: refused as the block ends
+        tx.record("h", Outcome.SUCCEEDED)
+    assert never.tx.steps == ["defer", "undo"]
+
+
+def test_a_deferred_opening_never_sent_has_nothing_to_undo(dialect: Dialect) -> None:
+    block = deferred(dialect)
+    with pytest.raises(RuntimeError, match="boom"), block as tx:
+        assert tx.connection.ahead is block.tx
+        raise RuntimeError("boom")
+    assert block.tx.steps == ["defer"]
+    assert block.tx.conn.ahead is None
+    assert len(dialect.pool.idle) == 1  # kept: nothing was sent, nothing is in doubt

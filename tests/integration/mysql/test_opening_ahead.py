@@ -15,7 +15,7 @@ from typing import Any
 import pymysql.cursors
 import pytest
 
-from outboxkit import LeaseLostError, Outcome
+from outboxkit import LeaseLostError, Outcome, StoreError
 from outboxkit.storekit import Claim
 from outboxkit_mysql import MySQLStore
 
@@ -174,3 +174,45 @@ def test_a_batch_goes_on_after_a_stale_delivery(store: MySQLStore) -> None:
     assert ledger(store) == [mine.event.id]
     assert store.records(stale.event.id) == []
     assert [r.handler for r in store.records(mine.event.id)] == ["h"]
+
+
+def test_a_stale_unbuffered_first_statement_closes_the_connection(store: MySQLStore) -> None:
+    """Its rows are not read to be dropped: the connection closes (the server rolls the
+    delivery back), and the store goes on with another."""
+    stale, fresh, later = _stale(store)
+    with (
+        pytest.raises(LeaseLostError),
+        store.delivery(stale, now=later) as tx,
+        tx.connection.cursor(pymysql.cursors.SSCursor) as cur,
+    ):
+        cur.execute("SELECT 1 UNION ALL SELECT 2")
+    assert store.records(stale.event.id) == []
+    with store.delivery(fresh, now=later) as tx:
+        with tx.connection.cursor() as cur:
+            cur.execute("INSERT INTO ledger (event_id) VALUES (%s)", (fresh.event.id,))
+        tx.record("h", Outcome.SUCCEEDED)
+    assert ledger(store) == [fresh.event.id]
+
+
+def test_a_stale_unbuffered_first_statement_in_a_batch_fails_the_batch(
+    store: MySQLStore,
+) -> None:
+    """In a batch the closed connection was the batch's: it fails as the store's failure, and
+    nothing of it commits."""
+    (stale, mine), now = claims(store, 2)
+    later = now + LEASE
+    store.claim(batch_size=1, lease=LEASE, now=later)
+    with pytest.raises(StoreError), store.batch(now=later) as batch:
+        with batch.delivery(mine, now=later) as tx:
+            with tx.connection.cursor() as cur:
+                cur.execute("INSERT INTO ledger (event_id) VALUES (%s)", (mine.event.id,))
+            tx.record("h", Outcome.SUCCEEDED)
+        with (
+            contextlib.suppress(LeaseLostError),
+            batch.delivery(stale, now=later) as tx,
+            tx.connection.cursor(pymysql.cursors.SSCursor) as cur,
+        ):
+            cur.execute("SELECT 1 UNION ALL SELECT 2")
+        batch.settle_many([], now=later)
+    assert ledger(store) == []
+    assert store.records(mine.event.id) == []
