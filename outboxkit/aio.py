@@ -202,7 +202,7 @@ class AsyncPoller(PollerBase):
             return batch.report
         runtime = self.runtime
         try:
-            async with self._deliveries() as deliveries:
+            async with self._deliveries(claims) as deliveries:
                 try:
                     await self._deliver_all(deliveries, batch)
                 finally:
@@ -224,12 +224,16 @@ class AsyncPoller(PollerBase):
         return batch.final_report()
 
     @asynccontextmanager
-    async def _deliveries(self) -> AsyncIterator[AsyncDeliveries]:
-        """Where the round's deliveries go: a batch transaction, or the store's per-event
-        round (``Store.rounds``: the store itself, unless it has a faster way)."""
+    async def _deliveries(self, claims: Sequence[Claim]) -> AsyncIterator[AsyncDeliveries]:
+        """Where the round's deliveries of ``claims`` go: a batch transaction, told its claims
+        (``claimed``: a batch written before it had none), or the store's per-event round
+        (``Store.rounds``: the store itself, unless it has a faster way)."""
         store = self.store
         if self._batched:
             async with store.batch(now=self.runtime.store_now()) as batch:
+                claimed = getattr(batch, "claimed", None)
+                if claimed is not None:
+                    await claimed(claims)
                 yield batch
         else:
             async with store.rounds(concurrency=self.concurrency) as deliveries:

@@ -155,7 +155,7 @@ class Poller(PollerBase):
             return batch.report
         runtime = self.runtime
         try:
-            with self._deliveries() as deliveries:
+            with self._deliveries(claims) as deliveries:
                 try:
                     self._deliver_all(deliveries, batch)
                 finally:
@@ -177,12 +177,16 @@ class Poller(PollerBase):
         return batch.final_report()
 
     @contextmanager
-    def _deliveries(self) -> Iterator[Deliveries]:
-        """Where the round's deliveries go: a batch transaction, or the store's per-event
-        round (``Store.rounds``: the store itself, unless it has a faster way)."""
+    def _deliveries(self, claims: Sequence[Claim]) -> Iterator[Deliveries]:
+        """Where the round's deliveries of ``claims`` go: a batch transaction, told its claims
+        (``claimed``: a batch written before it had none), or the store's per-event round
+        (``Store.rounds``: the store itself, unless it has a faster way)."""
         store = self.store
         if self._batched:
             with store.batch(now=self.runtime.store_now()) as batch:
+                claimed = getattr(batch, "claimed", None)
+                if claimed is not None:
+                    claimed(claims)
                 yield batch
         else:
             with store.rounds(concurrency=self.concurrency) as deliveries:

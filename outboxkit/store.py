@@ -173,6 +173,15 @@ class BatchTransaction(Deliveries, Protocol):
         """
         ...
 
+    def claimed(self, claims: Sequence[Claim]) -> None:
+        """The batch's claims, in claim order, before its first delivery (both pollers tell
+        it, when the batch has this method). A store may check their tokens and lock their
+        rows here, all at once, so that a delivery need not (the MariaDB/MySQL store); a
+        delivery of a claim found stale is then refused without asking the database. Default
+        (``storekit.BatchBase``): nothing.
+        """
+        ...
+
 
 @runtime_checkable
 class Store(Deliveries, Protocol):
@@ -394,6 +403,10 @@ class AsyncBatchTransaction(AsyncDeliveries, Protocol):
 
     async def settle_last(self, items: Sequence[SettleItem], *, now: datetime | None) -> list[bool]:
         """``BatchTransaction.settle_last`` for async code."""
+        ...
+
+    async def claimed(self, claims: Sequence[Claim]) -> None:
+        """``BatchTransaction.claimed`` for async code."""
         ...
 
 

@@ -93,6 +93,12 @@ class Delivery(LazyDelivery):
             steps.append(("XA START %(xid)s", {"xid": self.xid}))
         else:
             steps.append((_SAVEPOINT, None))
+            owned = None if self.batch is None else self.batch.lock(self.claim)
+            if owned is not None:  # the batch checked and locked its rows (``Batch.lock``)
+                if not owned:
+                    raise self.stale_token()
+                self.defer(steps, checks=False)
+                return
         (check,) = self.store.dialect.queries["owned"]
         self.defer([*steps, (check, {"id": self.claim.event.id, "token": self.claim.token})])
 
@@ -152,6 +158,30 @@ class Batch(SQLBatch):
 
     store: MySQLStore
     conn: StoreConnection
+    claims: Sequence[Claim] = ()
+    told: frozenset[str] | set[str] = frozenset()
+    owned: set[int] | None = None
+
+    def claimed(self, claims: Sequence[Claim]) -> None:
+        self.claims = claims  # locked at the first delivery that opens (``lock``)
+        self.told = {claim.token for claim in claims}
+
+    def lock(self, claim: Claim) -> bool | None:
+        """Whether the batch holds ``claim``'s row (None: a claim it was not told of, checked on
+        its own). At the batch's first delivery that opens, the tokens of the claims it was
+        told of (``claimed``) are checked and the rows they hold locked, all at once (R6): a
+        delivery of one of them checks nothing more (its row stays locked until the batch
+        ends); one of the others is refused without asking the server."""
+        if self.owned is None and self.claims:
+            ids, tokens = zip(*((c.event.id, c.token) for c in self.claims), strict=True)
+            with self.store.dialect.mapped("lock the batch's events"):
+                rows = self.store.dialect.rows(
+                    self.conn, "lock_claimed", {"ids": ids, "tokens": tokens}
+                )
+            self.owned = {row[0] for row in rows}
+        if self.owned is None or claim.token not in self.told:
+            return None
+        return claim.event.id in self.owned
 
     def delivery(self, claim: Claim, *, now: datetime | None) -> InBatch[Delivery]:
         return InBatch(self, Delivery(self.store, self.conn, claim, now, None, self))

@@ -132,6 +132,7 @@ class StoreConnection(GuardedConnection, pymysql.connections.Connection):
                 owned = self._read_query_result()
         except pymysql.err.MySQLError as exc:
             raise ahead.opening_failed(exc) from exc
+        owned = owned if ahead.checks else 1
         try:
             answer: int = self._read_query_result(unbuffered=unbuffered)
         except pymysql.err.MySQLError:

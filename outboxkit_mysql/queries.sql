@@ -113,6 +113,12 @@ SELECT id INTO @outboxkit_owned FROM {events}
  WHERE id = %(id)s AND token = %(token)s AND published_at IS NULL AND failed_at IS NULL
    FOR UPDATE
 
+-- name: lock_claimed
+-- R6 for a whole batch, at its start (Batch.claimed): the rows whose tokens hold, locked.
+SELECT id FROM {events}
+ WHERE id IN %(ids)s AND token IN %(tokens)s AND published_at IS NULL AND failed_at IS NULL
+   FOR UPDATE
+
 -- name: insert_record
 INSERT INTO {deliveries} (event_id, handler, outcome, attempt, recorded_at, reason)
 VALUES (%(event_id)s, %(handler)s, %(outcome)s, %(attempt)s, {now}, %(reason)s)

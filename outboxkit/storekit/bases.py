@@ -133,6 +133,11 @@ class BatchBase(DeliveriesBase):
         """
         return self.settle_many(items, now=now)
 
+    def claimed(self, claims: Sequence[Claim]) -> None:
+        """The batch's claims, before its first delivery (``BatchTransaction.claimed``).
+        Default: nothing."""
+        return None
+
 
 class StoreBase(DeliveriesBase):
     """A store (``Store``) from twelve methods: ``enqueue``, ``transaction``, ``claim``,
@@ -416,6 +421,10 @@ class AsyncBatchBase(AsyncDeliveriesBase):
             Which items were settled (true once the batch commits).
         """
         return await self.settle_many(items, now=now)
+
+    async def claimed(self, claims: Sequence[Claim]) -> None:
+        """``BatchBase.claimed``. Default: nothing."""
+        return None
 
 
 class AsyncStoreBase(AsyncDeliveriesBase):

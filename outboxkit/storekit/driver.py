@@ -396,6 +396,7 @@ class LazyDelivery(ABC):
         self.broken = False
         self.refused: LeaseLostError | StoreError | None = None
         self.opening: Script = ()
+        self.checks = True
         self.kept: list[dict[str, Any]] = []
 
     @property
@@ -420,13 +421,15 @@ class LazyDelivery(ABC):
         self.refused = refusal
         return refusal
 
-    def defer(self, opening: Script) -> None:
+    def defer(self, opening: Script, *, checks: bool = True) -> None:
         """``open`` for a store whose connection (a ``GuardedConnection``) sends a delivery's
         ``opening`` (the transaction or savepoint begun, then the token check and row lock,
-        whose row count 1 says the token holds) ahead of the handler's first statement, in its
-        round trip: kept on the connection (``ahead``) for that; ``flush`` sends it alone."""
+        whose row count 1 says the token holds; ``checks`` False: no check, the row already
+        locked by the batch) ahead of the handler's first statement, in its round trip: kept
+        on the connection (``ahead``) for that; ``flush`` sends it alone."""
         self.opened = True
         self.opening = opening
+        self.checks = checks
         conn = self.conn
         conn.ahead = self
         conn.dirty = conn.delivering = True
@@ -444,7 +447,7 @@ class LazyDelivery(ABC):
         self.conn.ahead = None
         with self.dialect.mapped(self.opening_what):
             owned = self.dialect.script(self.conn, self.opening)
-        if owned != 1:
+        if self.checks and owned != 1:
             raise self.stale_token()
 
     def stale_token(self) -> LeaseLostError:

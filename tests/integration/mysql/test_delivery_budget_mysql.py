@@ -29,8 +29,9 @@ BUDGET = {
     ("per_event", "writes"): (2, 0),
     # A handler that never takes the connection: its record, fenced by the token, alone.
     ("per_event", "noop"): (1, 0),
-    # The savepoint and token check with the handler's INSERT (the records are written with
-    # the batch's commit, all at once).
+    # The savepoint with the handler's INSERT: the batch checked every token and locked the
+    # rows once, at its first delivery (Batch.lock); the records are written with the batch's
+    # commit, all at once.
     ("per_batch", "writes"): (1, 0),
     ("per_batch", "noop"): (0, 0),
 }

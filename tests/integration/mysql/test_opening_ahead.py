@@ -52,6 +52,13 @@ def ledger(store: MySQLStore) -> list[int]:
         return [row[0] for row in cur.fetchall()]
 
 
+def write(tx: Any, claim: Claim) -> None:
+    """A handler's work: one ledger row, then its record."""
+    with tx.connection.cursor() as cur:
+        cur.execute("INSERT INTO ledger (event_id) VALUES (%s)", (claim.event.id,))
+    tx.record("h", Outcome.SUCCEEDED)
+
+
 Deliveries = Callable[[MySQLStore, Claim, Any], AbstractContextManager[Any]]
 
 
@@ -91,9 +98,7 @@ def test_an_unbuffered_first_statement_streams_its_rows(
         with tx.connection.cursor(pymysql.cursors.SSCursor) as cur:
             cur.execute("SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3")
             assert [row[0] for row in cur] == [1, 2, 3]
-        with tx.connection.cursor() as cur:
-            cur.execute("INSERT INTO ledger (event_id) VALUES (%s)", (claim.event.id,))
-        tx.record("h", Outcome.SUCCEEDED)
+        write(tx, claim)
     assert ledger(store) == [claim.event.id]
 
 
@@ -132,9 +137,7 @@ def test_a_stale_token_refuses_the_first_statement_and_commits_nothing(
     assert store.records(stale.event.id) == []
     # The connection serves on: the new owner's delivery commits.
     with store.delivery(fresh, now=later) as tx:
-        with tx.connection.cursor() as cur:
-            cur.execute("INSERT INTO ledger (event_id) VALUES (%s)", (fresh.event.id,))
-        tx.record("h", Outcome.SUCCEEDED)
+        write(tx, fresh)
     assert ledger(store) == [fresh.event.id]
 
 
@@ -168,9 +171,7 @@ def test_a_batch_goes_on_after_a_stale_delivery(store: MySQLStore) -> None:
     with store.batch(now=later) as batch:
         for claim in (stale, mine):
             with contextlib.suppress(LeaseLostError), batch.delivery(claim, now=later) as tx:
-                with tx.connection.cursor() as cur:
-                    cur.execute("INSERT INTO ledger (event_id) VALUES (%s)", (claim.event.id,))
-                tx.record("h", Outcome.SUCCEEDED)
+                write(tx, claim)
     assert ledger(store) == [mine.event.id]
     assert store.records(stale.event.id) == []
     assert [r.handler for r in store.records(mine.event.id)] == ["h"]
@@ -188,9 +189,7 @@ def test_a_stale_unbuffered_first_statement_closes_the_connection(store: MySQLSt
         cur.execute("SELECT 1 UNION ALL SELECT 2")
     assert store.records(stale.event.id) == []
     with store.delivery(fresh, now=later) as tx:
-        with tx.connection.cursor() as cur:
-            cur.execute("INSERT INTO ledger (event_id) VALUES (%s)", (fresh.event.id,))
-        tx.record("h", Outcome.SUCCEEDED)
+        write(tx, fresh)
     assert ledger(store) == [fresh.event.id]
 
 
@@ -204,9 +203,7 @@ def test_a_stale_unbuffered_first_statement_in_a_batch_fails_the_batch(
     store.claim(batch_size=1, lease=LEASE, now=later)
     with pytest.raises(StoreError), store.batch(now=later) as batch:
         with batch.delivery(mine, now=later) as tx:
-            with tx.connection.cursor() as cur:
-                cur.execute("INSERT INTO ledger (event_id) VALUES (%s)", (mine.event.id,))
-            tx.record("h", Outcome.SUCCEEDED)
+            write(tx, mine)
         with (
             contextlib.suppress(LeaseLostError),
             batch.delivery(stale, now=later) as tx,
@@ -216,3 +213,40 @@ def test_a_stale_unbuffered_first_statement_in_a_batch_fails_the_batch(
         batch.settle_many([], now=later)
     assert ledger(store) == []
     assert store.records(mine.event.id) == []
+
+
+def test_a_batch_told_its_claims_checks_them_all_at_its_first_opening(store: MySQLStore) -> None:
+    """``Batch.claimed`` (both pollers call it): the tokens are checked and the rows locked
+    once, at the first delivery that opens; a delivery then sends only its savepoint with the
+    handler's statement, and one whose claim went stale before is refused at once."""
+    (first, stale, last), now = claims(store, 3)
+    later = now + LEASE
+    (fresh,) = store.claim(batch_size=1, lease=LEASE, now=later)  # the oldest expired one
+    assert fresh.event.id == first.event.id
+    with store.batch(now=later) as batch:
+        batch.claimed([first, stale, last])
+        # The first is refused (taken over); the others, whose leases ran out but were not
+        # taken, are still this batch's (their tokens hold) and are locked now.
+        with pytest.raises(LeaseLostError), batch.delivery(first, now=later) as tx:
+            assert tx.connection is not None
+        assert batch.owned == {stale.event.id, last.event.id}
+        for claim in (stale, last):
+            with batch.delivery(claim, now=later) as tx:
+                write(tx, claim)
+        # Meanwhile another poller, once every lease ran out, takes only the event the batch
+        # lost: it holds the rows of the others.
+        taken = store.claim(batch_size=10, lease=LEASE, now=later + 2 * LEASE)
+        assert [claim.event.id for claim in taken] == [first.event.id]
+    assert ledger(store) == [stale.event.id, last.event.id]
+    assert store.records(first.event.id) == []
+
+
+def test_a_claim_the_batch_was_not_told_of_is_checked_on_its_own(store: MySQLStore) -> None:
+    (told, untold), now = claims(store, 2)
+    with store.batch(now=now) as batch:
+        batch.claimed([told])
+        for claim in (told, untold):
+            with batch.delivery(claim, now=now) as tx:
+                write(tx, claim)
+        assert batch.owned == {told.event.id}
+    assert ledger(store) == [told.event.id, untold.event.id]
