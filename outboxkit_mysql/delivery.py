@@ -17,8 +17,8 @@ token (in a batch: kept for ``write_kept``).
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager, suppress
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -29,10 +29,16 @@ from outboxkit.storekit import (
     LeaseLostError,
     NewEvent,
 )
-from outboxkit.storekit.driver import InBatch, LazyDelivery, PooledDelivery
+from outboxkit.storekit.driver import (
+    InBatch,
+    LazyDelivery,
+    PooledDelivery,
+    pooled_batch,
+    run_script,
+)
 from outboxkit.storekit.sql import SQLBatch
 
-from .dialect import SESSION, StoreConnection, restored, run_script
+from .dialect import SESSION, StoreConnection, restored
 
 if TYPE_CHECKING:
     from .store import MySQLStore
@@ -153,66 +159,26 @@ def delivery_of(store: MySQLStore, claim: Claim, now: datetime | None) -> Pooled
 
 
 class Batch(SQLBatch):
-    """One XA transaction for a claimed batch: deliveries in savepoints; settlements and lease
-    extensions on the same connection (``SQLBatch``)."""
+    """One XA transaction for a claimed batch: deliveries in savepoints, their tokens checked
+    once (``SQLBatch.lock``); settlements and lease extensions on the same connection."""
 
     store: MySQLStore
     conn: StoreConnection
-    claims: Sequence[Claim] = ()
-    told: frozenset[str] | set[str] = frozenset()
-    owned: set[int] | None = None
-
-    def claimed(self, claims: Sequence[Claim]) -> None:
-        self.claims = claims  # locked at the first delivery that opens (``lock``)
-        self.told = {claim.token for claim in claims}
-
-    def lock(self, claim: Claim) -> bool | None:
-        """Whether the batch holds ``claim``'s row (None: a claim it was not told of, checked on
-        its own). At the batch's first delivery that opens, the tokens of the claims it was
-        told of (``claimed``) are checked and the rows they hold locked, all at once (R6): a
-        delivery of one of them checks nothing more (its row stays locked until the batch
-        ends); one of the others is refused without asking the server."""
-        if self.owned is None and self.claims:
-            ids, tokens = zip(*((c.event.id, c.token) for c in self.claims), strict=True)
-            with self.store.dialect.mapped("lock the batch's events"):
-                rows = self.store.dialect.rows(
-                    self.conn, "lock_claimed", {"ids": ids, "tokens": tokens}
-                )
-            self.owned = {row[0] for row in rows}
-        if self.owned is None or claim.token not in self.told:
-            return None
-        return claim.event.id in self.owned
 
     def delivery(self, claim: Claim, *, now: datetime | None) -> InBatch[Delivery]:
         return InBatch(self, Delivery(self.store, self.conn, claim, now, None, self))
 
 
-@contextmanager
-def batch_on(store: MySQLStore) -> Iterator[Batch]:
+def batch_on(store: MySQLStore) -> AbstractContextManager[Batch]:
     """``MySQLStore.batch``: a store connection in an XA transaction for the block."""
-    dialect = store.dialect
     xid = f"okb{uuid.uuid4().hex}"
-    with dialect.mapped("open a batch transaction"):
-        conn = dialect.pool.take()
-    broken = True
-    try:
-        with dialect.mapped("open a batch transaction"):
-            run_script(
-                conn,
-                [*([(SESSION, None)] if conn.dirty else []), ("XA START %(xid)s", {"xid": xid})],
-            )
+
+    def begin(conn: StoreConnection) -> None:
+        session = [(SESSION, None)] if conn.dirty else []
+        run_script(conn, [*session, ("XA START %(xid)s", {"xid": xid})])
         conn.dirty = False
-        try:
-            batch = Batch(store, conn)
-            yield batch
-            batch.write_kept()
-            with dialect.mapped("commit the batch"):
-                xa_end(conn, xid, commit=True)
-        except BaseException:
-            with suppress(pymysql.err.MySQLError):
-                xa_end(conn, xid, commit=False)
-                broken = False
-            raise
-        broken = False
-    finally:
-        dialect.pool.give(conn, broken=broken)
+
+    def end(conn: StoreConnection, commit: bool) -> None:
+        xa_end(conn, xid, commit=commit)
+
+    return pooled_batch(store.dialect, lambda conn: Batch(store, conn), begin, end)

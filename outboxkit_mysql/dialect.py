@@ -13,7 +13,6 @@ error table, its values, and the statements of ``queries.sql`` with the store's 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from contextlib import suppress
 from datetime import timedelta
 from typing import Any
 
@@ -30,22 +29,15 @@ from outboxkit.storekit.driver import (
     ConnectionPool,
     GuardedConnection,
     PooledDialect,
-    Script,
     parse_server_url,
+    run_script,
+    script_text,
 )
-from outboxkit.storekit.queries import load_queries, run_steps, split_steps
+from outboxkit.storekit.queries import load_queries, split_steps
 from outboxkit.storekit.rows import EVENT_COLUMNS
 from outboxkit.storekit.sql import JSONRows, NaiveUTC, Row
 
-__all__ = [
-    "SESSION",
-    "MySQLDialect",
-    "StoreConnection",
-    "map_error",
-    "restored",
-    "run_script",
-    "script_text",
-]
+__all__ = ["SESSION", "MySQLDialect", "StoreConnection", "map_error", "restored"]
 
 SESSION = (
     "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED;"
@@ -150,24 +142,6 @@ class StoreConnection(GuardedConnection, pymysql.connections.Connection):
         raise ahead.stale_token()
 
 
-def script_text(conn: Any, statements: Script) -> str:
-    """``statements`` as one text, each interpolated by PyMySQL's own escaping
-    (``Cursor.mogrify``)."""
-    mogrify = conn.cursor().mogrify
-    return ";".join(mogrify(sql, params) if params else sql for sql, params in statements)
-
-
-def run_script(conn: Any, statements: Script) -> int:
-    """Several statements in one round trip (the store's connections allow it); the last
-    one's row count (rows changed, or selected ``INTO`` variables)."""
-    with conn.cursor() as cur:
-        cur.execute(script_text(conn, statements))
-        while cur.nextset():
-            pass
-        count: int = cur.rowcount
-    return count
-
-
 class MySQLDialect(NaiveUTC, JSONRows, PooledDialect):
     """The MariaDB/MySQL store's dialect (see the module docstring).
 
@@ -202,16 +176,17 @@ class MySQLDialect(NaiveUTC, JSONRows, PooledDialect):
             for name, text in load_queries("outboxkit_mysql").items()
         }
         self.pool = ConnectionPool(
-            self.new_connection, pool_size, reset=_reset, close=_close, what="the MySQL store"
+            self.new_connection,
+            pool_size,
+            reset=StoreConnection.kept,
+            close=StoreConnection.close_quietly,
+            what="the MySQL store",
         )
 
     # -- statements ---------------------------------------------------------------------------
 
     def map_error(self, exc: BaseException, doing: str) -> StoreError:
         return map_error(exc, self.where, doing)
-
-    def script(self, conn: Any, statements: Script) -> int:
-        return run_script(conn, statements)
 
     def outage(self, exc: BaseException) -> bool:
         return code_of(exc) in UNAVAILABLE
@@ -232,32 +207,9 @@ class MySQLDialect(NaiveUTC, JSONRows, PooledDialect):
             )
 
     def rows(self, conn: Any, name: str, params: Mapping[str, Any]) -> list[Row]:
-        if any(type(value) is tuple and not value for value in params.values()):
-            return []  # `IN ()`: nothing can match
         if name == "purge_dead":
             params = {**params, "any": params["ids"] is None, "ids": params["ids"] or (0,)}
-        with conn.cursor() as cur:
-
-            def execute(sql: str, bound: Mapping[str, Any]) -> list[Row] | None:
-                cur.execute(sql, bound)
-                return list(cur.fetchall()) if cur.description else None
-
-            return run_steps(execute, self.queries[name], params)
-
-    def execute(self, conn: Any, name: str, params: Mapping[str, Any]) -> Any:
-        """Run a one-step statement; its cursor's ``rowcount`` and ``lastrowid``."""
-        with conn.cursor() as cur:
-            (sql,) = self.queries[name]
-            cur.execute(sql, params)
-            return cur.rowcount, cur.lastrowid
-
-
-def _reset(conn: StoreConnection) -> bool:
-    """Keep a connection unless a handler tried to end its delivery. One a handler had stays
-    ``dirty``: its next user sets the session first (R18), a delivery with its XA START."""
-    conn.delivering = False
-    conn.ahead = None
-    return not conn.ended_by_handler
+        return super().rows(conn, name, params)
 
 
 def restored(conn: StoreConnection) -> StoreConnection:
@@ -266,9 +218,3 @@ def restored(conn: StoreConnection) -> StoreConnection:
         run_script(conn, [(SESSION, None)])
         conn.dirty = False
     return conn
-
-
-def _close(conn: StoreConnection) -> None:
-    conn.delivering = False
-    with suppress(pymysql.err.Error):  # already gone
-        conn.close()

@@ -33,7 +33,7 @@ import threading
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import datetime
 from types import TracebackType
@@ -43,8 +43,9 @@ from urllib.parse import unquote, urlsplit
 from ..core.model import Claim, Outcome
 from ..errors import ConfigurationError, HandlerCrashed, LeaseLostError, Reject, StoreError
 from .names import validate_identifier
+from .queries import run_steps
 from .rows import record_params
-from .sql import Dialect
+from .sql import Dialect, Row, SQLBatch
 
 if TYPE_CHECKING:
     from .sql import KeptRecords
@@ -60,6 +61,9 @@ __all__ = [
     "Script",
     "ServerURL",
     "parse_server_url",
+    "pooled_batch",
+    "run_script",
+    "script_text",
 ]
 
 C = TypeVar("C")
@@ -177,6 +181,28 @@ Script = Sequence[tuple[str, "Mapping[str, Any] | None"]]
 Refusal = TypeVar("Refusal", LeaseLostError, StoreError)
 
 
+def script_text(conn: Any, statements: Script) -> str:
+    """``statements`` as one text, each interpolated by the driver's own escaping (its
+    cursors' ``mogrify``: PyMySQL's, psycopg's)."""
+    mogrify = conn.cursor().mogrify
+    return ";".join(mogrify(sql, params) if params else sql for sql, params in statements)
+
+
+def run_script(conn: Any, statements: Script) -> int:
+    """``statements`` in one round trip (``script_text``: a driver and connection that take
+    several statements at once), every answer read (``nextset``); the last one's row count
+    (rows changed, or selected ``INTO`` variables)."""
+    cur = conn.cursor()
+    try:
+        cur.execute(script_text(conn, statements))
+        while cur.nextset():
+            pass
+        count: int = cur.rowcount
+    finally:
+        cur.close()
+    return count
+
+
 class PooledDialect(Dialect):
     """A dialect whose connections are a ``ConnectionPool``'s (``pool``), DB-API connections in
     autocommit mode whose driver errors derive from ``driver_error``: the blocks of the seam,
@@ -202,10 +228,42 @@ class PooledDialect(Dialect):
         """``conn``, taken from the pool, made fit for a block of the store's own."""
         return conn
 
+    queries: dict[str, list[str]]
+    """The statements of the store's ``queries.sql``, names in place, each split into its steps
+    (``queries.split_steps``): what the default ``rows`` and ``execute`` run."""
+
+    def rows(self, conn: Any, name: str, params: Mapping[str, Any]) -> list[Row]:
+        """The named statement's rows, its steps run by ``queries.run_steps`` on a cursor of
+        ``conn`` (a driver with ``pyformat`` parameters, expanding tuples for ``IN``: an empty
+        one matches nothing, so no step runs)."""
+        if any(type(value) is tuple and not value for value in params.values()):
+            return []
+        cur = conn.cursor()
+        try:
+
+            def execute(sql: str, bound: Mapping[str, Any]) -> list[Row] | None:
+                cur.execute(sql, bound)
+                return list(cur.fetchall()) if cur.description else None
+
+            return run_steps(execute, self.queries[name], params)
+        finally:
+            cur.close()
+
+    def execute(self, conn: Any, name: str, params: Mapping[str, Any]) -> tuple[int, Any]:
+        """Run a one-step statement; its cursor's ``rowcount`` and ``lastrowid``."""
+        (sql,) = self.queries[name]
+        cur = conn.cursor()
+        try:
+            cur.execute(sql, params)
+            return cur.rowcount, cur.lastrowid
+        finally:
+            cur.close()
+
     def script(self, conn: Any, statements: Script) -> int:
         """Run ``statements`` (``(sql, params)`` each) on ``conn``, in one round trip if the
-        driver can; the last one's row count. Needed by ``LazyDelivery.defer``."""
-        raise NotImplementedError(f"{type(self).__name__} runs no scripts")
+        driver can; the last one's row count (``LazyDelivery.flush`` reads it). Default:
+        ``run_script``."""
+        return run_script(conn, statements)
 
     @contextmanager
     def connection(self, doing: str) -> Iterator[Any]:
@@ -287,6 +345,19 @@ class GuardedConnection(_DriverConnection):
         if self.delivering:
             self.ended_by_handler = True
             raise self.refusal(what)
+
+    def kept(self) -> bool:
+        """A ``ConnectionPool``'s ``reset``: the connection made fit for its next user, kept
+        unless a handler tried to end its delivery (one a handler had stays ``dirty``)."""
+        self.delivering = False
+        self.ahead = None
+        return not self.ended_by_handler
+
+    def close_quietly(self) -> None:
+        """A ``ConnectionPool``'s ``close``: closed, whatever state it is in."""
+        self.delivering = False
+        with suppress(Exception):  # already gone
+            super().close()
 
     def commit(self) -> None:
         self._guard("commit")
@@ -635,3 +706,42 @@ class InBatch(Generic[D]):
         tb: TracebackType | None,
     ) -> None:
         self.tx.close(exc, self.batch)
+
+
+B = TypeVar("B", bound=SQLBatch)
+
+
+@contextmanager
+def pooled_batch(
+    dialect: PooledDialect,
+    make: Callable[[Any], B],
+    begin: Callable[[Any], None],
+    end: Callable[[Any, bool], None],
+) -> Iterator[B]:
+    """What ``Store.batch`` returns for a store on a ``PooledDialect``: one of the pool's
+    connections, ``begin(conn)`` its transaction, the block with the batch ``make(conn)``,
+    then the batch's kept records (``write_kept``) and ``end(conn, True)``, the commit. If the
+    block raises, ``end(conn, False)`` rolls back; a connection whose rollback fails too is
+    closed rather than kept."""
+    with dialect.mapped("open a batch transaction"):
+        conn = dialect.pool.take()
+    broken = True
+    try:
+        with dialect.mapped("open a batch transaction"):
+            begin(conn)
+        try:
+            batch = make(conn)
+            yield batch
+            batch.write_kept()
+            with dialect.mapped("commit the batch"):
+                end(conn, True)
+        except BaseException:
+            try:
+                end(conn, False)
+                broken = False
+            except dialect.driver_error:
+                pass  # the error the block raises is the one that made it roll back
+            raise
+        broken = False
+    finally:
+        dialect.pool.give(conn, broken=broken)

@@ -606,6 +606,31 @@ class SQLBatch(KeptRecords, BatchBase):
         super().__init__()
         self.store = store
         self.conn = conn
+        self.claims: Sequence[Claim] = ()
+        self.told: set[str] = set()
+        self.owned: set[int] | None = None
+
+    def claimed(self, claims: Sequence[Claim]) -> None:
+        """``BatchTransaction.claimed``: the claims, kept for ``lock``."""
+        self.claims = claims
+        self.told = {claim.token for claim in claims}
+
+    def lock(self, claim: Claim) -> bool | None:
+        """Whether the batch holds ``claim``'s row (None: a claim it was not told of, to check
+        on its own), for a store whose ``queries.sql`` has ``lock_claimed`` (``ids``,
+        ``tokens``: the ids of the rows whose tokens hold, locked). At the first call, the
+        tokens of the claims told (``claimed``) are checked and their rows locked, all at
+        once (R6): a delivery of one of them then checks nothing (its row stays locked until
+        the batch ends); one of the others is refused without asking the database."""
+        if self.owned is None and self.claims:
+            ids, tokens = zip(*((c.event.id, c.token) for c in self.claims), strict=True)
+            dialect = self.store.dialect
+            with dialect.mapped("lock the batch's events", self.conn):
+                rows = dialect.rows(self.conn, "lock_claimed", {"ids": ids, "tokens": tokens})
+            self.owned = {row[0] for row in rows}
+        if self.owned is None or claim.token not in self.told:
+            return None
+        return claim.event.id in self.owned
 
     def check_open(self) -> None:
         """Raise if the batch's transaction is no longer the one the store opened (by default
