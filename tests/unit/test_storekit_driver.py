@@ -12,7 +12,7 @@ import types
 from collections.abc import Iterator, Mapping
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -36,9 +36,10 @@ from outboxkit.storekit.driver import (
     PooledDialect,
     Script,
     parse_server_url,
+    pooled_batch,
 )
 from outboxkit.storekit.plugin import StoreClass
-from outboxkit.storekit.sql import JSONRows, NaiveUTC, Row
+from outboxkit.storekit.sql import JSONRows, NaiveUTC, Row, SQLBatch
 
 AT = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 
@@ -434,3 +435,38 @@ def test_a_deferred_opening_never_sent_has_nothing_to_undo(dialect: Dialect) -> 
     assert block.tx.steps == ["defer"]
     assert block.tx.conn.ahead is None
     assert len(dialect.pool.idle) == 1  # kept: nothing was sent, nothing is in doubt
+
+
+def test_a_pooled_batch_commits_or_rolls_back_and_hands_its_connection_back(
+    dialect: Dialect,
+) -> None:
+    def begin(conn: Guarded) -> None:
+        conn.begin()
+
+    def end(conn: Guarded, commit: bool) -> None:
+        conn.execute("COMMIT" if commit else "ROLLBACK")
+
+    class Batch(SQLBatch):
+        def delivery(self, claim: Any, *, now: datetime | None) -> Any:
+            raise NotImplementedError  # pragma: no cover - no delivery here
+
+    def make(conn: Guarded) -> SQLBatch:
+        return Batch(cast(Any, None), conn)  # nothing kept: its store is never asked
+
+    with pooled_batch(dialect, make, begin, end) as batch:
+        batch.conn.execute("INSERT INTO rows VALUES (5)")
+    with (
+        pytest.raises(RuntimeError, match="boom"),
+        pooled_batch(dialect, make, begin, end) as batch,
+    ):
+        batch.conn.execute("INSERT INTO rows VALUES (6)")
+        raise RuntimeError("boom")
+    assert count(dialect) == 1
+    assert len(dialect.pool.idle) == 1 and dialect.closed == []
+
+    def end_failing(conn: Guarded, commit: bool) -> None:
+        raise sqlite3.OperationalError("the connection is gone")
+
+    with pytest.raises(RuntimeError, match="boom"), pooled_batch(dialect, make, begin, end_failing):
+        raise RuntimeError("boom")  # the block's error, not the failed rollback's
+    assert len(dialect.closed) == 1  # its rollback failed: in doubt, closed
