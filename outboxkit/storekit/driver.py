@@ -14,16 +14,21 @@ leave the server logging every one as aborted, at each poller's restart.
 
 ``PooledDialect`` is a ``Dialect`` whose connections are such a pool's: its ``connection``,
 ``read``, ``write``, ``mapped`` and ``close``, from the driver's error class and the store's
-``map_error``. ``GuardedConnection`` is the mixin of the store's connection class that keeps a
-handler from ending its delivery transaction through the driver's API (R17), and notes that a
-handler had the connection (R18). ``parse_server_url`` reads a database server's URL.
+``map_error``; its ``rows``, ``execute`` and ``script`` run the store's statements on a cursor
+(``run_script``: several in one round trip). ``GuardedConnection`` is the mixin of the store's
+connection class that keeps a handler from ending its delivery transaction through the
+driver's API (R17), and notes that a handler had the connection (R18).
+``parse_server_url`` reads a database server's URL.
 
 ``LazyDelivery`` is the delivery transaction (``DeliveryTransaction``) of such a store, opened
-when its handler first takes the connection; the store writes how it opens, commits and rolls
-back. ``PooledDelivery`` is the context manager ``Store.delivery`` returns for it (a
+when its handler first takes the connection (or, ``defer``, with the handler's first
+statement, by a connection class that sends the opening ahead of it); the store writes how it
+opens, commits and rolls back. A refusal of the opening stays, whatever the handler makes of
+it (R6). ``PooledDelivery`` is the context manager ``Store.delivery`` returns for it (a
 connection from the pool for the block), ``InBatch`` the one a batch's ``delivery`` returns:
 a delivery never opened ends with its one record in a single fenced statement
-(``LazyDelivery.fenced``), or kept for the batch's ``write_kept``.
+(``LazyDelivery.fenced``), or kept for the batch's ``write_kept``. ``pooled_batch`` is what
+``Store.batch`` returns.
 """
 
 from __future__ import annotations
@@ -473,10 +478,11 @@ class LazyDelivery(ABC):
     @property
     def connection(self) -> Any:
         """The connection inside the delivery transaction (``ctx.connection``), opened now if
-        it is not yet.
+        it is not yet (a deferred opening, ``defer``: with the handler's first statement).
 
         Raises:
-            LeaseLostError: the token is stale (nothing is opened).
+            LeaseLostError: the token is stale (nothing is opened; a deferred opening raises
+                it from the handler's first statement instead).
         """
         if not self.opened:
             try:
