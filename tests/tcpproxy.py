@@ -50,10 +50,7 @@ class TcpProxy:
             except OSError:
                 return  # closed
             if self._cut:
-                self.refused += 1
-                # Reset, not a clean close: no server ever answers on it.
-                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                client.close()
+                self._refuse(client)
                 continue
             try:
                 server = socket.create_connection(self.target, timeout=10)
@@ -61,9 +58,23 @@ class TcpProxy:
                 client.close()
                 continue
             with self._lock:
-                self._links |= {client, server}
+                # A cut made while this connection was being made to the server cuts it too
+                # (else it would outlive the cut, and its client never see the outage).
+                cut = self._cut
+                if not cut:
+                    self._links |= {client, server}
+            if cut:
+                server.close()
+                self._refuse(client)
+                continue
             self._start(self._pipe, client, server)
             self._start(self._pipe, server, client)
+
+    def _refuse(self, client: socket.socket) -> None:
+        self.refused += 1
+        # Reset, not a clean close: no server ever answers on it.
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        client.close()
 
     def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
         try:
@@ -81,9 +92,9 @@ class TcpProxy:
 
     def cut(self) -> None:
         """Close every connection; reset new ones (counted in ``refused``)."""
-        self._cut = True
-        self.refused = 0
         with self._lock:
+            self._cut = True
+            self.refused = 0
             links, self._links = list(self._links), set()
         for sock in links:
             with suppress(OSError):
