@@ -38,7 +38,7 @@ from outboxkit.storekit.driver import (
 )
 from outboxkit.storekit.sql import SQLBatch
 
-from .dialect import SESSION, StoreConnection, restored
+from .dialect import SESSION_STEPS, StoreConnection, restored
 
 if TYPE_CHECKING:
     from .store import MySQLStore
@@ -95,7 +95,7 @@ class Delivery(LazyDelivery):
         steps: list[Any] = []
         if self.xid is not None:
             if self.conn.dirty:
-                steps += [(sql, None) for sql in SESSION.split(";")]  # R18
+                steps += SESSION_STEPS  # R18
             steps.append(("XA START %(xid)s", {"xid": self.xid}))
         else:
             steps.append((_SAVEPOINT, None))
@@ -174,7 +174,7 @@ def batch_on(store: MySQLStore) -> AbstractContextManager[Batch]:
     xid = f"okb{uuid.uuid4().hex}"
 
     def begin(conn: StoreConnection) -> None:
-        session = [(SESSION, None)] if conn.dirty else []
+        session = SESSION_STEPS if conn.dirty else []
         run_script(conn, [*session, ("XA START %(xid)s", {"xid": xid})])
         conn.dirty = False
 

@@ -37,7 +37,7 @@ from outboxkit.storekit.queries import load_queries, split_steps
 from outboxkit.storekit.rows import EVENT_COLUMNS
 from outboxkit.storekit.sql import JSONRows, NaiveUTC, Row
 
-__all__ = ["SESSION", "MySQLDialect", "StoreConnection", "map_error", "restored"]
+__all__ = ["SESSION", "SESSION_STEPS", "MySQLDialect", "StoreConnection", "map_error", "restored"]
 
 SESSION = (
     "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED;"
@@ -46,6 +46,7 @@ SESSION = (
 )
 """The store's session: READ COMMITTED (no gap locks on searches, a fresh snapshot per
 statement), UTC, autocommit (transactions are explicit), strict."""
+SESSION_STEPS = [(sql, None) for sql in SESSION.split(";")]  # a script's, one answer each
 
 UNAVAILABLE = frozenset(
     {1040, 1053, 1205, 1213, 1317, 1927, 2002, 2003, 2006, 2013, 2014, 2055, 4031}
@@ -215,6 +216,6 @@ class MySQLDialect(NaiveUTC, JSONRows, PooledDialect):
 def restored(conn: StoreConnection) -> StoreConnection:
     """``conn`` with the store's session set again if a handler had it (R18)."""
     if conn.dirty:
-        run_script(conn, [(SESSION, None)])
+        run_script(conn, SESSION_STEPS)
         conn.dirty = False
     return conn

@@ -607,13 +607,11 @@ class SQLBatch(KeptRecords, BatchBase):
         self.store = store
         self.conn = conn
         self.claims: Sequence[Claim] = ()
-        self.told: set[str] = set()
-        self.owned: set[int] | None = None
+        self.owned: dict[str, bool] | None = None  # by token, once ``lock`` asked the database
 
     def claimed(self, claims: Sequence[Claim]) -> None:
         """``BatchTransaction.claimed``: the claims, kept for ``lock``."""
         self.claims = claims
-        self.told = {claim.token for claim in claims}
 
     def lock(self, claim: Claim) -> bool | None:
         """Whether the batch holds ``claim``'s row (None: a claim it was not told of, to check
@@ -627,10 +625,9 @@ class SQLBatch(KeptRecords, BatchBase):
             dialect = self.store.dialect
             with dialect.mapped("lock the batch's events", self.conn):
                 rows = dialect.rows(self.conn, "lock_claimed", {"ids": ids, "tokens": tokens})
-            self.owned = {row[0] for row in rows}
-        if self.owned is None or claim.token not in self.told:
-            return None
-        return claim.event.id in self.owned
+            held = {row[0] for row in rows}
+            self.owned = {c.token: c.event.id in held for c in self.claims}
+        return None if self.owned is None else self.owned.get(claim.token)
 
     def check_open(self) -> None:
         """Raise if the batch's transaction is no longer the one the store opened (by default

@@ -229,7 +229,7 @@ def test_a_batch_told_its_claims_checks_them_all_at_its_first_opening(store: MyS
         # taken, are still this batch's (their tokens hold) and are locked now.
         with pytest.raises(LeaseLostError), batch.delivery(first, now=later) as tx:
             assert tx.connection is not None
-        assert batch.owned == {stale.event.id, last.event.id}
+        assert batch.owned == {first.token: False, stale.token: True, last.token: True}
         for claim in (stale, last):
             with batch.delivery(claim, now=later) as tx:
                 write(tx, claim)
@@ -248,5 +248,5 @@ def test_a_claim_the_batch_was_not_told_of_is_checked_on_its_own(store: MySQLSto
         for claim in (told, untold):
             with batch.delivery(claim, now=now) as tx:
                 write(tx, claim)
-        assert batch.owned == {told.event.id}
+        assert batch.owned == {told.token: True}
     assert ledger(store) == [told.event.id, untold.event.id]
