@@ -16,6 +16,7 @@ server on this machine (it refuses to run otherwise).
 
     python bench/cpu_split.py
     python bench/cpu_split.py --events 20000 --rounds 7
+    python bench/cpu_split.py --writes --rounds 3
 """
 
 from __future__ import annotations
@@ -58,6 +59,16 @@ DRAINS = {
 }
 """What is measured: ``compare.py``'s contenders of these names, run by its own workers."""
 
+WRITING_DRAINS = {
+    "loop, tx per event": "ref-w-tx-1",
+    "poller, per_event": "kit-w-tx-1",
+    "loop, savepoints": "ref-w-batch-sp",
+    "loop, no savepoints": "ref-w-batch",
+    "poller, per_batch": "kit-w-batch-1",
+}
+"""With ``--writes``: the handler writes one row through its connection (``compare.py``'s
+``pg-w-*`` workloads)."""
+
 
 class _Counters:
     """Both CPU counters, read as the worker starts (``wait``: its start barrier, after its
@@ -97,13 +108,15 @@ def drain(url: str, name: str, events: int) -> Split:
     return client - client_0, server - server_0, wall
 
 
-def run(url: str, events: int, rounds: int) -> dict[str, list[Split]]:
+def run(
+    url: str, events: int, rounds: int, drains: dict[str, str] = DRAINS
+) -> dict[str, list[Split]]:
     """Every drain ``rounds`` times, alternating, the order rotating each round."""
-    names = list(DRAINS)
+    names = list(drains)
     splits: dict[str, list[Split]] = {name: [] for name in names}
     for round_ in range(rounds):
         for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
-            splits[name].append(drain(url, DRAINS[name], events))
+            splits[name].append(drain(url, drains[name], events))
     return splits
 
 
@@ -112,6 +125,11 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=10_000)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--pg-url", default=pg_url_default())
+    parser.add_argument(
+        "--writes",
+        action="store_true",
+        help="the handler writes one row through its connection: per event and per batch",
+    )
     args = parser.parse_args()
     if args.events < 1 or args.rounds < 1:
         parser.error("--events and --rounds must be at least 1")
@@ -120,7 +138,8 @@ def main() -> None:
     print(
         f"per batch of {BATCH}, {args.events:,} events, {args.rounds} rounds; µs per event, medians"
     )
-    for name, got in run(args.pg_url, args.events, args.rounds).items():
+    drains = WRITING_DRAINS if args.writes else DRAINS
+    for name, got in run(args.pg_url, args.events, args.rounds, drains).items():
         client, server, wall = (
             statistics.median(split[i] for split in got) / args.events * 1e6 for i in range(3)
         )

@@ -428,3 +428,65 @@ def test_the_asyncio_batch_goes_on_after_a_handler_ends_its_transaction(
         clock.advance(60)
         asyncio.run(outbox.async_poller(transaction="per_batch").run_once())
         assert rows_of(admin, pg_schema) == [(first, "row"), (second, "row"), (third, "row")]
+
+
+@pytest.mark.parametrize("side", ["blocking", "asyncio"])
+@pytest.mark.parametrize("source", SOURCES)
+def test_a_handler_rolling_back_to_the_batchs_savepoint_fails_its_delivery_alone(
+    source: str,
+    side: str,
+    pg_url: str,
+    pg_schema: str,
+    ledger: sql.Composed,
+    admin: psycopg.Connection[Any],
+) -> None:
+    """R17 in a batch: a ``ROLLBACK TO`` the store's savepoint takes the delivery's mark with
+    the handler's writes; the record's insert finds it gone, so what the handler wrote after
+    it never commits and nothing is recorded, while the batch's other event commits its row
+    and its record."""
+    with opened(source, pg_url, pg_schema) as store:
+        if side == "asyncio" and not store.capabilities.asyncio:
+            pytest.skip(f"{source}: the store has no asyncio side")
+        bus = EventBus()
+
+        if side == "asyncio":
+
+            @bus.handler("t", name="ledger")
+            async def ledger_async(event: Event, ctx: Any) -> None:
+                await ctx.connection.execute(ledger, (event.id, "before"))
+                if event.payload["n"] == 1:
+                    await ctx.connection.execute("ROLLBACK TO SAVEPOINT outboxkit_delivery")
+                    await ctx.connection.execute(ledger, (event.id, "after"))
+
+        else:
+
+            @bus.handler("t", name="ledger")
+            def ledger_blocking(event: Event, ctx: Any) -> None:
+                ctx.connection.execute(ledger, (event.id, "before"))
+                if event.payload["n"] == 1:
+                    ctx.connection.execute("ROLLBACK TO SAVEPOINT outboxkit_delivery")
+                    ctx.connection.execute(ledger, (event.id, "after"))
+
+        clock = FrozenClock()
+        outbox = Outbox(store, bus, clock=clock, max_retries=1)
+        with store.transaction() as conn:
+            rolling = outbox.enqueue(conn, "t", {"n": 1})
+            plain = outbox.enqueue(conn, "t", {"n": 2})
+        reports = []
+        for _ in range(4):
+            if side == "asyncio":
+                report = asyncio.run(outbox.async_poller(transaction="per_batch").run_once())
+            else:
+                report = outbox.poller(transaction="per_batch").run_once()
+            if not report.claimed:
+                break
+            reports.append(report)
+            clock.advance(60)
+        failed = [d for r in reports for d in r.deliveries if d.event_id == rolling]
+        assert [d.outcome for d in failed] == [Outcome.FAILED] * 2
+        assert all(isinstance(d.exception, HandlerCrashed) for d in failed)
+        assert reports[0].published == [plain]
+        assert reports[-1].dead_lettered == [rolling]
+        assert rows_of(admin, pg_schema) == [(plain, "before")]
+        assert store.records(rolling) == []
+        assert [r.outcome for r in store.records(plain)] == [Outcome.SUCCEEDED]
