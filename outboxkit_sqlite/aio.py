@@ -289,6 +289,11 @@ class AsyncSQLiteBatch(AsyncSQLBatch):
         super().__init__(side, conn)
         self._batch = batch
 
+    async def claimed(self, claims: Sequence[Claim]) -> None:
+        """``BatchTransaction.claimed``: told to the blocking batch, whose first savepoint
+        checks them all (``SQLBatch.lock``, on the connection's thread)."""
+        self._batch.claimed(claims)
+
     @asynccontextmanager
     async def delivery(
         self, claim: Claim, *, now: datetime | None

@@ -212,14 +212,15 @@ class Batch(SQLBatch):
         def keep(tx: Delivery) -> None:
             self.keep(claim, tx.take_single())
 
-        return Lazily(
-            dialect, conn, claim, now, lambda tx: in_savepoint(dialect, conn, claim, now, tx), keep
-        )
+        def opening(tx: Delivery) -> AbstractContextManager[Delivery]:
+            return in_savepoint(dialect, conn, claim, now, tx, self)
+
+        return Lazily(dialect, conn, claim, now, opening, keep)
 
     def savepoint(self, claim: Claim, *, now: datetime | None) -> AbstractContextManager[Delivery]:
         """A delivery in a savepoint of the batch, opened at once (``in_savepoint``): the
         asyncio side's, whose handler takes the aiosqlite connection without asking here."""
-        return in_savepoint(self.store.dialect, self.conn, claim, now)
+        return in_savepoint(self.store.dialect, self.conn, claim, now, batch=self)
 
 
 class Pooled(AbstractContextManager[Delivery]):
@@ -400,13 +401,24 @@ def in_savepoint(
     claim: Claim,
     now: datetime | None,
     tx: Delivery | None = None,
+    batch: Batch | None = None,
 ) -> Iterator[Delivery]:
     """A delivery in a savepoint of the batch transaction open on ``conn``: released on a normal
-    exit, rolled back to (and released) on an exception."""
+    exit, rolled back to (and released) on an exception. The token is ``batch``'s answer
+    (``SQLBatch.lock``: the batch's tokens checked at once by its first delivery that opens;
+    its transaction holds the database's one write lock, so none changes under it), refused
+    before the savepoint when stale; a claim the batch was not told of is checked here.
+
+    Raises:
+        LeaseLostError: the token is stale (nothing is opened).
+    """
+    held = None if batch is None else batch.lock(claim)
+    if held is False:
+        raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
     with dialect.mapped(f"open a savepoint for event {claim.event.id}"):
         conn.execute(SAVEPOINT)
     try:
-        with delivering(dialect, conn, claim, now, tx) as opened:
+        with delivering(dialect, conn, claim, now, tx, checked=held is True) as opened:
             yield opened
     except BaseException:
         if in_transaction(conn):
@@ -440,9 +452,11 @@ def delivering(
     claim: Claim,
     now: datetime | None,
     tx: Delivery | None = None,
+    checked: bool = False,
 ) -> Iterator[Delivery]:
-    """Inside ``conn``'s open transaction: check the token, hand out the delivery, check the
-    handler left the transaction open. Commits nothing.
+    """Inside ``conn``'s open transaction: check the token (unless ``checked``: the batch's
+    check holds for it), hand out the delivery, check the handler left the transaction open.
+    Commits nothing.
 
     Raises:
         LeaseLostError: the token is stale (nothing is handed out).
@@ -450,7 +464,8 @@ def delivering(
             ``handler_failure`` decides.
     """
     at = dialect.instant(now)
-    check_owned(dialect, conn, claim)
+    if not checked:
+        check_owned(dialect, conn, claim)
     if tx is None:
         tx = Delivery(dialect, conn, claim, at)
     conn.delivery = tx

@@ -111,6 +111,16 @@ RETURNING {event_columns}, token,
 SELECT 1 FROM {events}
  WHERE id = :id AND token = :token AND published_at IS NULL AND failed_at IS NULL
 
+-- name: lock_claimed
+-- R6 for a whole batch (transaction="per_batch"), at its first delivery that opens: the claims
+-- whose tokens hold. The batch's transaction holds the database's one write lock from its
+-- BEGIN IMMEDIATE to its end, so no token can change meanwhile: its deliveries check nothing
+-- more (owned), and one whose token did not hold is refused without a statement.
+SELECT id FROM {events}
+ WHERE id IN (SELECT value FROM json_each(:ids))
+   AND token IN (SELECT value FROM json_each(:tokens))
+   AND published_at IS NULL AND failed_at IS NULL
+
 -- name: insert_record_fenced
 -- A delivery whose handler never used its connection (a non-transactional handler, a rejection,
 -- a transactional handler that wrote nothing through ctx.connection) is this one autocommitted

@@ -623,8 +623,9 @@ class SQLBatch(KeptRecords, BatchBase):
         if self.owned is None and self.claims:
             ids, tokens = zip(*((c.event.id, c.token) for c in self.claims), strict=True)
             dialect = self.store.dialect
+            params = {"ids": dialect.array(ids), "tokens": dialect.array(tokens)}
             with dialect.mapped("lock the batch's events", self.conn):
-                rows = dialect.rows(self.conn, "lock_claimed", {"ids": ids, "tokens": tokens})
+                rows = dialect.rows(self.conn, "lock_claimed", params)
             held = {row[0] for row in rows}
             self.owned = {c.token: c.event.id in held for c in self.claims}
         return None if self.owned is None else self.owned.get(claim.token)
