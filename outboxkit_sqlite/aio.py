@@ -299,7 +299,7 @@ class AsyncSQLiteBatch(AsyncSQLBatch):
         self, claim: Claim, *, now: datetime | None
     ) -> AsyncIterator[_AsyncDelivery]:
         """A delivery in a savepoint of the batch (see ``SQLiteStore.batch``)."""
-        async with _entered(self.conn, self._batch.savepoint(claim, now=now)) as tx:
+        async with _entered(self.conn, self._batch.savepoint(claim, now=now, keeper=self)) as tx:
             yield _AsyncDelivery(self.conn, tx)
 
 

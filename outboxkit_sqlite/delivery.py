@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from outboxkit.core.model import Claim, NewEvent, Outcome
 from outboxkit.errors import HandlerCrashed, LeaseLostError, Reject, StoreError
 from outboxkit.storekit.rows import record_params
-from outboxkit.storekit.sql import SQLBatch
+from outboxkit.storekit.sql import KeptRecords, SQLBatch
 
 from .connections import (
     RELEASE_SAVEPOINT,
@@ -56,7 +56,16 @@ class Delivery:
     """One delivery transaction: the store's connection inside ``BEGIN IMMEDIATE`` (or a
     savepoint of a batch's), the claim's token checked."""
 
-    __slots__ = ("_claim", "_deferred", "_dialect", "_now", "conn", "ended_by_handler", "opener")
+    __slots__ = (
+        "_claim",
+        "_deferred",
+        "_dialect",
+        "_now",
+        "conn",
+        "ended_by_handler",
+        "keeping",
+        "opener",
+    )
 
     def __init__(
         self,
@@ -75,6 +84,9 @@ class Delivery:
         # Set while the transaction is still to be opened (``Lazily``): opens it when the
         # connection is first taken, then clears itself.
         self.opener = opener
+        # In a batch's savepoint: the records are kept, for the batch to write with its
+        # settlement once the savepoint is released (``in_savepoint``), not written one by one.
+        self.keeping = False
 
     @property
     def connection(self) -> sqlite3.Connection:
@@ -113,7 +125,7 @@ class Delivery:
             StoreError: SQLite failed.
         """
         params = record_params(self._claim, handler, outcome, reason, self._now)
-        if self.opener is not None:  # written when the block ends (``Lazily``)
+        if self.opener is not None or self.keeping:  # written when the block ends
             self._deferred = [*(self._deferred or ()), (handler, params)]
             return
         self._write_record(handler, params)
@@ -127,7 +139,10 @@ class Delivery:
         self._deferred.append((handler, params))
 
     def write_deferred(self) -> None:
-        """Write the records ``defer_record`` kept (``delivering`` calls it as the block ends)."""
+        """Write the records ``defer_record`` kept (``delivering`` calls it as the block ends);
+        in a batch's savepoint they stay, for the batch (``take_records``)."""
+        if self.keeping:
+            return
         deferred, self._deferred = self._deferred, None
         for handler, params in deferred or ():
             self._write_record(handler, params)
@@ -158,6 +173,11 @@ class Delivery:
                 dialect.queries["insert_record_fenced"], {**params, "token": self._claim.token}
             )
         return cursor.rowcount == 1
+
+    def take_records(self) -> list[tuple[str, dict[str, Any]]]:
+        """The records kept, as (handler, ``record_params``), taken."""
+        deferred, self._deferred = self._deferred or [], None
+        return deferred
 
     def take_single(self) -> Mapping[str, Any]:
         """The one record kept, taken (for the batch to write: ``Batch.keep``)."""
@@ -217,10 +237,13 @@ class Batch(SQLBatch):
 
         return Lazily(dialect, conn, claim, now, opening, keep)
 
-    def savepoint(self, claim: Claim, *, now: datetime | None) -> AbstractContextManager[Delivery]:
+    def savepoint(
+        self, claim: Claim, *, now: datetime | None, keeper: KeptRecords
+    ) -> AbstractContextManager[Delivery]:
         """A delivery in a savepoint of the batch, opened at once (``in_savepoint``): the
-        asyncio side's, whose handler takes the aiosqlite connection without asking here."""
-        return in_savepoint(self.store.dialect, self.conn, claim, now, batch=self)
+        asyncio side's, whose handler takes the aiosqlite connection without asking here, and
+        whose batch (``keeper``) keeps the records for its settlement."""
+        return in_savepoint(self.store.dialect, self.conn, claim, now, batch=self, keeper=keeper)
 
 
 class Pooled(AbstractContextManager[Delivery]):
@@ -402,12 +425,14 @@ def in_savepoint(
     now: datetime | None,
     tx: Delivery | None = None,
     batch: Batch | None = None,
+    keeper: KeptRecords | None = None,
 ) -> Iterator[Delivery]:
     """A delivery in a savepoint of the batch transaction open on ``conn``: released on a normal
     exit, rolled back to (and released) on an exception. The token is ``batch``'s answer
     (``SQLBatch.lock``: the batch's tokens checked at once by its first delivery that opens;
     its transaction holds the database's one write lock, so none changes under it), refused
-    before the savepoint when stale; a claim the batch was not told of is checked here.
+    before the savepoint when stale; a claim the batch was not told of is checked here. Its
+    records are kept by ``keeper`` (by default ``batch``), written with the settlement.
 
     Raises:
         LeaseLostError: the token is stale (nothing is opened).
@@ -417,8 +442,11 @@ def in_savepoint(
         raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
     with dialect.mapped(f"open a savepoint for event {claim.event.id}"):
         conn.execute(SAVEPOINT)
+    keeping = batch is not None
     try:
-        with delivering(dialect, conn, claim, now, tx, checked=held is True) as opened:
+        with delivering(
+            dialect, conn, claim, now, tx, checked=held is True, keeping=keeping
+        ) as opened:
             yield opened
     except BaseException:
         if in_transaction(conn):
@@ -428,6 +456,13 @@ def in_savepoint(
         raise
     with dialect.mapped(f"release the savepoint of event {claim.event.id}"):
         conn.execute(RELEASE_SAVEPOINT)
+        kept_by = batch if keeper is None else keeper
+        if kept_by is not None:
+            records = opened.take_records()
+            if records and conn.tainted:  # a handler's PRAGMA query_only: not for the batch's
+                conn.execute(WRITABLE)  # own writes (R18), as before each record
+            for _, params in records:
+                kept_by.keep(claim, params)
 
 
 def check_owned(dialect: SQLiteDialect, conn: sqlite3.Connection, claim: Claim) -> None:
@@ -453,10 +488,12 @@ def delivering(
     now: datetime | None,
     tx: Delivery | None = None,
     checked: bool = False,
+    keeping: bool = False,
 ) -> Iterator[Delivery]:
     """Inside ``conn``'s open transaction: check the token (unless ``checked``: the batch's
     check holds for it), hand out the delivery, check the handler left the transaction open.
-    Commits nothing.
+    Commits nothing; with ``keeping`` (a batch's savepoint) writes no record either: they stay
+    on the delivery (``Delivery.take_records``).
 
     Raises:
         LeaseLostError: the token is stale (nothing is handed out).
@@ -468,6 +505,7 @@ def delivering(
         check_owned(dialect, conn, claim)
     if tx is None:
         tx = Delivery(dialect, conn, claim, at)
+    tx.keeping = keeping
     conn.delivery = tx
     if conn.tainted:  # a handler set a PRAGMA on it once: reset its settings after each (R18)
         conn.dirty = True

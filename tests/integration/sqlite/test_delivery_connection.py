@@ -9,6 +9,7 @@ import threading
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -116,3 +117,31 @@ def test_a_handlers_pragmas_do_not_reach_the_next_delivery(tmp_path: Path, memor
     assert seen[0] == seen[1]  # the same connection
     assert defaults[:2] == (0, 0) and defaults[2] > 1
     assert after == defaults
+
+
+def test_a_handlers_query_only_does_not_stop_its_batchs_records(tmp_path: Path) -> None:
+    """R18 in ``per_batch``: a handler that makes its connection read-only after its write
+    does not make the batch's own writes fail (its records, kept for the settlement, and the
+    settlement itself), nor the next handler's."""
+    from outboxkit import Event, EventBus, FrozenClock, Outbox
+
+    with SQLiteStore(tmp_path / "app.db") as store:
+        with store.transaction() as conn:
+            conn.execute("CREATE TABLE ledger (event_id INTEGER NOT NULL)")
+        bus = EventBus()
+
+        def handle(event: Event, ctx: Any) -> None:
+            ctx.connection.execute("INSERT INTO ledger VALUES (?)", (event.id,))
+            ctx.connection.execute("PRAGMA query_only=1")
+
+        bus.subscribe("t", handle, name="h", transactional=True)
+        outbox = Outbox(store, bus, clock=FrozenClock(), load_entry_points=False)
+        with store.transaction() as conn:
+            ids = outbox.enqueue_many(conn, [("t", {"n": n}) for n in range(3)])
+        report = outbox.poller(transaction="per_batch").run_once()
+        assert sorted(report.published) == ids
+        with store.transaction() as conn:
+            rows = conn.execute("SELECT event_id FROM ledger ORDER BY 1").fetchall()
+        assert [r[0] for r in rows] == ids
+        for event_id in ids:
+            assert [r.outcome for r in store.records(event_id)] == [Outcome.SUCCEEDED]
