@@ -233,7 +233,7 @@ class Batch(SQLBatch):
             self.keep(claim, tx.take_single())
 
         def opening(tx: Delivery) -> AbstractContextManager[Delivery]:
-            return in_savepoint(dialect, conn, claim, now, tx, self)
+            return in_savepoint(dialect, conn, claim, now, self, tx)
 
         return Lazily(dialect, conn, claim, now, opening, keep)
 
@@ -243,7 +243,7 @@ class Batch(SQLBatch):
         """A delivery in a savepoint of the batch, opened at once (``in_savepoint``): the
         asyncio side's, whose handler takes the aiosqlite connection without asking here, and
         whose batch (``keeper``) keeps the records for its settlement."""
-        return in_savepoint(self.store.dialect, self.conn, claim, now, batch=self, keeper=keeper)
+        return in_savepoint(self.store.dialect, self.conn, claim, now, self, keeper=keeper)
 
 
 class Pooled(AbstractContextManager[Delivery]):
@@ -423,29 +423,29 @@ def in_savepoint(
     conn: StoreConnection,
     claim: Claim,
     now: datetime | None,
+    batch: Batch,
     tx: Delivery | None = None,
-    batch: Batch | None = None,
     keeper: KeptRecords | None = None,
 ) -> Iterator[Delivery]:
-    """A delivery in a savepoint of the batch transaction open on ``conn``: released on a normal
-    exit, rolled back to (and released) on an exception. The token is ``batch``'s answer
+    """A delivery in a savepoint of ``batch``'s transaction, open on ``conn``: released on a
+    normal exit, rolled back to (and released) on an exception. The token is the batch's answer
     (``SQLBatch.lock``: the batch's tokens checked at once by its first delivery that opens;
     its transaction holds the database's one write lock, so none changes under it), refused
-    before the savepoint when stale; a claim the batch was not told of is checked here. Its
-    records are kept by ``keeper`` (by default ``batch``), written with the settlement.
+    before the savepoint when stale; a claim the batch was not told of is checked here. The
+    records are kept by ``keeper`` (by default the batch) once the savepoint is released, and
+    written with the settlement.
 
     Raises:
         LeaseLostError: the token is stale (nothing is opened).
     """
-    held = None if batch is None else batch.lock(claim)
+    held = batch.lock(claim)
     if held is False:
         raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
     with dialect.mapped(f"open a savepoint for event {claim.event.id}"):
         conn.execute(SAVEPOINT)
-    keeping = batch is not None
     try:
         with delivering(
-            dialect, conn, claim, now, tx, checked=held is True, keeping=keeping
+            dialect, conn, claim, now, tx, checked=held is True, keeping=True
         ) as opened:
             yield opened
     except BaseException:
@@ -456,13 +456,12 @@ def in_savepoint(
         raise
     with dialect.mapped(f"release the savepoint of event {claim.event.id}"):
         conn.execute(RELEASE_SAVEPOINT)
+        records = opened.take_records()
+        if records and conn.tainted:  # a handler's PRAGMA query_only: not for the batch's
+            conn.execute(WRITABLE)  # own writes (R18), as before each record
         kept_by = batch if keeper is None else keeper
-        if kept_by is not None:
-            records = opened.take_records()
-            if records and conn.tainted:  # a handler's PRAGMA query_only: not for the batch's
-                conn.execute(WRITABLE)  # own writes (R18), as before each record
-            for _, params in records:
-                kept_by.keep(claim, params)
+        for _, params in records:
+            kept_by.keep(claim, params)
 
 
 def check_owned(dialect: SQLiteDialect, conn: sqlite3.Connection, claim: Claim) -> None:

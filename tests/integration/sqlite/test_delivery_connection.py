@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from outboxkit import LeaseLostError, Outcome, StoreError
+from outboxkit import Event, EventBus, FrozenClock, LeaseLostError, Outbox, Outcome, StoreError
 from outboxkit.core.model import Claim
 from outboxkit.core.payload import build_event
 from outboxkit_sqlite import SQLiteStore
@@ -123,8 +123,6 @@ def test_a_handlers_query_only_does_not_stop_its_batchs_records(tmp_path: Path) 
     """R18 in ``per_batch``: a handler that makes its connection read-only after its write
     does not make the batch's own writes fail (its records, kept for the settlement, and the
     settlement itself), nor the next handler's."""
-    from outboxkit import Event, EventBus, FrozenClock, Outbox
-
     with SQLiteStore(tmp_path / "app.db") as store:
         with store.transaction() as conn:
             conn.execute("CREATE TABLE ledger (event_id INTEGER NOT NULL)")
