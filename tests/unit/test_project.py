@@ -11,7 +11,7 @@ from tests.docs import page
 
 ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text(encoding="utf-8")
-TEST_COMMAND = "python -m pytest -q -n 3"
+TEST_COMMAND = "python -m pytest -q -n 2"
 
 
 def python_blocks(text: str) -> list[str]:
