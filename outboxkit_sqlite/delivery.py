@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, ExitStack, contextmanager, suppress
+from contextlib import AbstractContextManager, contextmanager, suppress
 from datetime import datetime
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from outboxkit.core.model import Claim, NewEvent, Outcome
 from outboxkit.errors import HandlerCrashed, LeaseLostError, Reject, StoreError
@@ -291,7 +291,7 @@ class Lazily(AbstractContextManager[Delivery]):
     A class rather than a generator: one is made per delivery, and nearly none opens, so it
     makes the opened block's stack only when it opens."""
 
-    __slots__ = ("_failed", "_opening", "_single", "_stack", "tx")
+    __slots__ = ("_failed", "_opened", "_opening", "_single", "tx")
 
     def __init__(
         self,
@@ -304,22 +304,22 @@ class Lazily(AbstractContextManager[Delivery]):
     ) -> None:
         self._opening = opening
         self._single = single
-        self._stack: ExitStack | None = None  # the opened block, once it is
+        self._opened: AbstractContextManager[Delivery] | None = None  # once it is
         self._failed: BaseException | None = None  # the opening's failure
         self.tx = Delivery(dialect, conn, claim, dialect.instant(now), self._open_now)
 
     def _open_now(self) -> None:
         self.tx.opener = None
-        stack = ExitStack()
+        opened = self._opening(self.tx)
         try:
-            stack.enter_context(self._opening(self.tx))
+            opened.__enter__()
         except BaseException as exc:
             self._failed = exc
             # Taken again, refused again; records are kept, never written (R6, if the handler
             # swallowed the refusal: ``__exit__`` raises it).
             self.tx.opener = self._refuse
             raise
-        self._stack = stack
+        self._opened = opened
 
     def _refuse(self) -> None:
         assert self._failed is not None
@@ -334,23 +334,23 @@ class Lazily(AbstractContextManager[Delivery]):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool:
-        failed, stack = self._failed, self._stack
+        failed, opened = self._failed, self._opened
         if exc is not None:
             if failed is not None and failed is not exc:
                 raise failed from exc
-            # into the opened transaction (the stack), which rolls back
-            return stack is not None and bool(stack.__exit__(exc_type, exc, tb))
+            # into the opened transaction, which rolls back
+            return opened is not None and bool(opened.__exit__(exc_type, exc, tb))
         if failed is not None:
             raise failed  # the handler swallowed it: the delivery fails all the same
-        if stack is None:
+        if opened is None:
             if self.tx.single_record:
                 self.tx.opener = None
                 self._single(self.tx)
                 return False
             self._open_now()
-            stack = self._stack
-            assert stack is not None
-        stack.close()
+            opened = self._opened
+            assert opened is not None
+        opened.__exit__(None, None, None)
         return False
 
 
@@ -359,26 +359,66 @@ class Lazily(AbstractContextManager[Delivery]):
 # asyncio side (``aio``) on the threads of its own, with the block in between on the loop.
 
 
-@contextmanager
 def delivery_on(
     dialect: SQLiteDialect,
     conn: StoreConnection,
     claim: Claim,
     now: datetime | None,
     tx: Delivery | None = None,
-) -> Iterator[Delivery]:
+) -> AbstractContextManager[Delivery]:
     """``SQLiteStore.delivery`` on ``conn``: BEGIN IMMEDIATE, the token check, the block, COMMIT
     (the block hands out ``tx``, when given: a delivery ``lazily`` opens now)."""
-    with dialect.mapped(f"open a delivery transaction for event {claim.event.id}"):
-        dialect.begin(conn)
-    try:
-        with delivering(dialect, conn, claim, now, tx) as opened:
-            yield opened
-        with dialect.mapped(f"commit the delivery of event {claim.event.id}"):
-            dialect.commit(conn)
-    except BaseException:
+    return _DeliveryOn(dialect, conn, claim, now, tx)
+
+
+class _DeliveryOn(AbstractContextManager[Delivery]):
+    """``delivery_on``: a class, as ``delivering`` is (one per delivery that opens)."""
+
+    __slots__ = ("_claim", "_conn", "_dialect", "_inner", "_now", "_tx")
+
+    def __init__(
+        self,
+        dialect: SQLiteDialect,
+        conn: StoreConnection,
+        claim: Claim,
+        now: datetime | None,
+        tx: Delivery | None,
+    ) -> None:
+        self._dialect = dialect
+        self._conn = conn
+        self._claim = claim
+        self._now = now
+        self._tx = tx
+
+    def __enter__(self) -> Delivery:
+        dialect, conn, claim = self._dialect, self._conn, self._claim
+        with dialect.mapped(f"open a delivery transaction for event {claim.event.id}"):
+            dialect.begin(conn)
+        self._inner = inner = _Delivering(dialect, conn, claim, self._now, self._tx, False, False)
+        try:
+            return inner.__enter__()
+        except BaseException:
+            conn.rollback_quietly()
+            raise
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> Literal[False]:
+        conn = self._conn
+        try:
+            self._inner.__exit__(exc_type, exc, tb)  # raises instead, or never suppresses
+            if exc is None:
+                with self._dialect.mapped(f"commit the delivery of event {self._claim.event.id}"):
+                    self._dialect.commit(conn)
+                return False
+        except BaseException:
+            conn.rollback_quietly()
+            raise
         conn.rollback_quietly()
-        raise
+        return False
 
 
 def lazily(
@@ -417,7 +457,6 @@ def batch_on(store: SQLiteStore, conn: StoreConnection) -> Iterator[Batch]:
         raise
 
 
-@contextmanager
 def in_savepoint(
     dialect: SQLiteDialect,
     conn: StoreConnection,
@@ -426,7 +465,7 @@ def in_savepoint(
     batch: Batch,
     tx: Delivery | None = None,
     keeper: KeptRecords | None = None,
-) -> Iterator[Delivery]:
+) -> AbstractContextManager[Delivery]:
     """A delivery in a savepoint of ``batch``'s transaction, open on ``conn``: released on a
     normal exit, rolled back to (and released) on an exception. The token is the batch's answer
     (``SQLBatch.lock``: the batch's tokens checked at once by its first delivery that opens;
@@ -438,30 +477,82 @@ def in_savepoint(
     Raises:
         LeaseLostError: the token is stale (nothing is opened).
     """
-    held = batch.lock(claim)
-    if held is False:
-        raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
-    with dialect.mapped(f"open a savepoint for event {claim.event.id}"):
-        conn.execute(SAVEPOINT)
-    try:
-        with delivering(
-            dialect, conn, claim, now, tx, checked=held is True, keeping=True
-        ) as opened:
-            yield opened
-    except BaseException:
+    return _InSavepoint(dialect, conn, claim, now, batch, tx, keeper)
+
+
+class _InSavepoint(AbstractContextManager[Delivery]):
+    """``in_savepoint``: a class, as ``delivering`` is (one per delivery in a batch)."""
+
+    __slots__ = ("_batch", "_claim", "_conn", "_dialect", "_inner", "_keeper", "_now", "_tx")
+
+    def __init__(
+        self,
+        dialect: SQLiteDialect,
+        conn: StoreConnection,
+        claim: Claim,
+        now: datetime | None,
+        batch: Batch,
+        tx: Delivery | None,
+        keeper: KeptRecords | None,
+    ) -> None:
+        self._dialect = dialect
+        self._conn = conn
+        self._claim = claim
+        self._now = now
+        self._batch = batch
+        self._tx = tx
+        self._keeper = keeper
+
+    def __enter__(self) -> Delivery:
+        dialect, conn, claim = self._dialect, self._conn, self._claim
+        held = self._batch.lock(claim)
+        if held is False:
+            raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
+        with dialect.mapped(f"open a savepoint for event {claim.event.id}"):
+            conn.execute(SAVEPOINT)
+        self._inner = inner = _Delivering(
+            dialect, conn, claim, self._now, self._tx, held is True, True
+        )
+        try:
+            self._tx = inner.__enter__()
+        except BaseException:
+            self._roll_back()
+            raise
+        return self._tx
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> Literal[False]:
+        try:
+            self._inner.__exit__(exc_type, exc, tb)  # raises instead, or never suppresses
+        except BaseException:
+            self._roll_back()
+            raise
+        if exc is not None:
+            self._roll_back()
+            return False
+        dialect, conn, claim, opened = self._dialect, self._conn, self._claim, self._tx
+        assert opened is not None
+        with dialect.mapped(f"release the savepoint of event {claim.event.id}"):
+            conn.execute(RELEASE_SAVEPOINT)
+            records = opened.take_records()
+            if records and conn.tainted:  # a handler's PRAGMA query_only: not for the batch's
+                conn.execute(WRITABLE)  # own writes (R18), as before each record
+            kept_by = self._batch if self._keeper is None else self._keeper
+            for _, params in records:
+                kept_by.keep(claim, params)
+        return False
+
+    def _roll_back(self) -> None:
+        """Undo the savepoint's writes, if the transaction is still there to undo them in."""
+        conn = self._conn
         if in_transaction(conn):
             with suppress(sqlite3.Error):
                 conn.execute(ROLLBACK_TO_SAVEPOINT)
                 conn.execute(RELEASE_SAVEPOINT)
-        raise
-    with dialect.mapped(f"release the savepoint of event {claim.event.id}"):
-        conn.execute(RELEASE_SAVEPOINT)
-        records = opened.take_records()
-        if records and conn.tainted:  # a handler's PRAGMA query_only: not for the batch's
-            conn.execute(WRITABLE)  # own writes (R18), as before each record
-        kept_by = batch if keeper is None else keeper
-        for _, params in records:
-            kept_by.keep(claim, params)
 
 
 def check_owned(dialect: SQLiteDialect, conn: sqlite3.Connection, claim: Claim) -> None:
@@ -479,7 +570,6 @@ def check_owned(dialect: SQLiteDialect, conn: sqlite3.Connection, claim: Claim) 
         raise LeaseLostError(f"event {claim.event.id}: claim token is stale")
 
 
-@contextmanager
 def delivering(
     dialect: SQLiteDialect,
     conn: StoreConnection,
@@ -488,7 +578,7 @@ def delivering(
     tx: Delivery | None = None,
     checked: bool = False,
     keeping: bool = False,
-) -> Iterator[Delivery]:
+) -> AbstractContextManager[Delivery]:
     """Inside ``conn``'s open transaction: check the token (unless ``checked``: the batch's
     check holds for it), hand out the delivery, check the handler left the transaction open.
     Commits nothing; with ``keeping`` (a batch's savepoint) writes no record either: they stay
@@ -499,27 +589,76 @@ def delivering(
         HandlerCrashed, StoreUnavailable, StoreError: instead of the block's exception, as
             ``handler_failure`` decides.
     """
-    at = dialect.instant(now)
-    if not checked:
-        check_owned(dialect, conn, claim)
-    if tx is None:
-        tx = Delivery(dialect, conn, claim, at)
-    tx.keeping = keeping
-    conn.delivery = tx
-    if conn.tainted:  # a handler set a PRAGMA on it once: reset its settings after each (R18)
-        conn.dirty = True
-    try:
-        yield tx
-        tx.check_kept()
-        tx.write_deferred()
-        tx.check_open()
-    except Exception as exc:
-        instead = handler_failure(dialect, tx, claim, exc)
-        if instead is None:
-            raise
-        raise instead from exc
-    finally:
-        conn.delivery = None
+    return _Delivering(dialect, conn, claim, now, tx, checked, keeping)
+
+
+class _Delivering(AbstractContextManager[Delivery]):
+    """``delivering``: a class, not a generator, as ``Lazily`` is (one per delivery that
+    opens; a generator-based context manager costs each about 1.5 µs more)."""
+
+    __slots__ = ("_checked", "_claim", "_conn", "_dialect", "_keeping", "_now", "_tx")
+
+    def __init__(
+        self,
+        dialect: SQLiteDialect,
+        conn: StoreConnection,
+        claim: Claim,
+        now: datetime | None,
+        tx: Delivery | None,
+        checked: bool,
+        keeping: bool,
+    ) -> None:
+        self._dialect = dialect
+        self._conn = conn
+        self._claim = claim
+        self._now = now
+        self._tx = tx
+        self._checked = checked
+        self._keeping = keeping
+
+    def __enter__(self) -> Delivery:
+        dialect, conn, claim = self._dialect, self._conn, self._claim
+        at = dialect.instant(self._now)
+        if not self._checked:
+            check_owned(dialect, conn, claim)
+        tx = self._tx
+        if tx is None:
+            self._tx = tx = Delivery(dialect, conn, claim, at)
+        tx.keeping = self._keeping
+        conn.delivery = tx
+        if conn.tainted:  # a handler set a PRAGMA on it once: reset its settings after each (R18)
+            conn.dirty = True
+        return tx
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> Literal[False]:
+        tx = self._tx
+        assert tx is not None
+        try:
+            own = exc is None  # the block ended well: the checks' own failure is raised here
+            if exc is None:
+                try:
+                    tx.check_kept()
+                    tx.write_deferred()
+                    tx.check_open()
+                except Exception as failure:
+                    exc = failure
+                else:
+                    return False
+            elif not isinstance(exc, Exception):
+                return False
+            instead = handler_failure(self._dialect, tx, self._claim, exc)
+            if instead is not None:
+                raise instead from exc
+            if own:
+                raise exc
+            return False
+        finally:
+            self._conn.delivery = None
 
 
 def handler_failure(
