@@ -21,6 +21,11 @@ options):
 - ``select-lock``: the token check as ``SELECT ... FOR UPDATE`` instead of the commit guard's
   no-op ``UPDATE`` (R17: a handler's ``COMMIT`` would then commit its writes without a record).
 - ``bare``: all three.
+- ``record-first``: not a variant that drops a rule, a design to weigh: the record inserted in
+  the opening sync, behind the row lock (its prepared statement failing there costs no
+  handler's writes, so no savepoint guards it), and the closing sync checking that the
+  open-delivery mark is still the lock's (R17: nothing rolled back to before it) instead of
+  inserting the record.
 
 Not a throughput figure (``compare.py`` is); where the server's time goes. Needs the server on
 this machine (it reads the backend's CPU from ``/proc``).
@@ -71,6 +76,10 @@ def variants(store: PostgresStore, schema: str) -> dict[str, list[Flight]]:
     resets: Flight = [(RESET_ROLE, "")]
     after: Flight = [(RESET_SESSION, ""), (SET_UTC, "")]
     savepoint: Flight = [(b"SAVEPOINT outboxkit_records", "")]
+    still_open = (
+        b"SELECT 1 / coalesce(current_setting('outboxkit.open_delivery', true)"
+        b" = %(event_id)s::text, false)::int"
+    )
 
     def kit(
         lock_by: Any, *, reset: bool = True, records_savepoint: bool = True, prepared: bool = True
@@ -97,6 +106,11 @@ def variants(store: PostgresStore, schema: str) -> dict[str, list[Flight]]:
         "unprepared": kit(lock, records_savepoint=False, prepared=False),
         "select-lock": kit(select_lock),
         "bare": kit(select_lock, reset=False, records_savepoint=False),
+        "record-first": [
+            [(b"BEGIN", ""), (lock, "kit"), (record, "kit-open")],
+            [(app_row, "ref")],
+            [*resets, (still_open, "kit"), *after, (b"COMMIT", "")],
+        ],
     }
 
 
@@ -106,6 +120,7 @@ def params(kind: str, event_id: int) -> Any:
     if kind == "ref-record":
         return (event_id, HANDLER)
     return {
+        "last": kind != "kit-open",  # a record sent first keeps the mark for the check
         "id": event_id,
         "token": token_of(event_id),
         "mark": True,
@@ -115,7 +130,6 @@ def params(kind: str, event_id: int) -> Any:
         "attempt": 1,
         "now": None,
         "reason": None,
-        "last": True,
     }
 
 
