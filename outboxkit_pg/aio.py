@@ -25,6 +25,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from datetime import datetime, timedelta
+from types import TracebackType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
@@ -417,6 +418,39 @@ class _Held:
             raise
 
 
+class _RoundDelivery(AbstractAsyncContextManager[AsyncDelivery]):
+    """``AsyncRound.delivery``: a connection of the round's taken for the block (given back
+    whatever happens), and on it a delivery (``delivering``). A class, as ``delivering`` is."""
+
+    __slots__ = ("_claim", "_held", "_inner", "_now", "_round")
+
+    def __init__(self, round_: AsyncRound, claim: Claim, now: datetime | None) -> None:
+        self._round = round_
+        self._claim = claim
+        self._now = now
+
+    async def __aenter__(self) -> AsyncDelivery:
+        round_, claim = self._round, self._claim
+        self._held = held = await round_._take(f"deliver event {claim.event.id}")
+        try:
+            self._inner = inner = delivering(round_._side, held.conn, claim, self._now, held=held)
+            return await inner.__aenter__()
+        except BaseException:
+            await round_._done_with(held)
+            raise
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        try:
+            return await self._inner.__aexit__(exc_type, exc, tb)
+        finally:
+            await self._round._done_with(self._held)
+
+
 class AsyncRound(AsyncDeliveriesBase):
     """The deliveries of one per-event round on the asyncio side (``AsyncPostgresStore.rounds``):
     the blocking ``delivery.Round``'s rules, on connections several deliveries use at once.
@@ -456,16 +490,12 @@ class AsyncRound(AsyncDeliveriesBase):
         self._waiting: deque[asyncio.Future[_Held | None]] = deque()
         self._lost: StoreError | None = None
 
-    @asynccontextmanager
-    async def delivery(self, claim: Claim, *, now: datetime | None) -> AsyncIterator[AsyncDelivery]:
+    def delivery(
+        self, claim: Claim, *, now: datetime | None
+    ) -> AbstractAsyncContextManager[AsyncDelivery]:
         """``AsyncPostgresStore.delivery`` on a connection of the round's; a delivery never
         opened sends its record pipelined."""
-        held = await self._take(f"deliver event {claim.event.id}")
-        try:
-            async with delivering(self._side, held.conn, claim, now, held=held) as tx:
-                yield tx
-        finally:
-            await self._done_with(held)
+        return _RoundDelivery(self, claim, now)
 
     async def extend(
         self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None
@@ -673,15 +703,14 @@ class AsyncBatch(BatchGuard, AsyncSQLBatch):
         return self.side.dialect.where
 
 
-@asynccontextmanager
-async def delivering(
+def delivering(
     side: AsyncPostgresStore,
     conn: AsyncConnection,
     claim: Claim,
     now: datetime | None,
     batch: AsyncBatch | None = None,
     held: _Held | None = None,
-) -> AsyncIterator[AsyncDelivery]:
+) -> AbstractAsyncContextManager[AsyncDelivery]:
     """``delivery.delivering`` on an async connection (the same ``Flow``): it opens when
     ``tx.open()`` is awaited, or at its end when what it queued needs the transaction; one that
     never opens is its fenced record alone or, in a batch, kept for the batch's settlement.
@@ -692,28 +721,81 @@ async def delivering(
         StoreUnavailable: the server ended the session under the handler.
         StoreError: the database failed (never blamed on the handler).
     """
-    flow = Flow(side.dialect, conn, claim, now, batch)
-    tx = AsyncDelivery(side, flow, held)
-    try:
-        yield tx
+    return _Delivering(side, conn, claim, now, batch, held)
+
+
+class _Delivering(AbstractAsyncContextManager[AsyncDelivery]):
+    """``delivering``: a class, not an async generator (one per delivery: an
+    ``asynccontextmanager`` costs each a generator, its first-iteration hook and its
+    finalizer's registration)."""
+
+    __slots__ = ("_batch", "_claim", "_conn", "_flow", "_held", "_side", "_tx")
+
+    def __init__(
+        self,
+        side: AsyncPostgresStore,
+        conn: AsyncConnection,
+        claim: Claim,
+        now: datetime | None,
+        batch: AsyncBatch | None,
+        held: _Held | None,
+    ) -> None:
+        self._side = side
+        self._conn = conn
+        self._claim = claim
+        self._batch = batch
+        self._held = held
+        self._flow = flow = Flow(side.dialect, conn, claim, now, batch)
+        self._tx = AsyncDelivery(side, flow, held)
+
+    async def __aenter__(self) -> AsyncDelivery:
+        return self._tx
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        if exc is None:
+            try:
+                await self._end()
+            except BaseException as failure:
+                error = await self._failed(failure)
+                if error is None:
+                    raise
+                raise error from failure
+            return False
+        error = await self._failed(exc)
+        if error is None:
+            return False  # the block's own exception goes on
+        raise error from exc
+
+    async def _end(self) -> None:
+        """The block ended well: open if what it queued needs it, then the record (kept by
+        the batch, pipelined on the round's connection, or with the commit)."""
+        flow, claim, batch, held = self._flow, self._claim, self._batch, self._held
         if flow.open_error is not None:
             raise flow.open_error  # the handler swallowed it: the delivery fails all the same
         if flow.must_open():
-            await tx.open()
+            await self._tx.open()
         if batch is not None and not flow.is_open:
             batch.keep(claim, flow.records[0])  # written, fenced, with the batch's settlement
-        elif held is None or flow.is_open or not held.send(side, claim, flow.records[0]):
+        elif held is None or flow.is_open or not held.send(self._side, claim, flow.records[0]):
             # (On a round's connection: an open delivery read the records back as it opened;
             # one that cannot pipeline has none.)
-            flow.closed(await close(flow, conn))
-    except BaseException as exc:
+            flow.closed(await close(flow, self._conn))
+
+    async def _failed(self, exc: BaseException) -> BaseException | None:
+        """What to raise instead of ``exc`` (None: ``exc`` itself), once the delivery is rolled
+        back (the batch restarted, or the session reset: a connection that cannot be is
+        closed)."""
+        flow, conn, batch = self._flow, self._conn, self._batch
         error = flow.error_for(exc)
-        if held is not None and not flow.is_open:
+        if self._held is not None and not flow.is_open:
             # A round's delivery never opened: it wrote nothing, there is nothing to undo (and
             # the connection may have records in flight).
-            if error is exc:
-                raise
-            raise error from exc
+            return None if error is exc else error
         aborted = await abort_quietly(conn, flow.aborting())
         if batch is not None:
             if flow.lost_batch(aborted):
@@ -722,9 +804,7 @@ async def delivering(
             resets = flow.resetting()
             if resets is None or not await abort_quietly(conn, resets):
                 await conn.close()  # left in a transaction, or as the handler set it: discarded
-        if error is exc:
-            raise
-        raise error from exc
+        return None if error is exc else error
 
 
 async def restart(
