@@ -419,24 +419,34 @@ class _Held:
 
 
 class _RoundDelivery(AbstractAsyncContextManager[AsyncDelivery]):
-    """``AsyncRound.delivery``: a connection of the round's taken for the block (given back
-    whatever happens), and on it a delivery (``delivering``). A class, as ``delivering`` is."""
+    """``AsyncRound.delivery``: a connection of the round's taken for the block (``take``),
+    given back whatever happens (``give``), and on it a delivery (``delivering``). A class, as
+    ``delivering`` is."""
 
-    __slots__ = ("_claim", "_held", "_inner", "_now", "_round")
+    __slots__ = ("_claim", "_give", "_held", "_inner", "_now", "_side", "_take")
 
-    def __init__(self, round_: AsyncRound, claim: Claim, now: datetime | None) -> None:
-        self._round = round_
+    def __init__(
+        self,
+        side: AsyncPostgresStore,
+        take: Callable[[str], Awaitable[_Held]],
+        give: Callable[[_Held], Awaitable[None]],
+        claim: Claim,
+        now: datetime | None,
+    ) -> None:
+        self._side = side
+        self._take = take
+        self._give = give
         self._claim = claim
         self._now = now
 
     async def __aenter__(self) -> AsyncDelivery:
-        round_, claim = self._round, self._claim
-        self._held = held = await round_._take(f"deliver event {claim.event.id}")
+        claim = self._claim
+        self._held = held = await self._take(f"deliver event {claim.event.id}")
         try:
-            self._inner = inner = delivering(round_._side, held.conn, claim, self._now, held=held)
+            self._inner = inner = delivering(self._side, held.conn, claim, self._now, held=held)
             return await inner.__aenter__()
         except BaseException:
-            await round_._done_with(held)
+            await self._give(held)
             raise
 
     async def __aexit__(
@@ -448,7 +458,7 @@ class _RoundDelivery(AbstractAsyncContextManager[AsyncDelivery]):
         try:
             return await self._inner.__aexit__(exc_type, exc, tb)
         finally:
-            await self._round._done_with(self._held)
+            await self._give(self._held)
 
 
 class AsyncRound(AsyncDeliveriesBase):
@@ -495,7 +505,7 @@ class AsyncRound(AsyncDeliveriesBase):
     ) -> AbstractAsyncContextManager[AsyncDelivery]:
         """``AsyncPostgresStore.delivery`` on a connection of the round's; a delivery never
         opened sends its record pipelined."""
-        return _RoundDelivery(self, claim, now)
+        return _RoundDelivery(self._side, self._take, self._done_with, claim, now)
 
     async def extend(
         self, claims: Sequence[Claim], *, lease: timedelta, now: datetime | None
