@@ -55,19 +55,29 @@ def _derived(option: str, table: str) -> list[str]:
     return index_names(table) if option == "events_table" else []
 
 
-def _refuse_reserved(option: str, table: str) -> None:
+def _refuse_reserved(option: str, table: str, role: str) -> None:
+    """Refuse ``table`` (the ``role`` table, given by ``option``) when it, or a name the store
+    makes from it (the events table's indexes: ``sqlite_due`` for ``sqlite``), is reserved."""
     if table.lower().startswith(RESERVED_PREFIX):
         raise ConfigurationError(
             f"{option}: SQLite reserves table names starting with {RESERVED_PREFIX!r} (in any "
             f"case), got {table!r}"
         )
+    for name in _derived(role, table):
+        if name.lower().startswith(RESERVED_PREFIX):
+            raise ConfigurationError(
+                f"{option}: SQLite reserves names starting with {RESERVED_PREFIX!r} (in any "
+                f"case), and the store would name an index of the events table {table!r} "
+                f"{name!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
 class TableNames:
     """The store's three tables. Each name is validated on construction: a safe identifier, not
-    ``sqlite_*`` (in any case), the three different ignoring case (as SQLite compares names), none
-    named like one of the store's indexes (``{events}_due`` ...)."""
+    ``sqlite_*`` (in any case, nor an index name made from it), the three different ignoring
+    case (as SQLite compares names), none named like one of the store's indexes
+    (``{events}_due`` ...)."""
 
     events: str = "outbox_events"
     deliveries: str = "outbox_deliveries"
@@ -77,9 +87,12 @@ class TableNames:
         validate_table_names(
             self.events, self.deliveries, self.schema, derived=_derived, ignore_case=True
         )
-        _refuse_reserved("events_table", self.events)
-        _refuse_reserved("deliveries_table", self.deliveries)
-        _refuse_reserved("schema_table", self.schema)
+        for role, table in (
+            ("events_table", self.events),
+            ("deliveries_table", self.deliveries),
+            ("schema_table", self.schema),
+        ):
+            _refuse_reserved(role, table, role)
 
     @classmethod
     def from_options(
@@ -92,13 +105,13 @@ class TableNames:
         """``{prefix}events``, ``{prefix}deliveries``, ``{prefix}schema``, each replaced by its
         own option when given."""
         names = table_names(prefix, events, deliveries, schema_table)
-        for option, table, given in zip(
+        for role, table, given in zip(
             ("events_table", "deliveries_table", "schema_table"),
             names,
             (events, deliveries, schema_table),
             strict=True,
         ):
-            _refuse_reserved(option if given is not None else "table_prefix", table)
+            _refuse_reserved(role if given is not None else "table_prefix", table, role)
         return cls(*names)
 
     def placeholders(self) -> dict[str, str]:

@@ -134,6 +134,8 @@ def accepted(option: str, name: str, store: str) -> bool:
         if any(table.lower().startswith("sqlite_") for table in tables.values()):
             return False
         derived = {f"{tables['events_table']}_{s}".lower() for s in SQLITE_INDEXES}
+        if any(index.startswith("sqlite_") for index in derived):  # events table "sqlite"
+            return False
     else:
         derived = {
             pg_derived(tables[table_option], suffix)
@@ -531,6 +533,8 @@ SQLITE_REFUSED: list[tuple[str, str]] = [
     ("schema_table", "Outbox_Events"),
     *(("deliveries_table", f"outbox_events_{s}") for s in SQLITE_INDEXES),
     ("schema_table", "OUTBOX_EVENTS_DUE"),
+    ("events_table", "SQLITE"),  # its indexes would be SQLITE_due ... (found by the fuzz)
+    ("events_table", "sqlite"),
 ]
 
 
