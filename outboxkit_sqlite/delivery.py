@@ -617,12 +617,11 @@ class _Delivering(_Block):
 
     def __enter__(self) -> Delivery:
         dialect, conn, claim = self._dialect, self._conn, self._claim
-        at = dialect.instant(self._now)
         if not self._checked:
             check_owned(dialect, conn, claim)
         tx = self._tx
-        if tx is None:
-            self._tx = tx = Delivery(dialect, conn, claim, at)
+        if tx is None:  # (one given, as ``Lazily``'s, has its instant already)
+            self._tx = tx = Delivery(dialect, conn, claim, dialect.instant(self._now))
         tx.keeping = self._keeping
         conn.delivery = tx
         if conn.tainted:  # a handler set a PRAGMA on it once: reset its settings after each (R18)
