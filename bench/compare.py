@@ -33,6 +33,11 @@ picked rows by primary key (``WHERE id = ANY(ARRAY(SELECT id FROM due))``) inste
 CTE, which a prepared claim plans as a hash over a scan of the whole table while the table is
 small (10,000 rows here); it shows how much of a ratio is that plan.
 
+The asyncio poller runs per event at concurrency 1, 4 and 16 (transactional and not) and in
+``per_batch`` (``kit-async-batch``: the records of handlers that never take the connection
+written with the batch's settlement, as pgqueuer writes its acknowledgements in batches); the
+table names the contender each best figure came from.
+
 The peers: pgqueuer (asyncpg driver, ``QueueExecutionMode.drain``, batch 10 - its default - and
 100) and procrastinate (a worker with ``wait=False``, its defaults otherwise), each in a
 database of its own with its schema installed through its own API.
@@ -174,6 +179,7 @@ CONTENDERS = {
         Contender("kit-async-16", "async_poller c=16", "pg", "async", "tx", 1, 16),
         Contender("kit-async-nontx-4", "async_poller c=4, non-tx", "pg", "async", "nontx", 1, 4),
         Contender("kit-async-nontx-16", "async_poller c=16, non-tx", "pg", "async", "nontx", 1, 16),
+        Contender("kit-async-batch", "async_poller, per_batch", "pg", "async", "batch", 1, 1),
         Contender("bare-tx-1", "outboxkit's statements, per event", "pg", "bare", "tx", 1),
         Contender("bare-tx-2", "outboxkit's statements, per event, 2 procs", "pg", "bare", "tx", 2),
         Contender("bare-batch-1", "outboxkit's statements, per batch", "pg", "bare", "batch", 1),
@@ -208,7 +214,14 @@ CONTENDERS = {
     ]
 }
 
-ASYNC = ["kit-async-1", "kit-async-4", "kit-async-16", "kit-async-nontx-4", "kit-async-nontx-16"]
+ASYNC = [
+    "kit-async-1",
+    "kit-async-4",
+    "kit-async-16",
+    "kit-async-nontx-4",
+    "kit-async-nontx-16",
+    "kit-async-batch",
+]
 CONCURRENT = ["kit-tx-c4", "kit-tx-c3p"]  # the blocking poller committing several at once
 # Contenders that are compared with one another run next to one another.
 GROUPS: list[list[str]] = [
@@ -841,6 +854,7 @@ def _kit_async_worker(job: Job, barrier: Barrier) -> Drained:
         concurrency=job.contender.concurrency,
         batch_size=job.contender.batch_size,
         waiter=LoopWaiter(),
+        transaction="per_batch" if job.contender.mode == "batch" else "per_event",
     )
 
     async def drain() -> tuple[float, float]:

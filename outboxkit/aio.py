@@ -15,9 +15,10 @@ Where the two pollers differ, they differ because one blocks and the other does 
   on its own connection; the blocking poller runs its handlers one at a time, and gives the
   number to the store's per-event round (``Store.rounds``: on PostgreSQL, the connections a
   round's records are committed on at once, without waiting for each);
-- a transactional handler's delivery transaction: the asyncio poller opens it before the handler
-  runs (``await tx.open()``: a property cannot await), the blocking one when the handler first
-  takes ``ctx.connection`` (a handler that never does costs no transaction of its own);
+- a transactional handler's delivery transaction: the asyncio poller makes it ready before the
+  handler runs (``await tx.open()``: a property cannot await; PostgreSQL's still opens when the
+  handler first takes ``ctx.connection``), the blocking one opens it then (a handler that never
+  does costs no transaction of its own);
 - handlers: the asyncio poller awaits ``async def`` handlers and runs blocking ones in a worker
   thread (``call_async``); the blocking poller refuses ``async def`` handlers (``call``);
 - a relay publishes on the poller's loop (``publish``), or on the relay's own loop for the
@@ -378,7 +379,7 @@ class AsyncPoller(PollerBase):
             if spec.transactional:
                 async with deliveries.delivery(claim, now=store_now()) as tx:
                     if ASYNC:
-                        await tx.open()  # before the handler: a property cannot await
+                        await tx.open()  # ready before the handler: a property cannot await
                     ctx.bind(tx)
                     await call_async(spec, claim.event, ctx, scope)
                     if ctx.buffer:

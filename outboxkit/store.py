@@ -348,18 +348,22 @@ class AsyncDeliveryTransaction(Protocol):
     """``DeliveryTransaction`` for async code: ``connection`` is the async connection of the
     delivery transaction (psycopg's ``AsyncConnection``, aiosqlite's ``Connection``).
 
-    A property cannot await, so the transaction opens lazily through ``open``: the poller
-    awaits it before it hands ``connection`` to a transactional handler. A delivery never
+    A property cannot await, so the poller awaits ``open`` before it hands ``connection`` to a
+    transactional handler; a store may open the transaction then, or later, as long as every
+    statement the handler sends on ``connection`` runs in it (PostgreSQL opens it when the
+    handler first takes ``connection``, ahead of the handler's first statement). A delivery never
     opened (a non-transactional handler's record, a rejection) may end as its record alone,
     fenced by the token in one statement, as a blocking delivery whose handler never took the
     connection does. A store whose deliveries open at once makes ``open`` a no-op.
     """
 
     async def open(self) -> None:
-        """Open the delivery transaction now, if it is not open yet (idempotent).
+        """Make the delivery transaction ready for the handler (idempotent): open it now, or
+        arrange that it opens before the handler's first statement on ``connection``.
 
         Raises:
-            LeaseLostError: the token is stale (nothing was written).
+            LeaseLostError: the token is stale (nothing was written); a store that opens later
+                makes the handler's statements fail instead, and the delivery ends with it.
             StoreError: the database failed.
         """
         ...

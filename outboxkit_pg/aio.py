@@ -19,6 +19,7 @@ own:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import weakref
 from collections import deque
@@ -33,7 +34,7 @@ from psycopg.pq import PipelineStatus
 from psycopg.rows import tuple_row
 
 from outboxkit.core.model import Claim, NewEvent, Outcome
-from outboxkit.errors import StoreError, StoreUnavailable
+from outboxkit.errors import LeaseLostError, StoreError, StoreUnavailable
 from outboxkit.storekit import AsyncDeliveriesBase, SettleItem
 from outboxkit.storekit.aiosql import AsyncSQLBatch, AsyncSQLStore
 from outboxkit.storekit.rows import inserted_ids, resolve_ids
@@ -202,8 +203,9 @@ class AsyncPostgresStore(AsyncSQLStore):
     @asynccontextmanager
     async def delivery(self, claim: Claim, *, now: datetime | None) -> AsyncIterator[AsyncDelivery]:
         """``PostgresStore.delivery`` for async code: a delivery transaction on a pooled async
-        connection, opened (the event row locked, the token checked) when ``tx.open()`` is
-        awaited; a block that never opens it ends with its record in one fenced statement.
+        connection, made ready by ``tx.open()`` and opened (the event row locked, the token
+        checked) when ``tx.connection`` is first taken (``AsyncDelivery``); a block that never
+        opens it ends with its record in one fenced statement.
         ``tx.connection`` is then that ``AsyncConnection`` in the open transaction: the handler
         reads and writes through it, but must not commit, roll back or close it.
 
@@ -280,7 +282,23 @@ class AsyncPostgresStore(AsyncSQLStore):
 
 class AsyncDelivery(Transaction[AsyncConnection]):
     """One async delivery transaction (see ``AsyncPostgresStore.delivery``), or a savepoint of
-    a batch's: it opens when ``open`` is awaited (or a follow-up enqueued)."""
+    a batch's. It opens lazily, as the blocking one does when the handler takes the connection:
+    ``open`` only makes it ready for the handler (it takes the connection's psycopg lock), and
+    the first time the handler takes ``connection`` a task sends the opening sync (the
+    transaction or savepoint, the row lock, the token check) and then lets the lock go, so that
+    every statement the handler sends on the connection waits for it, and runs in the open
+    transaction. A handler that never takes the connection costs no transaction: the delivery
+    ends as its fenced record alone (or, in a batch, kept for the batch's settlement).
+
+    If that opening fails, the handler's statements are made to fail before the lock is let
+    go, so that none runs outside the delivery: a stale token leaves the transaction (or the
+    batch's savepoint) it opened failed on purpose, rolled back at the delivery's end (a batch
+    goes on); any other failure that leaves no failed transaction closes the connection. The
+    delivery then fails with what the opening raised (``Flow.open_error``: lease-lost for a
+    stale token), whatever the handler made of its own statement's error. On a connection
+    psycopg begins transactions on (a pool of the app's own: ``implicit_begin``), ``open``
+    opens at once instead.
+    """
 
     def __init__(
         self, side: AsyncPostgresStore, flow: Flow[AsyncConnection], held: _Held | None = None
@@ -288,42 +306,119 @@ class AsyncDelivery(Transaction[AsyncConnection]):
         super().__init__(flow)
         self._side = side
         self._held = held  # a round's connection, with the records pipelined on it
+        self._armed = False  # the connection's lock taken by ``open``, the opening not sent
+        self._opening: asyncio.Task[None] | None = None
 
     async def open(self) -> None:
-        """Open the delivery transaction now (its first pipeline sync), if it is not yet.
+        """Make the delivery ready for the handler (idempotent): the transaction opens when
+        the handler first takes ``connection`` (see the class), or at once on a connection
+        psycopg begins transactions on.
+
+        Raises:
+            LeaseLostError: (opening at once) the token is stale (the transaction is not opened).
+            StoreError: (opening at once) the database failed opening it.
+        """
+        flow = self._flow
+        if flow.is_open or self._armed or self._opening is not None:
+            return
+        if implicit_begin(flow.conn):
+            await self.open_now()
+            return
+        await flow.conn.lock.acquire()
+        self._armed = True
+
+    async def open_now(self) -> None:
+        """Open the delivery transaction now, if it is not yet (the lazy opening awaited, or
+        begun if the handler has not taken the connection).
 
         Raises:
             LeaseLostError: the token is stale (the transaction is not opened).
             StoreError: the database failed opening it.
         """
         flow = self._flow
+        if self._armed and self._opening is None:
+            self._start_opening()
+        if self._opening is not None:
+            await self._opening
+            if flow.open_error is not None:
+                raise flow.open_error
+            return
         if flow.is_open:
             return
         try:
-            if self._held is not None:
-                await self._held.drain()  # the round's records on it, read back first
-            try:
-                results = await _sync(flow.conn, flow.opening())
-            except PREPARED_STALE:  # see ``Flow.reopening``
-                if not await abort_quietly(flow.conn, flow.reopening()):
-                    raise
-                results = await _sync(flow.conn, flow.opening())
-            flow.opened(results)
+            await self._opened(locked=False)
         except BaseException as exc:
             error = flow.open_failed(exc)
             if error is exc:
                 raise
             raise error from exc
 
+    async def settled(self) -> None:
+        """The delivery's block has ended: the lazy opening, if the handler began it, is
+        awaited (what it raised is kept in ``Flow.open_error``), and the connection's lock, if
+        the handler never took the connection, let go."""
+        if self._opening is not None:
+            await self._opening
+        elif self._armed:
+            self._armed = False
+            self._flow.conn.lock.release()
+
+    async def _opened(self, *, locked: bool) -> None:
+        """Send the opening sync and read it back (``Flow.opened``); ``locked``: the
+        connection's lock is held already (the lazy opening)."""
+        flow = self._flow
+        if self._held is not None:
+            await self._held.drain()  # the round's records on it, read back first
+        try:
+            results = await _sync(flow.conn, flow.opening(), locked=locked)
+        except PREPARED_STALE:  # see ``Flow.reopening``
+            if not await abort_quietly(flow.conn, flow.reopening(), locked=locked):
+                raise
+            results = await _sync(flow.conn, flow.opening(), locked=locked)
+        flow.opened(results)
+
+    def _start_opening(self) -> None:
+        """The lazy opening's task (the handler takes the connection in the loop's thread: a
+        transactional handler is an ``async def`` one)."""
+        self._opening = asyncio.get_running_loop().create_task(self._open_lazily())
+
+    async def _open_lazily(self) -> None:
+        """The lazy opening, under the lock ``open`` took; let go at its end. A failure is
+        kept (``Flow.open_error``), and before the lock is let go the handler's statements
+        are made to fail, so that none runs outside the delivery: a stale token leaves the
+        transaction (or savepoint) it opened failed on purpose (``_STALE``), rolled back when
+        the delivery ends; any other failure closes the connection."""
+        flow = self._flow
+        conn = flow.conn
+        try:
+            await self._opened(locked=True)
+        except BaseException as exc:
+            error = flow.open_failed(exc)
+            if isinstance(error, LeaseLostError) and not (conn.closed or conn.broken):
+                with contextlib.suppress(psycopg.Error):  # what it is sent for
+                    await _fly(conn, [Statement(_STALE)], locked=True)
+            if conn.closed or conn.info.transaction_status != _INERROR:
+                await conn.close()
+            else:
+                flow.failed_open = True
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            self._armed = False
+            conn.lock.release()
+
     @property
     def connection(self) -> AsyncConnection:
-        """The connection in the open delivery transaction.
+        """The connection of the delivery transaction: taking it begins the lazy opening.
 
         Raises:
             StoreError: ``open`` was not awaited first.
         """
         flow = self._flow
-        if not flow.is_open:
+        if self._armed:
+            if self._opening is None:
+                self._start_opening()
+        elif not flow.is_open and self._opening is None:
             raise StoreError(
                 f"{flow.what}: the delivery transaction is not open yet; await open() first"
             )
@@ -333,7 +428,7 @@ class AsyncDelivery(Transaction[AsyncConnection]):
         """Enqueue follow-up events inside this transaction (opened first if need be)."""
         if not events:
             return []
-        await self.open()
+        await self.open_now()
         flow = self._flow
         with flow.dialect.mapped(self._following(events), flow.conn):
             return await self._side.insert(flow.conn, events, flow.now)
@@ -677,6 +772,16 @@ class _Unusable(Exception):
 
 
 _IDLE = psycopg.pq.TransactionStatus.IDLE
+_INERROR = psycopg.pq.TransactionStatus.INERROR
+
+_STALE = (
+    b"DO $$ BEGIN RAISE EXCEPTION 'outboxkit: this delivery''s claim token is stale' "
+    b"USING HINT = 'Another poller holds the event now; nothing of this delivery commits.'; "
+    b"END $$"
+)
+"""Sent by a lazy opening that found the token stale, after the handler took the connection:
+the transaction (or savepoint) fails, so that every statement the handler sends in it fails
+too, until the delivery's end rolls it back (``Flow.failed_open``)."""
 
 
 class AsyncBatch(BatchGuard, AsyncSQLBatch):
@@ -722,8 +827,9 @@ def delivering(
     held: _Held | None = None,
 ) -> AbstractAsyncContextManager[AsyncDelivery]:
     """``delivery.delivering`` on an async connection (the same ``Flow``): it opens when
-    ``tx.open()`` is awaited, or at its end when what it queued needs the transaction; one that
-    never opens is its fenced record alone or, in a batch, kept for the batch's settlement.
+    ``tx.connection`` is taken after ``tx.open()``, or at its end when what it queued needs the
+    transaction; one that never opens is its fenced record alone or, in a batch, kept for the
+    batch's settlement.
 
     Raises:
         LeaseLostError: the token is stale (nothing is written).
@@ -767,6 +873,7 @@ class _Delivering(AbstractAsyncContextManager[AsyncDelivery]):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool:
+        await self._tx.settled()
         if exc is None:
             try:
                 await self._end()
@@ -788,7 +895,7 @@ class _Delivering(AbstractAsyncContextManager[AsyncDelivery]):
         if flow.open_error is not None:
             raise flow.open_error  # the handler swallowed it: the delivery fails all the same
         if flow.must_open():
-            await self._tx.open()
+            await self._tx.open_now()
         if batch is not None and not flow.is_open:
             batch.keep(claim, flow.records[0])  # written, fenced, with the batch's settlement
         elif held is None or flow.is_open or not held.send(self._side, claim, flow.records[0]):
@@ -802,7 +909,7 @@ class _Delivering(AbstractAsyncContextManager[AsyncDelivery]):
         closed)."""
         flow, conn, batch = self._flow, self._conn, self._batch
         error = flow.error_for(exc)
-        if self._held is not None and not flow.is_open:
+        if self._held is not None and not flow.is_open and not flow.failed_open:
             # A round's delivery never opened: it wrote nothing, there is nothing to undo (and
             # the connection may have records in flight).
             return None if error is exc else error
@@ -844,13 +951,16 @@ async def close(flow: Flow[AsyncConnection], conn: AsyncConnection) -> list[Resu
         return await _sync(conn, flow.reclosing())
 
 
-async def _sync(conn: AsyncConnection, statements: Sequence[Statement]) -> list[Result]:
+async def _sync(
+    conn: AsyncConnection, statements: Sequence[Statement], *, locked: bool = False
+) -> list[Result]:
     """Send ``statements`` in one pipeline sync (``pipeline.Flight``; through psycopg one
     alone, without a pipeline, whose entry and exit cost more than the statement, and all of
     them on a connection psycopg is to begin a transaction on: ``implicit_begin``); what each
-    returned."""
-    if len(statements) > 1 and not implicit_begin(conn):
-        return await _fly(conn, statements)
+    returned. ``locked``: the caller holds the connection's lock (a lazy opening: always a
+    flight, never psycopg, which would wait for that lock)."""
+    if locked or (len(statements) > 1 and not implicit_begin(conn)):
+        return await _fly(conn, statements, locked=locked)
     if len(statements) == 1:
         (statement,) = statements
         cursor = await conn.cursor(row_factory=tuple_row).execute(statement.query, statement.params)
@@ -863,23 +973,20 @@ async def _sync(conn: AsyncConnection, statements: Sequence[Statement]) -> list[
     return [Result(c.rowcount, await c.fetchall() if has_rows(c) else []) for c in cursors]
 
 
-async def _fly(conn: AsyncConnection, statements: Sequence[Statement]) -> list[Result]:
-    """``pipeline.fly`` on an async connection: the flight's waiting on the event loop.
+async def _fly(
+    conn: AsyncConnection, statements: Sequence[Statement], *, locked: bool = False
+) -> list[Result]:
+    """``pipeline.fly`` on an async connection: the flight's waiting on the event loop, under
+    the connection's lock (``locked``: the caller holds it).
 
     Raises:
         psycopg.Error: a statement failed, or the connection did.
     """
-    flight = Flight(conn)
     try:
+        if locked:
+            return await _flown(conn, statements)
         async with conn.lock:
-            writing = flight.send(statements)
-            fd = conn.pgconn.socket
-            while writing:
-                await _ready(fd, write=True)
-                writing = flight.flush()
-            while (got := flight.read()) is None:
-                await _ready(fd)
-            return [flight_result(r) for r in got]
+            return await _flown(conn, statements)
     except psycopg.Error:
         if conn.pgconn.pipeline_status != _PIPELINE_OFF:
             await conn.close()
@@ -911,10 +1018,27 @@ async def _ready(fd: int, *, write: bool = False) -> None:
             loop.remove_reader(fd)
 
 
-async def abort_quietly(conn: AsyncConnection, statements: Sequence[bytes]) -> bool:
+async def _flown(conn: AsyncConnection, statements: Sequence[Statement]) -> list[Result]:
+    flight = Flight(conn)
+    writing = flight.send(statements)
+    fd = conn.pgconn.socket
+    while writing:
+        await _ready(fd, write=True)
+        writing = flight.flush()
+    while (got := flight.read()) is None:
+        await _ready(fd)
+    return [flight_result(r) for r in got]
+
+
+async def abort_quietly(
+    conn: AsyncConnection, statements: Sequence[bytes], *, locked: bool = False
+) -> bool:
     """Roll a delivery back, quietly (see ``delivery.abort_quietly``); whether every
-    statement ran."""
+    statement ran. ``locked``: the caller holds the connection's lock (one flight)."""
     try:
+        if locked:
+            await _fly(conn, [Statement(s) for s in statements], locked=True)
+            return True
         for statement in statements:
             await conn.execute(statement)
     except psycopg.Error as exc:

@@ -284,6 +284,10 @@ class Flow(Generic[C]):
         # opened is, at its end, one fenced statement (``closing``).
         self.is_open = False
         self.open_error: BaseException | None = None
+        # A lazy opening (the asyncio side's) failed after the handler took the connection and
+        # left its transaction or savepoint open and failed (on purpose, for a stale token), so
+        # that the handler's statements fail: rolled back at the end (``aborting``).
+        self.failed_open = False
         self._batch_ended = False  # found by ``aborting``: see ``lost_batch``
         self._begins_batch = False  # its opening begins the batch's transaction
         # Whether the delivery's own transaction is held (``pool.hold_transaction``).
@@ -509,8 +513,10 @@ class Flow(Generic[C]):
         connection is gone (the pool discards it) or idle. A batch's transaction found ended
         (idle) has nothing to roll back to: the handler ended it (``lost_batch``)."""
         conn = self.conn
-        if conn.closed or conn.broken or (not self.is_open and self._batch is not None):
-            return ()  # gone, or a delivery in a batch that never opened its savepoint
+        if conn.closed or conn.broken:
+            return ()  # gone
+        if not self.is_open and self._batch is not None and not self.failed_open:
+            return ()  # a delivery in a batch that never opened its savepoint
         idle = conn.info.transaction_status == TransactionStatus.IDLE
         if self._batch is not None:
             self._batch_ended = idle

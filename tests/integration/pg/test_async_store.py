@@ -38,9 +38,11 @@ from outboxkit import (
     StoreUnavailable,
 )
 from outboxkit.core.machine import Publish
+from outboxkit.core.model import Claim
 from outboxkit_pg import PostgresStore
 from outboxkit_pg import aio as pg_aio
 from outboxkit_pg.aio import AsyncPostgresStore
+from outboxkit_pg.flow import Flow, Statement
 
 from ._workers import wait_until
 
@@ -493,30 +495,99 @@ async def test_claim_extend_settle_release_on_the_async_side(
     assert await side.release([], now=None) == 0
 
 
+async def _stale_statement_fails(
+    deliveries: Any, claim: Claim, insert: sql.Composed, n: int
+) -> None:
+    """A delivery of stale ``claim`` whose handler takes the connection: its statement fails,
+    and the delivery is lease-lost."""
+    with pytest.raises(LeaseLostError, match="stale"):
+        async with deliveries.delivery(claim, now=None) as tx:
+            await tx.open()
+            with pytest.raises(psycopg.errors.InFailedSqlTransaction):
+                await tx.connection.execute(insert, (n,))
+
+
 @pytest.mark.asyncio
 async def test_a_stale_token_is_lease_lost_and_nothing_is_written(
-    pg_store: PostgresStore, side: AsyncPostgresStore
+    pg_store: PostgresStore,
+    side: AsyncPostgresStore,
+    orders: sql.Identifier,
+    admin: psycopg.Connection[Any],
 ) -> None:
+    """The opening is lazy: a stale token found after the handler took the connection fails
+    the transaction (or savepoint) it opened, so the handler's own statements fail, and the
+    delivery is lease-lost whatever the handler made of it; nothing it sent is written."""
+    insert = sql.SQL("INSERT INTO {} (id) VALUES (%s)").format(orders)
     await committed(side, Outbox(pg_store), "t", {})
     (claim,) = await side.claim(batch_size=1, lease=LEASE, now=None)
     await side.release([claim], now=None)
-    with pytest.raises(LeaseLostError, match="stale"):
+    await _stale_statement_fails(side, claim, insert, 1)  # the opening goes before it
+    with pytest.raises(LeaseLostError, match="stale"):  # the handler caught it: no matter
         async with side.delivery(claim, now=None) as tx:
             await tx.open()
-            pytest.fail("the delivery ran")
+            with contextlib.suppress(psycopg.Error):
+                await tx.connection.execute(insert, (2,))
     with pytest.raises(LeaseLostError, match="stale"):  # never opened: its fenced record
         async with side.delivery(claim, now=None) as tx:
             await tx.record("h", Outcome.SUCCEEDED)
     assert pg_store.records(claim.event.id) == []
     async with side.batch(now=None) as batch:
-        with pytest.raises(LeaseLostError, match="stale"):
-            async with batch.delivery(claim, now=None) as tx:
-                await tx.open()
-                pytest.fail("the delivery ran")
+        await _stale_statement_fails(batch, claim, insert, 3)
         async with batch.delivery(claim, now=None) as tx:  # never opened: kept by the batch
             await tx.record("h", Outcome.SUCCEEDED)
         assert await batch.settle_many([(claim, Publish(), None)], now=None) == [False]
     assert pg_store.records(claim.event.id) == []
+    assert order_ids(admin, orders) == []
+    # In a batch, the stale delivery's savepoint is rolled back: the batch goes on and commits
+    # the next delivery's writes.
+    (fresh,) = await side.claim(batch_size=1, lease=LEASE, now=None)
+    async with side.batch(now=None) as batch:
+        await _stale_statement_fails(batch, claim, insert, 4)
+        async with batch.delivery(fresh, now=None) as tx:
+            await tx.open()
+            await tx.connection.execute(insert, (5,))
+            await tx.record("h", Outcome.SUCCEEDED)
+        assert await batch.settle_last([(fresh, Publish(), None)], now=None) == [True]
+    assert [r.handler for r in pg_store.records(claim.event.id)] == ["h"]
+    assert order_ids(admin, orders) == [5]
+
+
+@pytest.mark.asyncio
+async def test_a_lazy_opening_the_database_fails_fails_the_handlers_statements_too(
+    pg_store: PostgresStore,
+    side: AsyncPostgresStore,
+    orders: sql.Identifier,
+    admin: psycopg.Connection[Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An opening that fails on the database after the handler took the connection leaves
+    the handler's statements failing, and the delivery fails as the database's error (not the
+    handler's); nothing is written and the connection goes on, rolled back."""
+    insert = sql.SQL("INSERT INTO {} (id) VALUES (%s)").format(orders)
+    await committed(side, Outbox(pg_store), "t", {})
+    (claim,) = await side.claim(batch_size=1, lease=LEASE, now=None)
+    opening = Flow.opening
+
+    def failing(flow: Flow[Any]) -> list[Statement]:
+        return [*opening(flow), Statement(b"SELECT 1 / 0")]
+
+    monkeypatch.setattr(Flow, "opening", failing)
+    with pytest.raises(StoreError, match="division by zero"):
+        async with side.delivery(claim, now=None) as tx:
+            await tx.open()
+            conn = tx.connection
+            with pytest.raises(psycopg.errors.InFailedSqlTransaction):
+                await conn.execute(insert, (1,))
+            await tx.record("h", Outcome.SUCCEEDED)
+    assert not conn.closed  # rolled back, not discarded
+    assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    monkeypatch.setattr(Flow, "opening", opening)
+    async with side.delivery(claim, now=None) as tx:
+        await tx.open()
+        await tx.connection.execute(insert, (2,))
+        await tx.record("h", Outcome.SUCCEEDED)
+    assert order_ids(admin, orders) == [2]
+    assert [r.handler for r in pg_store.records(claim.event.id)] == ["h"]
 
 
 @pytest.mark.asyncio
@@ -528,9 +599,9 @@ async def test_a_delivery_never_opened_is_its_fenced_record_alone(
     sent: list[list[bytes]] = []
     real = pg_aio._sync
 
-    async def spy(conn: Any, statements: Any) -> Any:
+    async def spy(conn: Any, statements: Any, **kwargs: Any) -> Any:
         sent.append([s.query for s in statements])
-        return await real(conn, statements)
+        return await real(conn, statements, **kwargs)
 
     monkeypatch.setattr(pg_aio, "_sync", spy)
     async with side.delivery(claim, now=None) as tx:

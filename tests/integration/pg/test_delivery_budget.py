@@ -47,9 +47,14 @@ BUDGET = {
     ("per_batch", "noop"): (0, 0),
 }
 ASYNC_BUDGET = {
-    # The asyncio poller opens the delivery before the handler runs (``await tx.open()``).
+    # The asyncio poller's deliveries open lazily as well: at the handler's first statement
+    # (``AsyncDelivery``: the opening sync is sent before it, under the connection's lock).
     ("per_event", "writes"): (9, 3),
     ("per_batch", "writes"): (9, 3),
+    # A handler that never takes the connection: its record, fenced by the token, alone
+    # (pipelined on the round's connection), or kept for the batch's settlement.
+    ("per_event", "noop"): (1, 1),
+    ("per_batch", "noop"): (0, 0),
 }
 
 
