@@ -214,14 +214,15 @@ CONTENDERS = {
     ]
 }
 
-ASYNC = [
+# The asyncio poller per event; ``ASYNC`` adds it in ``per_batch``.
+ASYNC_EVENT = [
     "kit-async-1",
     "kit-async-4",
     "kit-async-16",
     "kit-async-nontx-4",
     "kit-async-nontx-16",
-    "kit-async-batch",
 ]
+ASYNC = [*ASYNC_EVENT, "kit-async-batch"]
 CONCURRENT = ["kit-tx-c4", "kit-tx-c3p"]  # the blocking poller committing several at once
 # Contenders that are compared with one another run next to one another.
 GROUPS: list[list[str]] = [
@@ -265,15 +266,24 @@ WORKLOADS = [
         "pgqueuer-default",
         "best per-event vs pgqueuer (batch 10)",
         "pgqueuer-10",
-        ("kit-tx-1", "kit-nontx-1", *CONCURRENT, *ASYNC),
+        ("kit-tx-1", "kit-nontx-1", *CONCURRENT, *ASYNC_EVENT),
         1.0,
     ),
     Workload(
         "pgqueuer-async",
-        "asyncio poller, no-op async handler, at its best concurrency vs pgqueuer (batch 10)",
+        "asyncio poller, no-op async handler, at its best (concurrency, or per_batch) vs "
+        "pgqueuer (batch 10)",
         "pgqueuer-10",
         tuple(ASYNC),
         1.0,
+    ),
+    Workload(
+        "pgqueuer-async-event",
+        "asyncio poller per event, no-op async handler, at its best concurrency vs pgqueuer "
+        "(batch 10)",
+        "pgqueuer-10",
+        tuple(ASYNC_EVENT),
+        None,
     ),
     Workload(
         "pgqueuer-batch",
