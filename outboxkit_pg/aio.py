@@ -296,8 +296,8 @@ class AsyncDelivery(Transaction[AsyncConnection]):
     goes on); any other failure that leaves no failed transaction closes the connection. The
     delivery then fails with what the opening raised (``Flow.open_error``: lease-lost for a
     stale token), whatever the handler made of its own statement's error. On a connection
-    psycopg begins transactions on (a pool of the app's own: ``implicit_begin``), ``open``
-    opens at once instead.
+    psycopg would begin a transaction on itself (``implicit_begin``; not the asyncio side's
+    own, which are in autocommit), ``open`` opens at once instead.
     """
 
     def __init__(
