@@ -11,6 +11,7 @@ import secrets
 import statistics
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 DEFAULT_PG_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 PG_URL_ENV = "OUTBOXKIT_BENCH_PG_URL"
@@ -52,3 +53,14 @@ def percentile(samples: Sequence[float], p: float) -> float:
 
 def median(samples: Sequence[float]) -> float:
     return statistics.median(samples) if samples else float("nan")
+
+
+def fill_outbox(outbox: Any, topic: str, events: int) -> None:
+    """Enqueue ``events`` events of ``topic`` (payload ``{"n": n}``) through ``outbox``, 1,000
+    to a transaction of its store's."""
+    store = outbox.store
+    for start in range(0, events, 1000):
+        with store.transaction() as tx:
+            outbox.enqueue_many(
+                tx, [(topic, {"n": n}) for n in range(start, min(events, start + 1000))]
+            )

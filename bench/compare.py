@@ -66,7 +66,7 @@ from multiprocessing.synchronize import Barrier
 from pathlib import Path
 from typing import Any
 
-from _common import median, pg_schema, pg_url_default
+from _common import fill_outbox, median, pg_schema, pg_url_default
 
 from outboxkit.storekit.rows import EVENT_COLUMNS
 
@@ -1054,12 +1054,7 @@ class Outcome:
 
 
 def _fill_kit(outbox: Any, events: int) -> None:
-    store = outbox.store
-    for start in range(0, events, 1000):
-        with store.transaction() as tx:
-            outbox.enqueue_many(
-                tx, [(TOPIC, {"n": n}) for n in range(start, min(events, start + 1000))]
-            )
+    fill_outbox(outbox, TOPIC, events)
 
 
 def _one(conn: Any, query: Any, params: Any = None) -> int:

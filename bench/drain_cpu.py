@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _common import pg_schema, pg_url_default
+from _common import fill_outbox, pg_schema, pg_url_default
 
 from outboxkit import EventBus, Outbox
 from outboxkit.poller import ThreadWaiter
@@ -39,12 +39,7 @@ ROW = "INSERT INTO app_rows (event_id, written_at) VALUES (?, ?)"
 
 
 def fill(outbox: Any, events: int) -> None:
-    store = outbox.store
-    for start in range(0, events, 1000):
-        with store.transaction() as tx:
-            outbox.enqueue_many(
-                tx, [(TOPIC, {"n": n}) for n in range(start, min(events, start + 1000))]
-            )
+    fill_outbox(outbox, TOPIC, events)
 
 
 def sqlite_drain(events: int, transaction: str) -> tuple[float, float, int]:

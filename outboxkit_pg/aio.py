@@ -1019,6 +1019,8 @@ async def _ready(fd: int, *, write: bool = False) -> None:
 
 
 async def _flown(conn: AsyncConnection, statements: Sequence[Statement]) -> list[Result]:
+    """A flight's sending and reading, its waits on the event loop (the caller holds the
+    connection's lock)."""
     flight = Flight(conn)
     writing = flight.send(statements)
     fd = conn.pgconn.socket
