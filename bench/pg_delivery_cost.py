@@ -2,30 +2,24 @@
 
 The statements of one delivery, sent by a plain loop (no poller, no Python of outboxkit's):
 outboxkit's three pipeline syncs (``BEGIN`` with the token check and row lock; the handler's
-``INSERT``; the record with its session resets and ``COMMIT``), then the same with each rule's
-own statements taken out, one at a time and all together, against the hand-written loop of
-``compare.py`` (``BEGIN``; the handler's ``INSERT``; the record; ``COMMIT``). For each, the
-server's CPU per delivery (the backend's own, from ``/proc``, read on the same connection: the
-commit's flush by the WAL writer is not in it), the WAL it writes, and the wall time of the
-loop. The statements are the store's own (``queries.sql``) and ``outboxkit_pg.flow``'s.
+``INSERT``; ``RESET ROLE``, the savepoint before the records, ``close_delivery`` - R17's
+check, the record and R18's reset in one function call - and ``COMMIT``), then the same with
+a rule's own statements taken out, against the hand-written loop of ``compare.py``
+(``BEGIN``; the handler's ``INSERT``; the record; ``COMMIT``). For each, the server's CPU per
+delivery (the backend's own, from ``/proc``, read on the same connection: the commit's flush
+by the WAL writer is not in it), the WAL it writes, and the wall time of the loop. The
+statements are the store's own (``queries.sql``) and ``outboxkit_pg.flow``'s.
 
 What is taken out, and what that costs the guarantees (so these variants are measurements, not
 options):
 
-- ``no-resets``: ``RESET ROLE``, ``RESET ALL``, ``SET TimeZone`` (R18: a role or setting the
-  handler took would stay on the connection for the next delivery and the record).
-- ``no-savepoint``: the savepoint before the records (a record statement psycopg deallocated
+- ``no-savepoint``: the savepoint before the records (a close statement psycopg deallocated
   under the handler would then roll the handler's writes back).
-- ``unprepared``: no savepoint, and the record's statement not prepared (parsed and planned
-  at each delivery: nothing psycopg deallocates can fail it).
+- ``unprepared``: no savepoint, and the close statement not prepared (parsed and planned at
+  each delivery: nothing psycopg deallocates can fail it).
 - ``select-lock``: the token check as ``SELECT ... FOR UPDATE`` instead of the commit guard's
   no-op ``UPDATE`` (R17: a handler's ``COMMIT`` would then commit its writes without a record).
-- ``bare``: all three.
-- ``record-first``: not a variant that drops a rule, a design to weigh: the record inserted in
-  the opening sync, behind the row lock (its prepared statement failing there costs no
-  handler's writes, so no savepoint guards it), and the closing sync checking that the
-  open-delivery mark is still the lock's (R17: nothing rolled back to before it) instead of
-  inserting the record.
+- ``bare``: both the savepoint and the guard's update out.
 
 Not a throughput figure (``compare.py`` is); where the server's time goes. Needs the server on
 this machine (it reads the backend's CPU from ``/proc``).
@@ -52,7 +46,7 @@ from compare import PG_APP_DDL, PG_APP_ROW, PG_REF_DDL, PG_REF_RECORD, _pg
 from psycopg import sql
 
 from outboxkit_pg import PostgresStore
-from outboxkit_pg.flow import RESET_ROLE, RESET_SESSION
+from outboxkit_pg.flow import RESET_ROLE
 from outboxkit_pg.pool import SET_UTC
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
@@ -72,23 +66,14 @@ def variants(store: PostgresStore, schema: str) -> dict[str, list[Flight]]:
     app_row = _pg(PG_APP_ROW, schema)
     lock = queries["lock_for_delivery"]
     select_lock = queries["lock_in_batch"]  # the same check and lock, without the new version
-    record = queries["insert_record"]
-    resets: Flight = [(RESET_ROLE, "")]
-    after: Flight = [(RESET_SESSION, ""), (SET_UTC, "")]
+    close = queries["close_delivery"]
     savepoint: Flight = [(b"SAVEPOINT outboxkit_records", "")]
-    still_open = (
-        b"SELECT 1 / coalesce(current_setting('outboxkit.open_delivery', true)"
-        b" = %(event_id)s::text, false)::int"
-    )
 
-    def kit(
-        lock_by: Any, *, reset: bool = True, records_savepoint: bool = True, prepared: bool = True
-    ) -> list[Flight]:
+    def kit(lock_by: Any, *, records_savepoint: bool = True, prepared: bool = True) -> list[Flight]:
         closing: Flight = [
-            *(resets if reset else []),
+            (RESET_ROLE, ""),
             *(savepoint if records_savepoint else []),
-            (record, "kit" if prepared else "kit-unprepared"),
-            *(after if reset else []),
+            (close, "kit" if prepared else "kit-unprepared"),
             (b"COMMIT", ""),
         ]
         return [[(b"BEGIN", ""), (lock_by, "kit")], [(app_row, "ref")], closing]
@@ -101,16 +86,10 @@ def variants(store: PostgresStore, schema: str) -> dict[str, list[Flight]]:
             [(b"COMMIT", "")],
         ],
         "outboxkit": kit(lock),
-        "no-resets": kit(lock, reset=False),
         "no-savepoint": kit(lock, records_savepoint=False),
         "unprepared": kit(lock, records_savepoint=False, prepared=False),
         "select-lock": kit(select_lock),
-        "bare": kit(select_lock, reset=False, records_savepoint=False),
-        "record-first": [
-            [(b"BEGIN", ""), (lock, "kit"), (record, "kit-open")],
-            [(app_row, "ref")],
-            [*resets, (still_open, "kit"), *after, (b"COMMIT", "")],
-        ],
+        "bare": kit(select_lock, records_savepoint=False),
     }
 
 
@@ -120,7 +99,8 @@ def params(kind: str, event_id: int) -> Any:
     if kind == "ref-record":
         return (event_id, HANDLER)
     return {
-        "last": kind != "kit-open",  # a record sent first keeps the mark for the check
+        "last": True,
+        "utc": True,
         "id": event_id,
         "token": token_of(event_id),
         "mark": True,

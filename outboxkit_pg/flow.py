@@ -18,8 +18,9 @@ Python per statement than a round trip on one host.
 
 The commit guard (``migration_2`` in ``queries.sql``): ``lock_for_delivery`` marks the
 transaction as holding an open delivery and touches the event row, which queues a deferred
-trigger; ``insert_record`` clears the mark; at COMMIT the trigger refuses to commit while a
-delivery is open. So a handler's own ``COMMIT`` through ``ctx.connection`` fails and rolls back
+trigger; ``close_delivery`` (``migration_7``) checks the mark, writes the record and clears the
+mark with the session's reset; at COMMIT the trigger refuses to commit while a delivery is
+open. So a handler's own ``COMMIT`` through ``ctx.connection`` fails and rolls back
 everything, and the delivery counts as a handler failure. In a batch the trigger is queued
 once, outside every savepoint (``lock_for_delivery`` without the mark), and each delivery locks
 and marks its row in its own savepoint (``lock_in_batch``).
@@ -48,7 +49,7 @@ from outboxkit.errors import (
 from outboxkit.storekit.rows import record_params
 
 from .errors import session_ended_by_handler
-from .pool import SET_UTC, AnyConnection, hold_transaction, release_transaction
+from .pool import AnyConnection, hold_transaction, release_transaction
 
 if TYPE_CHECKING:
     from .dialect import PostgresDialect
@@ -71,8 +72,13 @@ records, which are outboxkit's writes, not the handler's (``RESET ALL`` keeps th
 
 RESET_SESSION = b"RESET ALL"
 """R18: a delivery's session settings (``SET statement_timeout``, ``SET search_path`` ...)
-end with it; sent after its records (the reset ends their open-delivery mark too), before its
-COMMIT (or the release of its savepoint)."""
+end with it. A delivery that commits has ``close_delivery`` run it after its last record (the
+reset ends their open-delivery mark too), before its COMMIT (or the release of its savepoint);
+one that failed is rolled back and sends it (``SESSION_RESETS``)."""
+
+ENDED_UNDER_HANDLER = "OBX17"
+"""The SQLSTATE ``close_delivery`` raises when the transaction is not the one outboxkit opened
+for the delivery (R17, ``migration_7``)."""
 
 _RECORDS_SAVEPOINT = b"SAVEPOINT outboxkit_records"
 _RECORDS_ROLLBACK = b"ROLLBACK TO SAVEPOINT outboxkit_records"
@@ -385,10 +391,11 @@ class Flow(Generic[C]):
     # -- the last sync: the records and the commit ------------------------------------------------
 
     def closing(self) -> list[Statement]:
-        """The last pipeline sync: the queued records (each checking that the transaction is
-        still the one outboxkit opened, R17; the last one closing the delivery for the commit
-        guard and taking back the handler's role), the session's settings reset (R18), and
-        the COMMIT (or the release of the savepoint).
+        """The last pipeline sync: the handler's role taken back (R18), then the queued
+        records through ``close_delivery`` (each checking that the transaction is still the
+        one outboxkit opened, R17; the last one resetting the session's settings, R18, which
+        closes the delivery for the commit guard), and the COMMIT (or the release of the
+        savepoint).
 
         A delivery never opened (``must_open`` is false) ends in one statement instead: the
         record inserted only if the token still holds, the row locked meanwhile
@@ -407,21 +414,18 @@ class Flow(Generic[C]):
             return [fenced] if self.frame is TRANSACTION else [fenced, Statement(b"COMMIT")]
         self.check_usable()
         self._phase = _CLOSING
-        insert: bytes = self.dialect.queries["insert_record"]
-        last = len(self.records) - 1
+        close: bytes = self.dialect.queries["close_delivery"]
+        last, utc = len(self.records) - 1, self.dialect.pool.utc
         # The records run prepared (planned once per connection, not per delivery), behind a
         # savepoint: a statement psycopg deallocated under the handler fails only back to it
-        # (``reclosing``), the handler's writes kept.
+        # (``reclosing``), the handler's writes kept. ``utc``: RESET ALL took the session's
+        # zone back to the server's default; the store's own sessions are in UTC
+        # (``Pool.utc``), set again in the same statement, not by the pool's reset in a round
+        # trip of its own when the connection comes back.
         tail: list[Statement] = [
-            Statement(insert, {**params, "last": i == last}, prepare=True)
+            Statement(close, {**params, "last": i == last, "utc": utc}, prepare=True)
             for i, params in enumerate(self.records)
         ]
-        tail.append(Statement(RESET_SESSION))
-        if self.dialect.pool.utc:
-            # RESET ALL took the session's zone back to the server's default: the store's own
-            # sessions are in UTC (``Pool.utc``), set again in this sync, not by the pool's
-            # reset in a round trip of its own when the connection comes back.
-            tail.append(Statement(SET_UTC))
         tail.append(Statement(self.frame.end))
         self._tail = tail
         return [Statement(RESET_ROLE), Statement(_RECORDS_SAVEPOINT), *tail]
@@ -476,8 +480,8 @@ class Flow(Generic[C]):
         if self._phase == _CLOSING:
             if isinstance(exc, pg_errors.UniqueViolation):
                 return StoreError(f"{self.what} already has a delivery record")
-            if isinstance(exc, pg_errors.NotNullViolation) and exc.diag.column_name == "event_id":
-                # insert_record found the delivery's mark gone (R17): the transaction the
+            if isinstance(exc, psycopg.Error) and exc.sqlstate == ENDED_UNDER_HANDLER:
+                # close_delivery found the delivery's mark gone (R17): the transaction the
                 # handler returned in is not the one outboxkit opened.
                 return HandlerCrashed(
                     f"{self.what}: a handler rolled back its delivery transaction (or ended "

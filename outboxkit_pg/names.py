@@ -103,6 +103,7 @@ class Names:
             "dead_index": sql.Identifier(index_name(self.events, "dead")),
             "guard_function": sql.Identifier(self.schema, index_name(self.events, "guard")),
             "guard_trigger": sql.Identifier(index_name(self.events, "guard")),
+            "close_function": sql.Identifier(self.schema, index_name(self.events, "close")),
             "keys": sql.Identifier(self.schema, self.keys),
             "key_index": sql.Identifier(index_name(self.events, "key_order")),
             "dedupe_index": sql.Identifier(index_name(self.events, "dedupe")),

@@ -66,7 +66,7 @@ __all__ = ["MIGRATIONS", "SCHEMA_VERSION", "PostgresStore"]
 
 log = logging.getLogger("outboxkit")
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 """The schema version this code reads and writes."""
 
 MIGRATIONS: tuple[tuple[int, str], ...] = (
@@ -76,6 +76,7 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
     (4, "records without a foreign key (purges delete them), has_history for the claim"),
     (5, "message_id: a random uuid per new event, its identity on a broker"),
     (6, "errors: the error of each failed attempt"),
+    (7, "the delivery's close (R17's check, its record, R18's reset) in one function"),
 )
 """Each version and what it adds; version *n* runs the ``migration_n`` statement."""
 

@@ -752,7 +752,7 @@ def test_an_upgrade_to_version_6_keeps_the_rows_and_starts_each_errors_list_empt
     store = PostgresStore(pg_url, schema=pg_schema)
     try:
         migration = store.migrate()
-        assert (migration.before, migration.after) == (5, 6)
+        assert (migration.before, migration.after) == (5, SCHEMA_VERSION)
         outbox = Outbox(store, bus, clock=clock, max_retries=0, load_entry_points=False)
         event = store.get(dead)
         assert event is not None and event.last_error == "h: RuntimeError: down 1"
