@@ -2,12 +2,13 @@
 
 Enqueues ``--events`` events into a fresh schema (dropped afterwards), then drains them in this
 process with ``Poller.run_once`` under cProfile (one transactional handler doing one ledger
-insert through ``ctx.connection``) and prints the top
+insert through ``ctx.connection``, or with ``--noop`` one that never takes it) and prints the top
 ``--top`` functions by own time (tottime), plus the events/s seen under the profiler.
 
     python bench/profile_hot_path.py
     python bench/profile_hot_path.py --events 5000 --top 25 --sort cumulative
     python bench/profile_hot_path.py --transaction per_batch
+    python bench/profile_hot_path.py --transaction per_batch --noop --events 20000
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--sort", default="tottime", choices=("tottime", "cumulative"))
     parser.add_argument("--transaction", default="per_event", choices=("per_event", "per_batch"))
+    parser.add_argument(
+        "--noop", action="store_true", help="the handler never takes ctx.connection"
+    )
     parser.add_argument("--pg-url", default=pg_url_default())
     args = parser.parse_args()
     with pg_schema(args.pg_url) as schema:
@@ -51,7 +55,8 @@ def main() -> None:
         )
 
         def ledger(event: Event, ctx: Any) -> None:
-            ctx.connection.execute(ledger_sql, (event.id, event.payload["n"]))
+            if not args.noop:
+                ctx.connection.execute(ledger_sql, (event.id, event.payload["n"]))
 
         bus = EventBus()
         bus.subscribe(TOPIC, ledger, name="ledger")

@@ -76,7 +76,7 @@ MIGRATIONS: tuple[tuple[int, str], ...] = (
     (4, "records without a foreign key (purges delete them), has_history for the claim"),
     (5, "message_id: a random uuid per new event, its identity on a broker"),
     (6, "errors: the error of each failed attempt"),
-    (7, "the delivery's close (R17's check, its record, R18's reset) in one function"),
+    (7, "close function: a delivery's R17 check, record and R18 reset in one statement"),
 )
 """Each version and what it adds; version *n* runs the ``migration_n`` statement."""
 
