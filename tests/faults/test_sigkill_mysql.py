@@ -44,7 +44,6 @@ EVERY = 0.5
 MODES = ("per_event", "per_event", "per_batch", "per_batch")
 
 APP = """
-import contextlib
 import os
 
 from outboxkit import EventBus, Outbox, open_store
