@@ -26,6 +26,11 @@ The references (one table of events, one of delivery records, no token, no forei
 - MariaDB/MySQL (``mysql-event``, ``mysql-batch``; ``bench/_mysql.py``): the same shapes, each
   handler writing one row in the delivery's transaction; ``OUTBOXKIT_BENCH_MYSQL_URL``.
 
+``--bare`` adds outboxkit's own statements (its stores' SQL, in its pipeline syncs) sent by a
+plain loop with no poller: for the no-op handler, and for the handler that writes a row
+(``bare-w-*``: per event the delivery transaction's three syncs, per batch its savepoints), the
+ratio the database itself gives the work outboxkit's rules ask of it. No reference either.
+
 ``--ref-handler-us N`` is no reference: the minimal loops' handler then spends N µs of CPU per
 event, which shows how far a poller's own per-event Python moves a ratio. Nor is
 ``--ref-claim-probe``: the PostgreSQL minimal loops then claim as outboxkit does, reaching the
@@ -135,6 +140,13 @@ WRITING = [
     ),
     _writing("kit-w-sqlite-tx", "poller, per_event", "sqlite", "kit", "tx"),
     _writing("kit-w-sqlite-batch", "poller, per_batch", "sqlite", "kit", "batch"),
+    # --bare: outboxkit's own statements for these, sent by a plain loop (no poller): what the
+    # database gives for the work outboxkit's rules ask of it, with the handler's row.
+    _writing("bare-w-tx-1", "outboxkit's statements, per event", "pg", "bare", "tx", 1),
+    _writing("bare-w-tx-2", "outboxkit's statements, per event, 2 procs", "pg", "bare", "tx", 2),
+    _writing("bare-w-batch-1", "outboxkit's statements, per batch", "pg", "bare", "batch", 1),
+    _writing("bare-w-sqlite-tx", "outboxkit's statements, per event", "sqlite", "bare", "tx"),
+    _writing("bare-w-sqlite-batch", "outboxkit's statements, per batch", "sqlite", "bare", "batch"),
 ]
 W_ASYNC = ["kit-w-async-1", "kit-w-async-4", "kit-w-async-16"]
 
@@ -233,11 +245,11 @@ GROUPS: list[list[str]] = [
     ["ref-batch-2", "kit-batch-2", "kit-batch-2p", "bare-batch-2"],
     ["ref-sqlite-tx", "kit-sqlite-tx", "bare-sqlite-tx"],
     ["ref-sqlite-batch", "kit-sqlite-batch", "bare-sqlite-batch"],
-    ["ref-w-tx-1", "kit-w-tx-1", *W_ASYNC],
-    ["ref-w-tx-2", "kit-w-tx-2"],
-    ["ref-w-batch-sp", "ref-w-batch", "kit-w-batch-1"],
-    ["ref-w-sqlite-tx", "kit-w-sqlite-tx"],
-    ["ref-w-sqlite-batch-sp", "ref-w-sqlite-batch", "kit-w-sqlite-batch"],
+    ["ref-w-tx-1", "kit-w-tx-1", *W_ASYNC, "bare-w-tx-1"],
+    ["ref-w-tx-2", "kit-w-tx-2", "bare-w-tx-2"],
+    ["ref-w-batch-sp", "ref-w-batch", "kit-w-batch-1", "bare-w-batch-1"],
+    ["ref-w-sqlite-tx", "kit-w-sqlite-tx", "bare-w-sqlite-tx"],
+    ["ref-w-sqlite-batch-sp", "ref-w-sqlite-batch", "kit-w-sqlite-batch", "bare-w-sqlite-batch"],
     ["ref-mysql-tx", "kit-mysql-tx"],
     ["ref-mysql-batch-sp", "ref-mysql-batch", "kit-mysql-batch"],
 ]
@@ -377,6 +389,40 @@ BARE_WORKLOADS = [
         "SQLite per_batch, bare",
         "ref-sqlite-batch",
         ("bare-sqlite-batch",),
+        None,
+    ),
+    Workload(
+        "bare-w-tx-1", "PG handler writes, 1 poller, bare", "ref-w-tx-1", ("bare-w-tx-1",), None
+    ),
+    Workload(
+        "bare-w-tx-2", "PG handler writes, 2 pollers, bare", "ref-w-tx-2", ("bare-w-tx-2",), None
+    ),
+    Workload(
+        "bare-w-batch-sp",
+        "PG handler writes, per_batch vs savepoint loop, bare",
+        "ref-w-batch-sp",
+        ("bare-w-batch-1",),
+        None,
+    ),
+    Workload(
+        "bare-w-batch",
+        "PG handler writes, per_batch vs loop without savepoints, bare",
+        "ref-w-batch",
+        ("bare-w-batch-1",),
+        None,
+    ),
+    Workload(
+        "bare-w-sqlite-event",
+        "SQLite handler writes, per event, bare",
+        "ref-w-sqlite-tx",
+        ("bare-w-sqlite-tx",),
+        None,
+    ),
+    Workload(
+        "bare-w-sqlite-batch",
+        "SQLite handler writes, per_batch vs loop without savepoints, bare",
+        "ref-w-sqlite-batch",
+        ("bare-w-sqlite-batch",),
         None,
     ),
 ]
@@ -715,6 +761,167 @@ def _bare_worker(job: Job, barrier: Barrier) -> Drained:
     return Drained(started, ended, handled)
 
 
+# The records' savepoint and the delivery's own, as outboxkit_pg.flow sends them (spelled here:
+# the bare loop replays the protocol, it does not import the store's internals).
+PG_RECORDS_SAVEPOINT = b"SAVEPOINT outboxkit_records"
+PG_DELIVERY_SAVEPOINT = b"SAVEPOINT outboxkit_delivery"
+PG_DELIVERY_RELEASE = b"RELEASE SAVEPOINT outboxkit_delivery"
+
+
+def _bare_writing_worker(job: Job, barrier: Barrier) -> Drained:
+    """outboxkit's statements for a handler that writes one row, in outboxkit's pipeline syncs
+    (sent by its own flight sender, ``outboxkit_pg.pipeline.fly``), by a plain loop: the
+    claim; per event ``BEGIN`` with the token check and row lock (``lock_for_delivery``, the
+    commit guard's touch), the handler's ``INSERT`` (a sync of its own, through psycopg, as a
+    handler sends it), then ``RESET ROLE``, the records' savepoint, ``close_delivery`` (R17's
+    check, the record, R18's reset) and ``COMMIT``; the round's settlement. ``per_batch``
+    (``batch``): one transaction, the guard's touch once, per event the savepoint with
+    ``lock_in_batch``, the ``INSERT``, then the closing with the savepoint's release; the
+    settlement and ``COMMIT`` together. No poller, no dispatch, no reports: what the
+    database gives for the work outboxkit's rules ask of it."""
+    import psycopg
+
+    from outboxkit_pg import PostgresStore
+    from outboxkit_pg.flow import RESET_ROLE, Statement
+    from outboxkit_pg.pipeline import fly
+
+    c = job.contender
+    store = PostgresStore(job.target, schema=job.schema, notify=False)
+    q = store.dialect.queries
+    _, claim_params = store.statements.claim_query(
+        c.batch_size, datetime.timedelta(seconds=30), None, "release"
+    )
+    batched = c.mode == "batch"
+    handled = 0
+
+    def closing(event_id: int, attempt: int) -> list[Statement]:
+        record = {
+            "event_id": event_id,
+            "handler": HANDLER,
+            "outcome": "succeeded",
+            "attempt": attempt,
+            "now": None,
+            "reason": None,
+            "last": True,
+            "utc": True,
+        }
+        return [
+            Statement(RESET_ROLE),
+            Statement(PG_RECORDS_SAVEPOINT),
+            Statement(q["close_delivery"], record, prepare=True),
+            Statement(PG_DELIVERY_RELEASE if batched else b"COMMIT"),
+        ]
+
+    with psycopg.connect(job.target, autocommit=True) as conn:
+        conn.execute(b"SET TimeZone TO 'UTC'")
+        app_row = _pg(PG_APP_ROW, job.schema).as_bytes(conn)
+        barrier.wait()
+        started = time.monotonic()
+        while True:
+            rows = conn.execute(q["claim"], claim_params).fetchall()
+            if not rows:
+                break
+            for n, row in enumerate(rows):
+                event_id, attempt, token = row[0], row[7], row[TOKEN]
+                noop(event_id, json.loads(row[2]))
+                lock = {"id": event_id, "token": token, "mark": not batched}
+                opening = [Statement(b"BEGIN")] if not batched or n == 0 else []
+                if batched:  # the guard's touch once, then the delivery's savepoint and lock
+                    if n == 0:
+                        opening.append(Statement(q["lock_for_delivery"], lock, prepare=True))
+                    opening.append(Statement(PG_DELIVERY_SAVEPOINT))
+                    opening.append(Statement(q["lock_in_batch"], lock, prepare=True))
+                else:
+                    opening.append(Statement(q["lock_for_delivery"], lock, prepare=True))
+                if not fly(conn, opening)[-1].rows:
+                    raise RuntimeError(f"event {event_id}: stale token in the bare loop")
+                conn.execute(app_row, (event_id,))  # the handler's row
+                fly(conn, closing(event_id, attempt))
+            settle = {
+                "now": None,
+                "ids": [row[0] for row in rows],
+                "tokens": [row[TOKEN] for row in rows],
+            }
+            with conn.pipeline():  # the settlement's arrays go through psycopg
+                conn.execute(q["publish_many"], settle)
+                if batched:
+                    conn.execute(b"COMMIT")
+            handled += len(rows)
+        ended = _end(job)
+    store.close()
+    return Drained(started, ended, handled)
+
+
+def _bare_writing_sqlite_worker(job: Job, barrier: Barrier) -> Drained:
+    """The SQLite store's statements for a handler that writes one row, sent by a plain loop at
+    the store's settings: the claim in a transaction of its own (the attempt counts); per event
+    ``BEGIN IMMEDIATE``, the token check (``owned``), the handler's ``INSERT``, the record
+    (``insert_record``), ``COMMIT``, and the round's settlement in a transaction of its own;
+    ``per_batch`` (``batch``): one transaction, the batch's tokens checked at once
+    (``lock_claimed``), per event a savepoint around the handler's ``INSERT``, then the kept
+    records together (``insert_records_fenced``), the settlement and ``COMMIT``."""
+    from outboxkit_sqlite import SQLiteStore
+
+    c = job.contender
+    store = SQLiteStore(job.target, migrate=False)
+    q = store.dialect.queries
+    conn = _sqlite_connect(job.target)
+    handled = 0
+    barrier.wait()
+    started = time.monotonic()
+    while True:
+        now = int(time.time() * 1_000_000)
+        claim = {"now": now, "lease": 30_000_000, "batch_size": c.batch_size, "hold": True}
+        conn.execute("BEGIN IMMEDIATE")
+        rows = conn.execute(q["claim"], claim).fetchall()
+        conn.execute("COMMIT")
+        if not rows:
+            break
+        ids = json.dumps([row[0] for row in rows])
+        tokens = json.dumps([row[TOKEN] for row in rows])
+        kept: list[tuple[Any, ...]] = []
+        if c.mode == "batch":
+            conn.execute("BEGIN IMMEDIATE")
+            conn.execute(q["lock_claimed"], {"ids": ids, "tokens": tokens}).fetchall()
+        for row in rows:
+            event_id, attempt, token = row[0], row[7], row[TOKEN]
+            noop(event_id, row[1], json.loads(row[2]))
+            now = int(time.time() * 1_000_000)
+            if c.mode == "batch":
+                conn.execute("SAVEPOINT outboxkit_delivery")
+                conn.execute(SQLITE_APP_ROW, (event_id, time.time()))
+                conn.execute("RELEASE outboxkit_delivery")
+                kept.append((event_id, token, HANDLER, "succeeded", attempt, now, None))
+                continue
+            conn.execute("BEGIN IMMEDIATE")
+            owned = conn.execute(q["owned"], {"id": event_id, "token": token}).fetchone()
+            if owned is None:
+                raise RuntimeError(f"event {event_id}: stale token in the bare loop")
+            conn.execute(SQLITE_APP_ROW, (event_id, time.time()))
+            record = {
+                "event_id": event_id,
+                "handler": HANDLER,
+                "outcome": "succeeded",
+                "attempt": attempt,
+                "now": now,
+                "reason": None,
+            }
+            conn.execute(q["insert_record"], record)
+            conn.execute("COMMIT")
+        if kept:
+            conn.execute(q["insert_records_fenced"], {"items": json.dumps(kept)})
+        else:
+            conn.execute("BEGIN IMMEDIATE")
+        settle = {"now": int(time.time() * 1_000_000), "ids": ids, "tokens": tokens}
+        conn.execute(q["publish_many"], settle).fetchall()
+        conn.execute("COMMIT")
+        handled += len(rows)
+    ended = _end(job)
+    conn.close()
+    store.close()
+    return Drained(started, ended, handled)
+
+
 def _bare_sqlite_worker(job: Job, barrier: Barrier) -> Drained:
     """The SQLite store's own statements, sent by a plain loop at the store's settings: the
     claim under BEGIN IMMEDIATE; per event, each record in one autocommitted statement that
@@ -982,7 +1189,10 @@ def _worker(job: Job, barrier: Barrier, results: Any) -> None:
     elif c.kind == "async":
         run = _kit_async_worker
     elif c.kind == "bare":
-        run = _bare_worker if c.backend == "pg" else _bare_sqlite_worker
+        if c.writes:
+            run = _bare_writing_worker if c.backend == "pg" else _bare_writing_sqlite_worker
+        else:
+            run = _bare_worker if c.backend == "pg" else _bare_sqlite_worker
     else:
         run = _kit_worker
     try:
@@ -1112,7 +1322,8 @@ def pg_worker(contender: Contender) -> Callable[[Job, Barrier], Drained]:
     """The worker that drains for a PostgreSQL contender of the minimal loop, outboxkit's
     statements or outboxkit's blocking poller (in this process, for ``--statements`` and
     ``cpu_split.py``)."""
-    return {"ref": _pg_ref_worker, "bare": _bare_worker}.get(contender.kind, _kit_worker)
+    bare = _bare_writing_worker if contender.writes else _bare_worker
+    return {"ref": _pg_ref_worker, "bare": bare}.get(contender.kind, _kit_worker)
 
 
 def run_pg(contender: Contender, url: str, events: int) -> Outcome:
@@ -1420,9 +1631,11 @@ def count_statements(url: str, events: int) -> dict[str, dict[str, float]]:
         "bare-batch-1",
         "ref-w-tx-1",
         "kit-w-tx-1",
+        "bare-w-tx-1",
         "ref-w-batch-sp",
         "ref-w-batch",
         "kit-w-batch-1",
+        "bare-w-batch-1",
     ):
         contender = CONTENDERS[name]
         with pg_schema(url, "outboxkit_compare") as schema:
@@ -1512,7 +1725,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--bare",
         action="store_true",
-        help="add the bare database replaying outboxkit's PG statements (no outboxkit logic)",
+        help="add outboxkit's own statements replayed by a plain loop (no poller), PG and SQLite,"
+        " with a no-op handler and with one that writes a row",
     )
     parser.add_argument(
         "--statements", action="store_true", help="only count statements per event (PG)"

@@ -35,6 +35,8 @@ PG_CONTENDERS = [
     "ref-w-batch",
     "kit-w-batch-1",
     "kit-w-async-4",
+    "bare-w-tx-1",
+    "bare-w-batch-1",
 ]
 SQLITE_CONTENDERS = [
     "ref-sqlite-tx",
@@ -46,6 +48,10 @@ SQLITE_CONTENDERS = [
     "ref-w-sqlite-batch-sp",
     "ref-w-sqlite-batch",
     "kit-w-sqlite-batch",
+    "bare-sqlite-tx",
+    "bare-sqlite-batch",
+    "bare-w-sqlite-tx",
+    "bare-w-sqlite-batch",
 ]
 
 
