@@ -373,58 +373,41 @@ WORKLOADS = [
 ]
 # --bare: what the database itself gives for outboxkit's statements, against the same references.
 BARE_WORKLOADS = [
-    Workload("bare-tx-1", "PG transactional, 1 poller, bare", "ref-tx-1", ("bare-tx-1",), None),
-    Workload("bare-tx-2", "PG transactional, 2 pollers, bare", "ref-tx-2", ("bare-tx-2",), None),
-    Workload(
-        "bare-batch-1", "PG per_batch, 1 poller, bare", "ref-batch-1", ("bare-batch-1",), None
-    ),
-    Workload(
-        "bare-batch-2", "PG per_batch, 2 pollers, bare", "ref-batch-2", ("bare-batch-2",), None
-    ),
-    Workload(
-        "bare-sqlite-event", "SQLite per event, bare", "ref-sqlite-tx", ("bare-sqlite-tx",), None
-    ),
-    Workload(
-        "bare-sqlite-batch",
-        "SQLite per_batch, bare",
-        "ref-sqlite-batch",
-        ("bare-sqlite-batch",),
-        None,
-    ),
-    Workload(
-        "bare-w-tx-1", "PG handler writes, 1 poller, bare", "ref-w-tx-1", ("bare-w-tx-1",), None
-    ),
-    Workload(
-        "bare-w-tx-2", "PG handler writes, 2 pollers, bare", "ref-w-tx-2", ("bare-w-tx-2",), None
-    ),
-    Workload(
-        "bare-w-batch-sp",
-        "PG handler writes, per_batch vs savepoint loop, bare",
-        "ref-w-batch-sp",
-        ("bare-w-batch-1",),
-        None,
-    ),
-    Workload(
-        "bare-w-batch",
-        "PG handler writes, per_batch vs loop without savepoints, bare",
-        "ref-w-batch",
-        ("bare-w-batch-1",),
-        None,
-    ),
-    Workload(
-        "bare-w-sqlite-event",
-        "SQLite handler writes, per event, bare",
-        "ref-w-sqlite-tx",
-        ("bare-w-sqlite-tx",),
-        None,
-    ),
-    Workload(
-        "bare-w-sqlite-batch",
-        "SQLite handler writes, per_batch vs loop without savepoints, bare",
-        "ref-w-sqlite-batch",
-        ("bare-w-sqlite-batch",),
-        None,
-    ),
+    Workload(name, label, reference, (contender,), None)
+    for name, label, reference, contender in [
+        ("bare-tx-1", "PG transactional, 1 poller, bare", "ref-tx-1", "bare-tx-1"),
+        ("bare-tx-2", "PG transactional, 2 pollers, bare", "ref-tx-2", "bare-tx-2"),
+        ("bare-batch-1", "PG per_batch, 1 poller, bare", "ref-batch-1", "bare-batch-1"),
+        ("bare-batch-2", "PG per_batch, 2 pollers, bare", "ref-batch-2", "bare-batch-2"),
+        ("bare-sqlite-event", "SQLite per event, bare", "ref-sqlite-tx", "bare-sqlite-tx"),
+        ("bare-sqlite-batch", "SQLite per_batch, bare", "ref-sqlite-batch", "bare-sqlite-batch"),
+        ("bare-w-tx-1", "PG handler writes, 1 poller, bare", "ref-w-tx-1", "bare-w-tx-1"),
+        ("bare-w-tx-2", "PG handler writes, 2 pollers, bare", "ref-w-tx-2", "bare-w-tx-2"),
+        (
+            "bare-w-batch-sp",
+            "PG handler writes, per_batch vs savepoint loop, bare",
+            "ref-w-batch-sp",
+            "bare-w-batch-1",
+        ),
+        (
+            "bare-w-batch",
+            "PG handler writes, per_batch vs loop without savepoints, bare",
+            "ref-w-batch",
+            "bare-w-batch-1",
+        ),
+        (
+            "bare-w-sqlite-event",
+            "SQLite handler writes, per event, bare",
+            "ref-w-sqlite-tx",
+            "bare-w-sqlite-tx",
+        ),
+        (
+            "bare-w-sqlite-batch",
+            "SQLite handler writes, per_batch vs loop without savepoints, bare",
+            "ref-w-sqlite-batch",
+            "bare-w-sqlite-batch",
+        ),
+    ]
 ]
 WORKLOAD_NAMES = [w.name for w in WORKLOADS + BARE_WORKLOADS]
 
@@ -696,7 +679,8 @@ def _sqlite_ref_worker(job: Job, barrier: Barrier) -> Drained:
 
 
 def _fenced_record(event_id: int, token: Any, attempt: int, now: Any) -> dict[str, Any]:
-    """``insert_record_fenced``'s parameters for the no-op handler's success."""
+    """``insert_record_fenced``'s parameters for a success (``insert_record`` reads the same,
+    all but the token)."""
     return {
         "event_id": event_id,
         "token": token,
@@ -708,27 +692,35 @@ def _fenced_record(event_id: int, token: Any, attempt: int, now: Any) -> dict[st
     }
 
 
+def _pg_bare_store(job: Job) -> tuple[Any, Any, Any]:
+    """A bare PostgreSQL loop's store (for its statements), their texts, the claim's values."""
+    from outboxkit_pg import PostgresStore
+
+    store = PostgresStore(job.target, schema=job.schema, notify=False)
+    _, claim_params = store.statements.claim_query(
+        job.contender.batch_size, datetime.timedelta(seconds=30), None, "release"
+    )
+    return store, store.dialect.queries, claim_params
+
+
+def _pg_claims(conn: Any, claim: Any, params: Any) -> Iterator[list[Any]]:
+    """The claimed batches, one after another, until a claim finds none."""
+    while rows := conn.execute(claim, params).fetchall():
+        yield rows
+
+
 def _bare_worker(job: Job, barrier: Barrier) -> Drained:
     """outboxkit's own statements (its store's SQL, its pipeline syncs), sent by a plain loop:
     no poller, no handler dispatch, no observers - what the database gives for its work."""
     import psycopg
 
-    from outboxkit_pg import PostgresStore
-
     c = job.contender
-    store = PostgresStore(job.target, schema=job.schema, notify=False)
-    q = store.dialect.queries
-    _, claim_params = store.statements.claim_query(
-        c.batch_size, datetime.timedelta(seconds=30), None, "release"
-    )
+    store, q, claim_params = _pg_bare_store(job)
     handled = 0
     with psycopg.connect(job.target, autocommit=True) as conn:
         barrier.wait()
         started = time.monotonic()
-        while True:
-            rows = conn.execute(q["claim"], claim_params).fetchall()
-            if not rows:
-                break
+        for rows in _pg_claims(conn, q["claim"], claim_params):
             batched = c.mode == "batch"
             kept: list[tuple[Any, ...]] = []
             for row in rows:
@@ -781,17 +773,11 @@ def _bare_writing_worker(job: Job, barrier: Barrier) -> Drained:
     database gives for the work outboxkit's rules ask of it."""
     import psycopg
 
-    from outboxkit_pg import PostgresStore
     from outboxkit_pg.flow import RESET_ROLE, Statement
     from outboxkit_pg.pipeline import fly
 
-    c = job.contender
-    store = PostgresStore(job.target, schema=job.schema, notify=False)
-    q = store.dialect.queries
-    _, claim_params = store.statements.claim_query(
-        c.batch_size, datetime.timedelta(seconds=30), None, "release"
-    )
-    batched = c.mode == "batch"
+    store, q, claim_params = _pg_bare_store(job)
+    batched = job.contender.mode == "batch"
     handled = 0
 
     def closing(event_id: int, attempt: int) -> list[Statement]:
@@ -817,10 +803,7 @@ def _bare_writing_worker(job: Job, barrier: Barrier) -> Drained:
         app_row = _pg(PG_APP_ROW, job.schema).as_bytes(conn)
         barrier.wait()
         started = time.monotonic()
-        while True:
-            rows = conn.execute(q["claim"], claim_params).fetchall()
-            if not rows:
-                break
+        for rows in _pg_claims(conn, q["claim"], claim_params):
             for n, row in enumerate(rows):
                 event_id, attempt, token = row[0], row[7], row[TOKEN]
                 noop(event_id, json.loads(row[2]))
@@ -852,118 +835,77 @@ def _bare_writing_worker(job: Job, barrier: Barrier) -> Drained:
     return Drained(started, ended, handled)
 
 
-def _bare_writing_sqlite_worker(job: Job, barrier: Barrier) -> Drained:
-    """The SQLite store's statements for a handler that writes one row, sent by a plain loop at
-    the store's settings: the claim in a transaction of its own (the attempt counts); per event
-    ``BEGIN IMMEDIATE``, the token check (``owned``), the handler's ``INSERT``, the record
-    (``insert_record``), ``COMMIT``, and the round's settlement in a transaction of its own;
-    ``per_batch`` (``batch``): one transaction, the batch's tokens checked at once
-    (``lock_claimed``), per event a savepoint around the handler's ``INSERT``, then the kept
-    records together (``insert_records_fenced``), the settlement and ``COMMIT``."""
+def _sqlite_bare_claim(
+    conn: sqlite3.Connection, q: Any, batch_size: int, *, commit: bool
+) -> tuple[int, list[Any]]:
+    """The SQLite store's claim under ``BEGIN IMMEDIATE``: its instant and rows, committed
+    unless ``commit`` is false and it claimed some (the batch goes on in its transaction)."""
+    now = int(time.time() * 1_000_000)
+    claim = {"now": now, "lease": 30_000_000, "batch_size": batch_size, "hold": True}
+    conn.execute("BEGIN IMMEDIATE")
+    rows = conn.execute(q["claim"], claim).fetchall()
+    if commit or not rows:
+        conn.execute("COMMIT")
+    return now, rows
+
+
+def _bare_sqlite_worker(job: Job, barrier: Barrier) -> Drained:
+    """The SQLite store's own statements, sent by a plain loop at the store's settings: the
+    claim under ``BEGIN IMMEDIATE``; with the no-op handler, per event each record in one
+    autocommitted statement that checks the token (``insert_record_fenced``), per batch the
+    records together (``insert_records_fenced``) and the settlement in the claim's transaction.
+    With the handler that writes a row (``writes``), the claim committed on its own (the
+    attempt counts), then per event ``BEGIN IMMEDIATE``, the token check (``owned``), the
+    handler's ``INSERT``, the record (``insert_record``) and ``COMMIT``; per batch one
+    transaction: the batch's tokens checked at once (``lock_claimed``), a savepoint around
+    each handler's ``INSERT``, the kept records together; then the round's settlement."""
     from outboxkit_sqlite import SQLiteStore
 
     c = job.contender
     store = SQLiteStore(job.target, migrate=False)
     q = store.dialect.queries
     conn = _sqlite_connect(job.target)
+    batched = c.mode == "batch"
     handled = 0
     barrier.wait()
     started = time.monotonic()
     while True:
-        now = int(time.time() * 1_000_000)
-        claim = {"now": now, "lease": 30_000_000, "batch_size": c.batch_size, "hold": True}
-        conn.execute("BEGIN IMMEDIATE")
-        rows = conn.execute(q["claim"], claim).fetchall()
-        conn.execute("COMMIT")
+        claimed_at, rows = _sqlite_bare_claim(conn, q, c.batch_size, commit=c.writes or not batched)
         if not rows:
             break
         ids = json.dumps([row[0] for row in rows])
         tokens = json.dumps([row[TOKEN] for row in rows])
         kept: list[tuple[Any, ...]] = []
-        if c.mode == "batch":
+        if c.writes and batched:
             conn.execute("BEGIN IMMEDIATE")
             conn.execute(q["lock_claimed"], {"ids": ids, "tokens": tokens}).fetchall()
         for row in rows:
             event_id, attempt, token = row[0], row[7], row[TOKEN]
             noop(event_id, row[1], json.loads(row[2]))
-            now = int(time.time() * 1_000_000)
-            if c.mode == "batch":
-                conn.execute("SAVEPOINT outboxkit_delivery")
-                conn.execute(SQLITE_APP_ROW, (event_id, time.time()))
-                conn.execute("RELEASE outboxkit_delivery")
+            now = claimed_at if batched and not c.writes else int(time.time() * 1_000_000)
+            if batched:
+                if c.writes:  # a savepoint: a failing handler undoes only its own row
+                    conn.execute("SAVEPOINT outboxkit_delivery")
+                    conn.execute(SQLITE_APP_ROW, (event_id, time.time()))
+                    conn.execute("RELEASE outboxkit_delivery")
                 kept.append((event_id, token, HANDLER, "succeeded", attempt, now, None))
-                continue
-            conn.execute("BEGIN IMMEDIATE")
-            owned = conn.execute(q["owned"], {"id": event_id, "token": token}).fetchone()
-            if owned is None:
-                raise RuntimeError(f"event {event_id}: stale token in the bare loop")
-            conn.execute(SQLITE_APP_ROW, (event_id, time.time()))
-            record = {
-                "event_id": event_id,
-                "handler": HANDLER,
-                "outcome": "succeeded",
-                "attempt": attempt,
-                "now": now,
-                "reason": None,
-            }
-            conn.execute(q["insert_record"], record)
-            conn.execute("COMMIT")
+            elif c.writes:
+                conn.execute("BEGIN IMMEDIATE")
+                owned = conn.execute(q["owned"], {"id": event_id, "token": token}).fetchone()
+                if owned is None:
+                    raise RuntimeError(f"event {event_id}: stale token in the bare loop")
+                conn.execute(SQLITE_APP_ROW, (event_id, time.time()))
+                conn.execute(q["insert_record"], _fenced_record(event_id, token, attempt, now))
+                conn.execute("COMMIT")
+            else:
+                conn.execute(
+                    q["insert_record_fenced"], _fenced_record(event_id, token, attempt, now)
+                )
         if kept:
             conn.execute(q["insert_records_fenced"], {"items": json.dumps(kept)})
         else:
             conn.execute("BEGIN IMMEDIATE")
         settle = {"now": int(time.time() * 1_000_000), "ids": ids, "tokens": tokens}
-        conn.execute(q["publish_many"], settle).fetchall()
-        conn.execute("COMMIT")
-        handled += len(rows)
-    ended = _end(job)
-    conn.close()
-    store.close()
-    return Drained(started, ended, handled)
-
-
-def _bare_sqlite_worker(job: Job, barrier: Barrier) -> Drained:
-    """The SQLite store's own statements, sent by a plain loop at the store's settings: the
-    claim under BEGIN IMMEDIATE; per event, each record in one autocommitted statement that
-    checks the token (insert_record_fenced); per batch, the records together
-    (insert_records_fenced) and the settlement in the claim's transaction."""
-    from outboxkit_sqlite import SQLiteStore
-
-    c = job.contender
-    store = SQLiteStore(job.target, migrate=False)
-    q = store.dialect.queries
-    conn = _sqlite_connect(job.target)
-    handled = 0
-    barrier.wait()
-    started = time.monotonic()
-    while True:
-        now = int(time.time() * 1_000_000)
-        claim = {"now": now, "lease": 30_000_000, "batch_size": c.batch_size, "hold": True}
-        conn.execute("BEGIN IMMEDIATE")
-        rows = conn.execute(q["claim"], claim).fetchall()
-        if not rows:
-            conn.execute("COMMIT")
-            break
-        kept: list[tuple[Any, ...]] = []
-        if c.mode != "batch":
-            conn.execute("COMMIT")
-        for row in rows:
-            event_id, attempt, token = row[0], row[7], row[TOKEN]
-            noop(event_id, row[1], json.loads(row[2]))
-            if c.mode == "batch":
-                kept.append((event_id, token, HANDLER, "succeeded", attempt, now, None))
-            else:
-                record = _fenced_record(event_id, token, attempt, int(time.time() * 1_000_000))
-                conn.execute(q["insert_record_fenced"], record)
-        if kept:
-            conn.execute(q["insert_records_fenced"], {"items": json.dumps(kept)})
-        else:
-            conn.execute("BEGIN IMMEDIATE")
-        settle = {
-            "now": int(time.time() * 1_000_000),
-            "ids": json.dumps([row[0] for row in rows]),
-            "tokens": json.dumps([row[TOKEN] for row in rows]),
-        }
         conn.execute(q["publish_many"], settle).fetchall()
         conn.execute("COMMIT")
         handled += len(rows)
@@ -1189,10 +1131,7 @@ def _worker(job: Job, barrier: Barrier, results: Any) -> None:
     elif c.kind == "async":
         run = _kit_async_worker
     elif c.kind == "bare":
-        if c.writes:
-            run = _bare_writing_worker if c.backend == "pg" else _bare_writing_sqlite_worker
-        else:
-            run = _bare_worker if c.backend == "pg" else _bare_sqlite_worker
+        run = pg_worker(c) if c.backend == "pg" else _bare_sqlite_worker
     else:
         run = _kit_worker
     try:
