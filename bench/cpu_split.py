@@ -61,9 +61,11 @@ DRAINS = {
 
 WRITING_DRAINS = {
     "loop, tx per event": "ref-w-tx-1",
+    "statements, per event": "bare-w-tx-1",
     "poller, per_event": "kit-w-tx-1",
     "loop, savepoints": "ref-w-batch-sp",
     "loop, no savepoints": "ref-w-batch",
+    "statements, per batch": "bare-w-batch-1",
     "poller, per_batch": "kit-w-batch-1",
 }
 """With ``--writes``: the handler writes one row through its connection (``compare.py``'s

@@ -159,7 +159,8 @@ def test_sqlite_statements_drains_every_event_on_both_sides(compare, tmp_path):
 @pytest.mark.pg
 def test_cpu_split_drains_every_event_with_each_drain(compare):
     """``bench/cpu_split.py``: the minimal loop, outboxkit's statements and the poller (with
-    and without prefetch) each drain every event (each drain checks it), measured."""
+    and without prefetch; and ``--writes``' drains, a handler writing a row) each drain every
+    event (each drain checks it), measured."""
     from tests.integration.pg import conftest as pg
 
     url = pg.test_url(pg.pg_url_from_env())
@@ -170,11 +171,12 @@ def test_cpu_split_drains_every_event_with_each_drain(compare):
     finally:
         sys.path.remove(str(BENCH))
         sys.modules.pop("cpu_split", None)
-    splits = cpu_split.run(url, EVENTS, 1)  # each drain asserts it drained every event
-    assert list(splits) == list(cpu_split.DRAINS)
-    for got in splits.values():
-        ((client, _server, wall),) = got  # the server's share is 0 for a server elsewhere
-        assert client > 0 and wall > 0
+    for drains in (cpu_split.DRAINS, cpu_split.WRITING_DRAINS):
+        splits = cpu_split.run(url, EVENTS, 1, drains)  # each drain checks every event
+        assert list(splits) == list(drains)
+        for got in splits.values():
+            ((client, _server, wall),) = got  # the server's share is 0 for a server elsewhere
+            assert client > 0 and wall > 0
 
 
 def test_the_readme_header_names_the_command_that_gave_the_figures(compare):
