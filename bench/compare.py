@@ -753,11 +753,9 @@ def _bare_worker(job: Job, barrier: Barrier) -> Drained:
     return Drained(started, ended, handled)
 
 
-# The records' savepoint and the delivery's own, as outboxkit_pg.flow sends them (spelled here:
-# the bare loop replays the protocol, it does not import the store's internals).
+# The savepoint a delivery's records are written behind, as outboxkit_pg.flow sends it (a name
+# private to flow: spelled here, for the bare loops of this script and pg_delivery_cost.py).
 PG_RECORDS_SAVEPOINT = b"SAVEPOINT outboxkit_records"
-PG_DELIVERY_SAVEPOINT = b"SAVEPOINT outboxkit_delivery"
-PG_DELIVERY_RELEASE = b"RELEASE SAVEPOINT outboxkit_delivery"
 
 
 def _bare_writing_worker(job: Job, barrier: Barrier) -> Drained:
@@ -773,8 +771,9 @@ def _bare_writing_worker(job: Job, barrier: Barrier) -> Drained:
     database gives for the work outboxkit's rules ask of it."""
     import psycopg
 
-    from outboxkit_pg.flow import RESET_ROLE, Statement
+    from outboxkit_pg.flow import RESET_ROLE, SAVEPOINT, TRANSACTION, Statement
     from outboxkit_pg.pipeline import fly
+    from outboxkit_pg.pool import SET_UTC
 
     store, q, claim_params = _pg_bare_store(job)
     batched = job.contender.mode == "batch"
@@ -795,11 +794,11 @@ def _bare_writing_worker(job: Job, barrier: Barrier) -> Drained:
             Statement(RESET_ROLE),
             Statement(PG_RECORDS_SAVEPOINT),
             Statement(q["close_delivery"], record, prepare=True),
-            Statement(PG_DELIVERY_RELEASE if batched else b"COMMIT"),
+            Statement(SAVEPOINT.end if batched else TRANSACTION.end),
         ]
 
     with psycopg.connect(job.target, autocommit=True) as conn:
-        conn.execute(b"SET TimeZone TO 'UTC'")
+        conn.execute(SET_UTC)
         app_row = _pg(PG_APP_ROW, job.schema).as_bytes(conn)
         barrier.wait()
         started = time.monotonic()
@@ -808,11 +807,11 @@ def _bare_writing_worker(job: Job, barrier: Barrier) -> Drained:
                 event_id, attempt, token = row[0], row[7], row[TOKEN]
                 noop(event_id, json.loads(row[2]))
                 lock = {"id": event_id, "token": token, "mark": not batched}
-                opening = [Statement(b"BEGIN")] if not batched or n == 0 else []
+                opening = [Statement(TRANSACTION.begin)] if not batched or n == 0 else []
                 if batched:  # the guard's touch once, then the delivery's savepoint and lock
                     if n == 0:
                         opening.append(Statement(q["lock_for_delivery"], lock, prepare=True))
-                    opening.append(Statement(PG_DELIVERY_SAVEPOINT))
+                    opening.append(Statement(SAVEPOINT.begin))
                     opening.append(Statement(q["lock_in_batch"], lock, prepare=True))
                 else:
                     opening.append(Statement(q["lock_for_delivery"], lock, prepare=True))
@@ -828,7 +827,7 @@ def _bare_writing_worker(job: Job, barrier: Barrier) -> Drained:
             with conn.pipeline():  # the settlement's arrays go through psycopg
                 conn.execute(q["publish_many"], settle)
                 if batched:
-                    conn.execute(b"COMMIT")
+                    conn.execute(TRANSACTION.end)
             handled += len(rows)
         ended = _end(job)
     store.close()

@@ -42,7 +42,7 @@ from typing import Any
 
 import psycopg
 from _common import pg_schema, pg_url_default
-from compare import PG_APP_DDL, PG_APP_ROW, PG_REF_DDL, PG_REF_RECORD, _pg
+from compare import PG_APP_DDL, PG_APP_ROW, PG_RECORDS_SAVEPOINT, PG_REF_DDL, PG_REF_RECORD, _pg
 from psycopg import sql
 
 from outboxkit_pg import PostgresStore
@@ -67,7 +67,7 @@ def variants(store: PostgresStore, schema: str) -> dict[str, list[Flight]]:
     lock = queries["lock_for_delivery"]
     select_lock = queries["lock_in_batch"]  # the same check and lock, without the new version
     close = queries["close_delivery"]
-    savepoint: Flight = [(b"SAVEPOINT outboxkit_records", "")]
+    savepoint: Flight = [(PG_RECORDS_SAVEPOINT, "")]
 
     def kit(lock_by: Any, *, records_savepoint: bool = True, prepared: bool = True) -> list[Flight]:
         closing: Flight = [
