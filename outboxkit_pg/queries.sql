@@ -110,8 +110,9 @@ CREATE TABLE {deliveries} (
 -- transaction-local setting outboxkit.open_delivery) and touches the event row, which queues
 -- this deferred trigger; close_delivery (migration_7) clears the mark. At COMMIT the trigger
 -- refuses to commit while a delivery is open, so the handler's COMMIT fails and everything in
--- the transaction is rolled back. A savepoint rolled back takes its mark and its queued trigger with it. The WHEN
--- clause picks the touch (token and lease unchanged) out of every other update of the table.
+-- the transaction is rolled back. A savepoint rolled back takes its mark and its queued trigger
+-- with it. The WHEN clause picks the touch (token and lease unchanged) out of every other
+-- update of the table.
 CREATE FUNCTION {guard_function}() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
     IF coalesce(current_setting('outboxkit.open_delivery', true), '') <> '' THEN
